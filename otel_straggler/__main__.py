@@ -1,0 +1,5 @@
+import sys
+
+from otel_straggler.cli import main
+
+sys.exit(main())

@@ -1,0 +1,69 @@
+"""Wire contract v1: every attribute, metric and verdict name shared by the rank side,
+the detector and the backends. Outside dashboards and alert rules depend on these strings:
+add names, never rename them."""
+
+# §1 resource attributes
+SERVICE_NAME = "service.name"
+JOB_ID = "training.job.id"
+RANK = "training.rank"
+WORLD_SIZE = "training.world_size"
+LOCAL_RANK = "training.local_rank"
+HOST_NAME = "host.name"
+COHORT = "training.cohort"
+TOPOLOGY_EPOCH = "training.topology.epoch"
+PARALLEL_DIMS = ("tp", "pp", "cp", "ep", "dp", "vpp")
+
+
+def parallel_rank_key(dim: str) -> str:
+    return f"training.parallel.{dim}.rank"
+
+
+def parallel_size_key(dim: str) -> str:
+    return f"training.parallel.{dim}.size"
+
+
+# §2 stage spans
+STEP_SPAN_NAME = "train.step"
+STAGE = "training.stage"
+STAGE_GROUP = "training.stage.group"
+STEP = "training.step"
+SEQ = "training.seq"
+TIMING = "training.stage.timing"
+DEVICE_DURATION_MS = "training.stage.device_duration_ms"
+TIMING_REASON = "training.stage.timing_reason"
+COLLECTIVE = "training.stage.collective"
+WORKLOAD_TOKENS = "training.workload.tokens"
+WORKLOAD_SAMPLES = "training.workload.samples"
+
+TIMING_DEVICE = "device"
+TIMING_HOST_ONLY = "host_only"
+TIMING_DEVICE_UNAVAILABLE = "device_unavailable"
+
+STAGE_GROUPS = ("forward", "backward", "optimizer", "communication", "data", "eval", "setup", "other")
+
+# §3a verdicts
+VERDICT_STRAGGLER = "straggler"
+VERDICT_RECOVERED = "recovered"
+VERDICT_UNCERTAIN = "uncertain"
+VERDICT_SILENT = "silent"
+WHOLE_STEP_STAGE = "*"
+
+VERDICT_FIELDS = (
+    "time_unix_nano", "job_id", "cohort", "stage", "rank", "window", "verdict", "reason",
+    "slowdown", "gap_ms", "rank_ms", "reference_ms", "reference_ranks", "timing",
+    "attribution", "workload_comparable",
+)
+
+ATTRIBUTION_GPU = "gpu_stream_stall"
+ATTRIBUTION_HOST = "host_only_stall"
+ATTRIBUTION_WAITING = "waiting_on_peer"
+ATTRIBUTION_UNKNOWN = "attribution_unknown"
+
+# §3b metrics
+METRIC_RANK_SLOWDOWN = "straggler.rank.slowdown"
+METRIC_ALERT_ACTIVE = "straggler.alert.active"
+METRIC_VERDICTS = "straggler.verdicts"
+METRIC_DETECTOR_SPANS = "straggler.detector.spans"
+
+# §3c events
+VERDICT_EVENT_NAME = "straggler.verdict"

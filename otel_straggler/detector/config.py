@@ -1,0 +1,168 @@
+"""Every detector setting in one table: default, bounds, env var and flag.
+
+Flags win over `OTEL_STRAGGLER_*` env vars, which win over defaults. Each value is validated
+when loaded, and a bad one fails with one line that names the flag (or env var) and the bound.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Mapping, Optional
+
+
+class ConfigError(ValueError):
+    """A setting is out of bounds or unparsable; the message is one line for the user."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    kind: Callable[[str], Any]
+    default: Any
+    help: str
+    minimum: Optional[float] = None
+    maximum: Optional[float] = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env_var(self) -> str:
+        return "OTEL_STRAGGLER_" + self.name.upper()
+
+
+def _bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
+
+
+SETTINGS: tuple[Setting, ...] = (
+    # engine: detection rules (DESIGN §3)
+    Setting("window_steps", int, 10, "steps per window: window w holds steps [w*W, (w+1)*W)", 1, 100_000),
+    Setting("rel_threshold", float, 0.05, "slow means slowdown > 1 + this", 0.001, 10.0),
+    Setting("min_gap_ms", float, 5.0, "slow also needs rank median - reference > this many ms", 0.0, 3_600_000.0),
+    Setting("persist_windows", int, 3, "consecutive slow windows before a straggler alert", 1, 1000),
+    Setting("warmup_windows", int, 2, "each rank's first windows are not judged", 0, 1000),
+    Setting("work_tolerance", float, 0.1, "ranks are comparable when tokens per step differ by at most this fraction", 0.0, 10.0),
+    Setting("min_cohort_size", int, 3, "a rank needs at least this many comparable ranks, itself included", 2, 1_000_000),
+    Setting("reference_quantile", float, 0.5, "quantile of the peers' window medians used as the reference", 0.0, 1.0),
+    Setting("window_grace_s", float, 30.0, "a window closes this long after its last span even if the cohort has not moved on", 0.1, 86_400.0),
+    Setting("silent_windows", int, 3, "a rank missing from this many consecutive closed windows is `silent`", 1, 1000),
+    Setting("max_jobs", int, 64, "bound on jobs tracked at once (oldest evicted, counted)", 1, 100_000),
+    Setting("max_cohorts", int, 4096, "bound on cohorts tracked at once", 1, 1_000_000),
+    Setting("max_ranks", int, 65_536, "bound on ranks tracked per cohort", 1, 10_000_000),
+    Setting("max_stages", int, 256, "bound on distinct stage names per cohort", 1, 100_000),
+    Setting("max_open_windows", int, 8, "bound on windows open at once per cohort", 1, 1000),
+    # service: intake
+    Setting("listen_address", str, "127.0.0.1", "address the OTLP receivers bind"),
+    Setting("grpc_port", int, 4317, "OTLP/gRPC port (0 picks a free one)", 0, 65535),
+    Setting("http_port", int, 4318, "OTLP/HTTP port (0 picks a free one)", 0, 65535),
+    Setting("max_request_bytes", int, 16 * 1024 * 1024, "largest OTLP request accepted (after decompression)", 1024, 1 << 31),
+    Setting("max_pending_requests", int, 256, "requests queued for the engine before intake answers 'retry later'", 1, 1_000_000),
+    Setting("auth_token_file", str, "", "file holding the bearer token clients must send (empty: no auth)"),
+    Setting("auth_token", str, "", "bearer token clients must send (prefer --auth-token-file)"),
+    Setting("tls_cert_file", str, "", "PEM certificate; with --tls-key-file serves TLS on both ports"),
+    Setting("tls_key_file", str, "", "PEM private key for --tls-cert-file"),
+    # service: outputs
+    Setting("evidence_dir", str, "straggler-evidence", "folder for verdicts.jsonl and status.json"),
+    Setting("flush_interval_s", float, 1.0, "evidence is flushed at least this often", 0.05, 60.0),
+    Setting("prometheus_port", int, -1, "also serve metrics for scraping on this port (-1: off)", -1, 65535),
+    Setting("export_metrics", _bool, True, "export verdict metrics and events over OTLP (OTEL_EXPORTER_OTLP_*)"),
+    Setting("metric_export_interval_s", float, 5.0, "OTLP metric export period", 0.1, 3600.0),
+)
+
+_BY_NAME = {setting.name: setting for setting in SETTINGS}
+
+
+@dataclass(frozen=True)
+class DetectorConfig:
+    window_steps: int = 10
+    rel_threshold: float = 0.05
+    min_gap_ms: float = 5.0
+    persist_windows: int = 3
+    warmup_windows: int = 2
+    work_tolerance: float = 0.1
+    min_cohort_size: int = 3
+    reference_quantile: float = 0.5
+    window_grace_s: float = 30.0
+    silent_windows: int = 3
+    max_jobs: int = 64
+    max_cohorts: int = 4096
+    max_ranks: int = 65_536
+    max_stages: int = 256
+    max_open_windows: int = 8
+    listen_address: str = "127.0.0.1"
+    grpc_port: int = 4317
+    http_port: int = 4318
+    max_request_bytes: int = 16 * 1024 * 1024
+    max_pending_requests: int = 256
+    auth_token_file: str = ""
+    auth_token: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    evidence_dir: str = "straggler-evidence"
+    flush_interval_s: float = 1.0
+    prometheus_port: int = -1
+    export_metrics: bool = True
+    metric_export_interval_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            _check_bounds(_BY_NAME[field.name], getattr(self, field.name), _BY_NAME[field.name].flag)
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ConfigError("--tls-cert-file and --tls-key-file must be given together")
+
+    def replace(self, **changes: Any) -> "DetectorConfig":
+        values = {field.name: getattr(self, field.name) for field in fields(self)}
+        values.update(changes)
+        return DetectorConfig(**values)
+
+
+def _check_bounds(setting: Setting, value: Any, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}: must be a finite number, got {value}")
+    if setting.minimum is not None and value < setting.minimum:
+        raise ConfigError(f"{where}: must be >= {setting.minimum:g}, got {value:g}")
+    if setting.maximum is not None and value > setting.maximum:
+        raise ConfigError(f"{where}: must be <= {setting.maximum:g}, got {value:g}")
+
+
+def add_arguments(parser: argparse.ArgumentParser, names: Optional[set[str]] = None) -> None:
+    """Adds one flag per setting (all of them, or `names`), defaulting to None so that an
+    unset flag falls back to the env var and then the table's default."""
+    for setting in SETTINGS:
+        if names is not None and setting.name not in names:
+            continue
+        parser.add_argument(
+            setting.flag, dest=setting.name, default=None, metavar=setting.kind.__name__.lstrip("_").upper(),
+            help=f"{setting.help} (env {setting.env_var}, default {setting.default!r})",
+        )
+
+
+def load(args: Optional[argparse.Namespace] = None, environ: Optional[Mapping[str, str]] = None) -> DetectorConfig:
+    """Builds the config from flags, then env, then defaults; raises ConfigError with one line."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for setting in SETTINGS:
+        raw = getattr(args, setting.name, None) if args is not None else None
+        where = setting.flag
+        if raw is None and setting.env_var in environ:
+            raw, where = environ[setting.env_var], setting.env_var
+        if raw is None:
+            continue
+        try:
+            value = setting.kind(raw) if isinstance(raw, str) else raw
+        except ValueError:
+            raise ConfigError(f"{where}: expected {setting.kind.__name__.lstrip('_')}, got {raw!r}") from None
+        _check_bounds(setting, value, where)
+        values[setting.name] = value
+    return DetectorConfig(**values)

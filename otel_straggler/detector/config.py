@@ -6,41 +6,14 @@ when loaded, and a bad one fails with one line that names the flag (or env var) 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
+from otel_straggler import settings as _settings
+from otel_straggler.settings import ConfigError, Setting, parse_bool as _bool
 
-class ConfigError(ValueError):
-    """A setting is out of bounds or unparsable; the message is one line for the user."""
-
-
-@dataclass(frozen=True)
-class Setting:
-    name: str
-    kind: Callable[[str], Any]
-    default: Any
-    help: str
-    minimum: Optional[float] = None
-    maximum: Optional[float] = None
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
-    @property
-    def env_var(self) -> str:
-        return "OTEL_STRAGGLER_" + self.name.upper()
-
-
-def _bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"expected true or false, got {text!r}")
+__all__ = ["ConfigError", "DetectorConfig", "SETTINGS", "add_arguments", "load"]
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -115,7 +88,8 @@ class DetectorConfig:
 
     def __post_init__(self) -> None:
         for field in fields(self):
-            _check_bounds(_BY_NAME[field.name], getattr(self, field.name), _BY_NAME[field.name].flag)
+            setting = _BY_NAME[field.name]
+            setting.check(getattr(self, field.name), setting.flag)
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ConfigError("--tls-cert-file and --tls-key-file must be given together")
 
@@ -125,44 +99,12 @@ class DetectorConfig:
         return DetectorConfig(**values)
 
 
-def _check_bounds(setting: Setting, value: Any, where: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{where}: must be a finite number, got {value}")
-    if setting.minimum is not None and value < setting.minimum:
-        raise ConfigError(f"{where}: must be >= {setting.minimum:g}, got {value:g}")
-    if setting.maximum is not None and value > setting.maximum:
-        raise ConfigError(f"{where}: must be <= {setting.maximum:g}, got {value:g}")
-
-
 def add_arguments(parser: argparse.ArgumentParser, names: Optional[set[str]] = None) -> None:
-    """Adds one flag per setting (all of them, or `names`), defaulting to None so that an
-    unset flag falls back to the env var and then the table's default."""
-    for setting in SETTINGS:
-        if names is not None and setting.name not in names:
-            continue
-        parser.add_argument(
-            setting.flag, dest=setting.name, default=None, metavar=setting.kind.__name__.lstrip("_").upper(),
-            help=f"{setting.help} (env {setting.env_var}, default {setting.default!r})",
-        )
+    """One flag per setting (all of them, or only `names`)."""
+    _settings.add_arguments(parser, (s for s in SETTINGS if names is None or s.name in names))
 
 
 def load(args: Optional[argparse.Namespace] = None, environ: Optional[Mapping[str, str]] = None) -> DetectorConfig:
     """Builds the config from flags, then env, then defaults; raises ConfigError with one line."""
-    environ = os.environ if environ is None else environ
-    values: dict[str, Any] = {}
-    for setting in SETTINGS:
-        raw = getattr(args, setting.name, None) if args is not None else None
-        where = setting.flag
-        if raw is None and setting.env_var in environ:
-            raw, where = environ[setting.env_var], setting.env_var
-        if raw is None:
-            continue
-        try:
-            value = setting.kind(raw) if isinstance(raw, str) else raw
-        except ValueError:
-            raise ConfigError(f"{where}: expected {setting.kind.__name__.lstrip('_')}, got {raw!r}") from None
-        _check_bounds(setting, value, where)
-        values[setting.name] = value
-    return DetectorConfig(**values)
+    explicit = vars(args) if args is not None else None
+    return DetectorConfig(**_settings.resolve(SETTINGS, explicit, os.environ if environ is None else environ))

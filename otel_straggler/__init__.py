@@ -1,0 +1,22 @@
+"""otel-straggler: find the slow rank of a synchronous training job with OpenTelemetry.
+
+Training side:
+    import otel_straggler as ots
+    handle = ots.configure()              # or OTEL_STRAGGLER_ENABLED=true under opentelemetry-instrument
+    for n, batch in enumerate(loader):
+        ots.step(n, tokens=batch.numel())
+        with ots.stage("forward-compute"):
+            loss = model(batch)
+    handle.shutdown()
+
+Megatron-LM: `config.timers = ots.Timers(log_level, log_option)`, or use `ots.timers`.
+"""
+from otel_straggler.instrumentation.api import Instrumentation, configure, current, stage, step
+from otel_straggler.instrumentation.megatron_timers import Timer, Timers
+
+__version__ = "0.1.0"
+
+# A ready Timers at the most detailed level, for scripts that want Megatron-style timers.
+timers = Timers(log_level=2)
+
+__all__ = ["Instrumentation", "Timer", "Timers", "configure", "current", "stage", "step", "timers", "__version__"]

@@ -1,0 +1,212 @@
+"""The training-side public API: configure(), stage(), step().
+
+Until configure() succeeds, stage() and step() cost one global read and do nothing, so the
+calls can stay in the training script whether the instrumentation is on or off.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import threading
+from typing import Any, Callable, Mapping, Optional
+
+from otel_straggler import contract
+from otel_straggler.instrumentation import identity
+from otel_straggler.instrumentation.recorder import IntervalRecorder, SlowdownInjection
+from otel_straggler.instrumentation.settings import DEFAULTS, SETTINGS
+from otel_straggler.settings import ConfigError, parse_bool, resolve
+
+# The one recorder of this process while the instrumentation is on; read on the hot path.
+_recorder: Optional[IntervalRecorder] = None
+_instrumentation: Optional["Instrumentation"] = None
+_configure_lock = threading.Lock()
+
+
+class stage:
+    """Times a stage: `with stage("forward-compute"):` or `@stage("data")`.
+
+    `collective=True` marks a blocking collective (its duration includes waiting for peers);
+    left as None, Megatron's known names decide and anything else is not a collective.
+    """
+
+    __slots__ = ("name", "collective", "_open")
+
+    def __init__(self, name: str, collective: Optional[bool] = None) -> None:
+        self.name = name
+        self.collective = collective
+        self._open = None
+
+    def __enter__(self) -> "stage":
+        recorder = _recorder
+        if recorder is not None:
+            self._open = recorder.start(self.name, self.collective)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> bool:
+        opened, self._open = self._open, None
+        recorder = _recorder
+        if opened is not None and recorder is not None:
+            recorder.stop(opened)
+        return False
+
+    def __call__(self, function: Callable) -> Callable:
+        name, collective = self.name, self.collective
+
+        @functools.wraps(function)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            recorder = _recorder
+            opened = recorder.start(name, collective) if recorder is not None else None
+            try:
+                return function(*args, **kwargs)
+            finally:
+                if opened is not None:
+                    recorder.stop(opened)
+
+        return timed
+
+
+class step:
+    """Binds optimizer step `n` and this rank's workload to every interval that ENDS from now
+    on, and starts the rank's `train.step` span. Call it at the start of each step, or use it
+    as `with step(n, tokens=...):` to end the step span explicitly."""
+
+    __slots__ = ("number",)
+
+    def __init__(self, n: int, tokens: Optional[int] = None, samples: Optional[int] = None) -> None:
+        self.number = n
+        recorder = _recorder
+        if recorder is not None:
+            recorder.begin_step(n, tokens, samples)
+
+    def __enter__(self) -> "step":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> bool:
+        recorder = _recorder
+        if recorder is not None:
+            recorder.end_step(self.number)
+        return False
+
+
+class Instrumentation:
+    """The handle configure() returns: status(), flush(), shutdown()."""
+
+    def __init__(self, enabled: bool, options: dict, resource_attributes: dict) -> None:
+        self.enabled = enabled
+        self.options = options
+        self.resource_attributes = resource_attributes
+        self.recorder: Optional[IntervalRecorder] = None
+        self._pipeline = None
+        self._shut_down = False
+
+    def status(self) -> dict:
+        """Every counter of the rank side: what was recorded, built, exported and lost (by reason)."""
+        recorder, pipeline = self.recorder, self._pipeline
+        if recorder is None or pipeline is None:
+            return {"enabled": False, "intervals": 0, "spans_built": 0, "exported": 0, "lost": {}}
+        return {**pipeline.status(recorder), "shut_down": self._shut_down}
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Builds everything recorded so far and exports it; False if it did not finish in time."""
+        if self._pipeline is None or self._shut_down:
+            return self._pipeline is None
+        try:
+            return self._pipeline.flush(timeout_s)
+        except Exception:
+            return False
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        global _recorder, _instrumentation
+        with _configure_lock:
+            if _instrumentation is self:
+                _recorder = None
+                _instrumentation = None
+        if self._pipeline is None or self._shut_down:
+            return
+        self._shut_down = True  # status() keeps answering with the final counters
+        try:
+            self._pipeline.shutdown(timeout_s)
+        except Exception:
+            pass
+
+
+def configure(
+    *,
+    job_id: Optional[str] = None,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    local_rank: Optional[int] = None,
+    cohort: Optional[str] = None,
+    topology_epoch: Optional[int] = None,
+    endpoint: Optional[str] = None,
+    protocol: Optional[str] = None,
+    device_timing: Optional[str] = None,
+    tracer_provider: Any = None,
+    device_processor: Any = None,
+    environ: Optional[Mapping[str, str]] = None,
+    **settings: Any,
+) -> Instrumentation:
+    """Turns the instrumentation on for this process and returns its handle (idempotent: a
+    second call returns the running handle). Unset values come from OTEL_* / OTEL_STRAGGLER_*
+    env vars, then discovery. `OTEL_SDK_DISABLED=true` returns a handle that records nothing.
+
+    `tracer_provider` reuses a provider you already have: spans go through its sampler,
+    resource and processors, and the identity attributes are put on each span as well. Device
+    durations are then attached only if you pass the CudaEventSpanProcessor you installed on it
+    as `device_processor`.
+    """
+    global _recorder, _instrumentation
+    environ = os.environ if environ is None else environ
+    with _configure_lock:
+        if _instrumentation is not None:
+            return _instrumentation
+        explicit = {"job_id": job_id, "cohort": cohort, "topology_epoch": topology_epoch,
+                    "device_timing": device_timing, **settings}
+        options = {**DEFAULTS, **resolve(SETTINGS, explicit, environ)}
+        attributes = identity.discover({**options, "rank": rank, "world_size": world_size, "local_rank": local_rank},
+                                       environ)
+        if _sdk_disabled(environ):
+            return Instrumentation(False, options, attributes)
+
+        from otel_straggler.instrumentation.pipeline import RankPipeline  # the SDK, exporters, threads
+
+        handle = Instrumentation(True, options, attributes)
+        handle.recorder = IntervalRecorder(options["queue_size"], injection=_injection(options, attributes))
+        handle._pipeline = RankPipeline(handle.recorder, options, attributes, endpoint, protocol,
+                                        tracer_provider, device_processor)
+        _instrumentation = handle
+        _recorder = handle.recorder
+        atexit.register(handle.shutdown, 5.0)
+        return handle
+
+
+def _sdk_disabled(environ: Mapping[str, str]) -> bool:
+    try:
+        return parse_bool(environ.get("OTEL_SDK_DISABLED", "false") or "false")
+    except ValueError:
+        raise ConfigError(f"OTEL_SDK_DISABLED: expected true or false, got {environ['OTEL_SDK_DISABLED']!r}") from None
+
+
+def current() -> Optional[Instrumentation]:
+    """The running handle, or None when the instrumentation is off."""
+    return _instrumentation
+
+
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker) has no builder thread: record nothing there."""
+    global _recorder, _instrumentation
+    _recorder = None
+    _instrumentation = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _injection(options: dict, attributes: dict) -> Optional[SlowdownInjection]:
+    if options["inject_rank"] < 0 or not options["inject_stage"] or options["inject_slowdown"] <= 0:
+        return None
+    if attributes.get(contract.RANK) != options["inject_rank"]:
+        return None
+    return SlowdownInjection(options["inject_stage"], options["inject_from_step"], options["inject_slowdown"])

@@ -1,0 +1,114 @@
+"""Where spans and the rank's own metrics go: OTLP exporters chosen by the standard
+OTEL_EXPORTER_OTLP_* variables (or configure() arguments), behind a counting wrapper so every
+export failure is known by number."""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Callable, Mapping, Optional, Sequence
+
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+from otel_straggler.settings import ConfigError
+
+PROTOCOLS = ("grpc", "http/protobuf")
+
+
+def resolve_protocol(explicit: Optional[str], environ: Mapping[str, str], signal: str) -> str:
+    protocol = (explicit or environ.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL")
+                or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc")
+    if protocol not in PROTOCOLS:
+        raise ConfigError(f"OTEL_EXPORTER_OTLP_PROTOCOL: must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+    return protocol
+
+
+def _http_url(endpoint: str, path: str) -> str:
+    base = endpoint if "://" in endpoint else f"http://{endpoint}"
+    return base if base.rstrip("/").endswith(path) else base.rstrip("/") + path
+
+
+def span_exporter(endpoint: Optional[str], protocol: Optional[str], environ: Mapping[str, str] = os.environ) -> SpanExporter:
+    """An OTLP span exporter; an explicit endpoint wins over the env, which the exporters read."""
+    if resolve_protocol(protocol, environ, "TRACES") == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter(endpoint=endpoint, insecure=_insecure(endpoint))
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HTTPSpanExporter
+
+    return HTTPSpanExporter(endpoint=_http_url(endpoint, "/v1/traces") if endpoint else None)
+
+
+def metric_exporter(endpoint: Optional[str], protocol: Optional[str], environ: Mapping[str, str] = os.environ):
+    if resolve_protocol(protocol, environ, "METRICS") == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+
+        return OTLPMetricExporter(endpoint=endpoint, insecure=_insecure(endpoint))
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as HTTPMetricExporter
+
+    return HTTPMetricExporter(endpoint=_http_url(endpoint, "/v1/metrics") if endpoint else None)
+
+
+def _insecure(endpoint: Optional[str]) -> Optional[bool]:
+    if endpoint is None:
+        return None  # the exporter decides from OTEL_EXPORTER_OTLP_INSECURE / the env endpoint
+    return not endpoint.startswith("https://")
+
+
+class CountingSpanExporter(SpanExporter):
+    """Counts spans exported and spans lost to failed exports, then delegates."""
+
+    def __init__(self, exporter: SpanExporter) -> None:
+        self.exporter = exporter
+        self.exported = 0
+        self.export_failed = 0
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        try:
+            result = self.exporter.export(spans)
+        except Exception:
+            result = SpanExportResult.FAILURE
+        with self._lock:
+            if result == SpanExportResult.SUCCESS:
+                self.exported += len(spans)
+            else:
+                self.export_failed += len(spans)
+        return result
+
+    def shutdown(self) -> None:
+        self.exporter.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.exporter.force_flush(timeout_millis)
+
+
+def start_rank_metrics(
+    read_status: Callable[[], dict],
+    resource,
+    endpoint: Optional[str],
+    protocol: Optional[str],
+):
+    """The rank's own loss counters as OTel metrics (`straggler.instrumentation.*`), read from
+    status() at each collection, so the hot path pays nothing for them."""
+    from opentelemetry.metrics import CallbackOptions, Observation
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+    # the period comes from OTEL_METRIC_EXPORT_INTERVAL, as for any SDK metric reader
+    reader = PeriodicExportingMetricReader(metric_exporter(endpoint, protocol))
+    provider = MeterProvider(resource=resource, metric_readers=[reader])
+    meter = provider.get_meter("otel_straggler.instrumentation")
+
+    def lost(options: CallbackOptions):
+        return [Observation(count, {"reason": reason}) for reason, count in read_status()["lost"].items()]
+
+    def spans(options: CallbackOptions):
+        status = read_status()
+        return [Observation(status[key], {"outcome": key}) for key in ("intervals", "spans_built", "exported")]
+
+    meter.create_observable_counter("straggler.instrumentation.lost", [lost], unit="{interval}",
+                                    description="intervals or spans lost on the rank, by reason")
+    meter.create_observable_counter("straggler.instrumentation.spans", [spans], unit="{span}",
+                                    description="intervals recorded, spans built, spans exported")
+    return provider

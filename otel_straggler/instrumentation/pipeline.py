@@ -1,0 +1,235 @@
+"""Everything the rank side runs off the training thread, wired together:
+
+  IntervalRecorder.completed --(builder thread)--> SpanBuilder --> TracerProvider
+    --> CudaEventSpanProcessor --> CountingBatchSpanProcessor --> CountingSpanExporter (OTLP)
+
+The TracerProvider and the event pool are made lazily: the provider when there is first
+something to build (so Megatron's parallel state, initialised after its timers, is in the
+resource), the pool at the first step() (so CUDA events live on the device training uses).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Optional
+
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+
+from otel_straggler import contract
+from otel_straggler.instrumentation import identity
+from otel_straggler.instrumentation.exporting import CountingSpanExporter, span_exporter, start_rank_metrics
+from otel_straggler.instrumentation.recorder import IntervalRecorder
+from otel_straggler.instrumentation.span_builder import DerivedIdGenerator, SpanBuilder
+from otel_straggler.processors.cuda_event_span_processor import CudaEventSpanProcessor
+from otel_straggler.processors.device_events import EventPool, make_backend
+
+_SCOPE = "otel_straggler"
+_IDENTITY_KEYS_ON_SPANS = (contract.JOB_ID, contract.RANK, contract.COHORT, contract.TOPOLOGY_EPOCH,
+                           contract.WORLD_SIZE, contract.LOCAL_RANK)
+
+
+class CountingBatchSpanProcessor(BatchSpanProcessor):
+    """The SDK's BatchSpanProcessor, counting the spans it drops because its queue is full
+    (the SDK only logs them) and shutting down within a given time."""
+
+    def __init__(self, exporter, **kwargs: Any) -> None:
+        super().__init__(exporter, **kwargs)
+        self.dropped_queue_full = 0
+        self.shutdown_timeout_ms = 10_000
+
+    def on_end(self, span) -> None:
+        batch = getattr(self, "_batch_processor", None)
+        queue = getattr(batch, "_queue", None)
+        if queue is not None and queue.maxlen is not None and len(queue) >= queue.maxlen:
+            self.dropped_queue_full += 1
+        super().on_end(span)
+
+    def shutdown(self) -> None:
+        batch = getattr(self, "_batch_processor", None)
+        if batch is not None:
+            batch.shutdown(timeout_millis=self.shutdown_timeout_ms)
+        else:
+            super().shutdown()
+
+
+class RankPipeline:
+    def __init__(
+        self,
+        recorder: IntervalRecorder,
+        options: dict,
+        attributes: dict,
+        endpoint: Optional[str],
+        protocol: Optional[str],
+        tracer_provider: Any = None,
+        device_processor: Optional[CudaEventSpanProcessor] = None,
+    ) -> None:
+        self.recorder = recorder
+        self.options = options
+        self.attributes = attributes
+        self.endpoint = endpoint
+        self.protocol = protocol
+        self.user_provider = tracer_provider
+        self.exporter: Optional[CountingSpanExporter] = None
+        self.batch_processor: Optional[CountingBatchSpanProcessor] = None
+        self.metrics_provider = None
+        if device_processor is not None:
+            self.backend = device_processor.backend
+            device_processor.release_event = self._release_event
+        else:
+            self.backend = make_backend(options["device_timing"]) if tracer_provider is None else None
+        self.event_pool: Optional[EventPool] = None
+        self.device_processor = device_processor
+        if tracer_provider is None:
+            # Export is set up now so a bad endpoint or protocol fails configure(), not later.
+            self.exporter = CountingSpanExporter(span_exporter(endpoint, protocol))
+            self.batch_processor = CountingBatchSpanProcessor(self.exporter)
+            self.batch_processor.shutdown_timeout_ms = int(options["readout_timeout_ms"])
+            if self.backend is not None:
+                self.device_processor = CudaEventSpanProcessor(
+                    self.batch_processor, self.backend,
+                    readout_timeout_s=options["readout_timeout_ms"] / 1000,
+                    max_pending=options["max_pending_spans"],
+                    release_event=self._release_event,
+                )
+        if self.backend is not None:
+            recorder.on_first_step = self._make_event_pool
+        self.provider = None
+        self.builder: Optional[SpanBuilder] = None
+        self._build_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="otel-straggler-span-builder", daemon=True)
+        self._thread.start()
+
+    # -- lazily made parts ---------------------------------------------------------------------
+
+    def _make_event_pool(self) -> None:
+        """Runs once, on the training thread, inside the first step() call."""
+        try:
+            self.event_pool = EventPool(self.backend, self.options["event_pool_size"])
+            self.recorder.event_pool = self.event_pool
+        except Exception:
+            self.recorder.internal_errors += 1
+
+    def _release_event(self, event: Any) -> None:
+        if self.event_pool is not None:
+            self.event_pool.release(event)
+
+    def _ensure_builder(self) -> SpanBuilder:
+        if self.builder is not None:
+            return self.builder
+        # Re-read identity now: parallel state may have been set up since configure().
+        attributes = {**identity.discover(self.options), **self.attributes}
+        ids = DerivedIdGenerator()
+        extra: dict = {}
+        if self.user_provider is None:
+            provider = TracerProvider(resource=Resource.create(attributes), id_generator=ids, sampler=ALWAYS_ON)
+            processor = self.device_processor or self.batch_processor
+            provider.add_span_processor(processor)
+            self.provider = provider
+            if self.options["export_metrics"]:
+                self.metrics_provider = start_rank_metrics(self.status_of_recorder, provider.resource,
+                                                           self.endpoint, self.protocol)
+        else:
+            provider = self.user_provider
+            if hasattr(provider, "id_generator"):
+                ids.fallback = provider.id_generator
+                provider.id_generator = ids
+            extra = {key: attributes[key] for key in _IDENTITY_KEYS_ON_SPANS if key in attributes}
+            self.provider = provider
+        self.attributes = attributes
+        tracer = provider.get_tracer(_SCOPE)
+        self.builder = SpanBuilder(
+            self.recorder, tracer, ids, str(attributes.get(contract.JOB_ID, "")),
+            attach_device_events=self.device_processor.attach_device_events if self.device_processor else None,
+            release_event=self._release_event,
+            extra_attributes=extra,
+        )
+        return self.builder
+
+    # -- builder thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        interval_s = self.options["build_interval_ms"] / 1000
+        while not self._stopping:
+            self._wake.wait(interval_s)
+            self._wake.clear()
+            self._build()
+
+    def _build(self, close_open_step: bool = False) -> None:
+        with self._build_lock:
+            if not self.recorder.completed and self.builder is None:
+                return
+            try:
+                self._ensure_builder().build_pending(close_open_step)
+            except Exception:
+                self.recorder.internal_errors += 1
+
+    # -- handle operations ---------------------------------------------------------------------
+
+    def flush(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        self._build()
+        provider = self.provider
+        if provider is None or not hasattr(provider, "force_flush"):
+            return True
+        # The SDK's flush ignores its timeout while an exporter retries: run it aside and
+        # wait at most what is left.
+        result: list[bool] = []
+        flusher = threading.Thread(target=lambda: result.append(provider.force_flush(int(timeout_s * 1000))),
+                                   name="otel-straggler-flush", daemon=True)
+        flusher.start()
+        flusher.join(max(0.0, deadline - time.monotonic()))
+        return bool(result and result[0])
+
+    def shutdown(self, timeout_s: float) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout_s)
+        self._build(close_open_step=True)
+        if self.user_provider is None and self.provider is not None:
+            closer = threading.Thread(target=self.provider.shutdown, name="otel-straggler-shutdown", daemon=True)
+            closer.start()
+            closer.join(timeout_s)
+        if self.metrics_provider is not None:
+            try:
+                self.metrics_provider.shutdown(timeout_millis=timeout_s * 1000)
+            except Exception:
+                pass
+
+    def status_of_recorder(self) -> dict:
+        return self.status(self.recorder)
+
+    def status(self, recorder: IntervalRecorder) -> dict:
+        builder = self.builder
+        built = dict(builder.counters) if builder is not None else {"spans_built": 0, "steps_built": 0,
+                                                                     "pool_exhausted": 0, "build_errors": 0}
+        device = dict(self.device_processor.counters) if self.device_processor is not None else {}
+        lost = {
+            "queue_full": recorder.dropped_queue_full,
+            "pool_exhausted": built["pool_exhausted"],
+            "readout_timeout": device.get("readout_timeout", 0),
+            "event_error": device.get("event_error", 0),
+            "processor_full": device.get("processor_full", 0),
+            "exporter_queue_full": self.batch_processor.dropped_queue_full if self.batch_processor else 0,
+            "export_failed": self.exporter.export_failed if self.exporter else 0,
+            "internal_error": recorder.internal_errors + built["build_errors"] + device.get("internal_error", 0)
+            + device.get("next_processor_error", 0),
+        }
+        pending = len(recorder.completed)
+        return {
+            "enabled": True,
+            "device_timing": self.backend.name if self.backend is not None and self.device_processor else "off",
+            "intervals": built["spans_built"] + recorder.dropped_queue_full + pending,
+            "spans_built": built["spans_built"],
+            "steps_built": built["steps_built"],
+            "device_timed": device.get("device_timed", 0),
+            "exported": self.exporter.exported if self.exporter else None,
+            "pending_build": pending,
+            "pending_device": self.device_processor.pending() if self.device_processor else 0,
+            "event_pool_free": self.event_pool.free_count() if self.event_pool else None,
+            "lost": lost,
+        }

@@ -1,0 +1,134 @@
+"""The training-thread hot path (DESIGN §2).
+
+`start()` and `stop()` may only read the host clock, record a CUDA event from the pool, bind
+the current step and workload, and append to a bounded queue. They build no span, take no lock,
+log nothing, do no I/O and never raise. Everything else happens on the span builder's thread.
+
+Records in `completed` are plain tuples (cheap to make, atomic to append):
+  (INTERVAL, interval_id, parent_id, name, start_ns, end_ns, start_event, end_event,
+   step, tokens, samples, seq, collective)
+  (STEP_BEGIN, step, time_ns, tokens, samples)
+  (STEP_END, step, time_ns)
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+from typing import Any, Optional
+
+from otel_straggler.processors.device_events import EventPool
+
+INTERVAL, STEP_BEGIN, STEP_END = 0, 1, 2
+
+# an open interval: [interval_id, parent_id, name, start_ns, start_event, collective, start_step]
+OpenInterval = list
+
+
+class SlowdownInjection:
+    """Test-only: stretches one stage on one rank from one step on, by sleeping inside it for
+    `slowdown` x the stage's own elapsed host time. Built only when it targets this rank."""
+
+    __slots__ = ("stage", "from_step", "slowdown")
+
+    def __init__(self, stage: str, from_step: int, slowdown: float) -> None:
+        self.stage = stage
+        self.from_step = from_step
+        self.slowdown = slowdown
+
+    def stretch(self, name: str, start_ns: int, step: Optional[int]) -> None:
+        if name == self.stage and step is not None and step >= self.from_step:
+            time.sleep(self.slowdown * (time.time_ns() - start_ns) / 1e9)
+
+
+class IntervalRecorder:
+    def __init__(
+        self,
+        capacity: int,
+        event_pool: Optional[EventPool] = None,
+        injection: Optional[SlowdownInjection] = None,
+    ) -> None:
+        self.completed: collections.deque = collections.deque()
+        self.capacity = capacity
+        self.event_pool = event_pool
+        self.injection = injection
+        self.open_intervals: list[OpenInterval] = []  # innermost last: the timers' nesting
+        self.binding: tuple = (None, None, None)  # (step, tokens, samples), replaced whole
+        self.on_first_step = None  # called once, at the first step(): the pipeline makes the event pool
+        self.dropped_queue_full = 0
+        self.internal_errors = 0
+        self._next_interval_id = itertools.count(1).__next__
+        self._next_seq = itertools.count().__next__
+
+    def start(self, name: str, collective: Optional[bool] = None) -> Optional[OpenInterval]:
+        try:
+            opened = self.open_intervals
+            step = self.binding[0]
+            # A parent only within the same step: a timer that runs across steps (Megatron's
+            # interval-time) would otherwise adopt spans of traces it does not belong to.
+            parent_id = opened[-1][0] if opened and opened[-1][6] == step else 0
+            interval = [self._next_interval_id(), parent_id, name, time.time_ns(), None, collective, step]
+            if self.event_pool is not None:
+                interval[4] = self.event_pool.record()
+            opened.append(interval)
+            return interval
+        except Exception:
+            self.internal_errors += 1
+            return None
+
+    def stop(self, interval: Optional[OpenInterval]) -> int:
+        """Ends an interval; returns its host duration in ns (0 if it could not be timed)."""
+        if interval is None:
+            return 0
+        try:
+            start_event = interval[4]
+            end_event = self.event_pool.record() if start_event is not None else None
+            if self.injection is not None:
+                self.injection.stretch(interval[2], interval[3], self.binding[0])
+            end_ns = time.time_ns()
+            opened = self.open_intervals
+            if opened and opened[-1] is interval:
+                opened.pop()
+            elif interval in opened:  # timers may stop out of nesting order
+                opened.remove(interval)
+            step, tokens, samples = self.binding
+            completed = self.completed
+            if len(completed) < self.capacity:
+                completed.append((INTERVAL, interval[0], interval[1], interval[2], interval[3], end_ns,
+                                  start_event, end_event, step, tokens, samples, self._next_seq(), interval[5]))
+            else:
+                self.dropped_queue_full += 1
+                self._next_seq()  # the gap shows the loss downstream too
+                self._give_back(start_event, end_event)
+            return end_ns - interval[3]
+        except Exception:
+            self.internal_errors += 1
+            return 0
+
+    def begin_step(self, step: int, tokens: Any = None, samples: Any = None) -> None:
+        try:
+            if self.on_first_step is not None:
+                make_event_pool, self.on_first_step = self.on_first_step, None
+                make_event_pool()
+            now = time.time_ns()
+            self.binding = (step, tokens, samples)
+            if len(self.completed) < self.capacity:
+                self.completed.append((STEP_BEGIN, step, now, tokens, samples))
+            else:
+                self.dropped_queue_full += 1
+        except Exception:
+            self.internal_errors += 1
+
+    def end_step(self, step: int) -> None:
+        try:
+            if len(self.completed) < self.capacity:
+                self.completed.append((STEP_END, step, time.time_ns()))
+            else:
+                self.dropped_queue_full += 1
+        except Exception:
+            self.internal_errors += 1
+
+    def _give_back(self, *events: Any) -> None:
+        for event in events:
+            if event is not None:
+                self.event_pool.release(event)

@@ -1,0 +1,31 @@
+"""Rank-side settings: every `OTEL_STRAGGLER_*` knob of the instrumentation, its default and
+bounds. Standard OTel variables (OTEL_SERVICE_NAME, OTEL_EXPORTER_OTLP_*, OTEL_BSP_*,
+OTEL_RESOURCE_ATTRIBUTES, OTEL_SDK_DISABLED) are read by the SDK itself and by `exporting.py`."""
+from __future__ import annotations
+
+from otel_straggler.settings import Setting, parse_bool
+
+DEVICE_TIMING_MODES = ("auto", "cuda", "fake", "off")
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("enabled", parse_bool, False, "turn the instrumentation on under opentelemetry-instrument"),
+    Setting("job_id", str, "", "training.job.id (default: TORCHELASTIC_RUN_ID, then SLURM_JOB_ID, else left out)"),
+    Setting("cohort", str, "", "training.cohort (default: from Megatron parallel state, else left out)"),
+    Setting("topology_epoch", int, 0, "training.topology.epoch; bump when the job re-shards", 0, 1 << 62),
+    Setting("device_timing", str, "auto", "CUDA-event timing: auto (when a GPU is visible), cuda, fake, off",
+            choices=DEVICE_TIMING_MODES),
+    Setting("event_pool_size", int, 4096, "CUDA events allocated once; 2 per interval in flight", 2, 1 << 20),
+    Setting("readout_timeout_ms", float, 10_000.0, "a device duration not readable after this is device_unavailable", 1.0, 3_600_000.0),
+    Setting("queue_size", int, 65_536, "completed intervals waiting for the span builder; beyond it they are dropped and counted", 16, 1 << 24),
+    Setting("build_interval_ms", float, 200.0, "how often the background thread turns intervals into spans", 1.0, 60_000.0),
+    Setting("max_pending_spans", int, 16_384, "spans held while their CUDA events complete", 16, 1 << 22),
+    Setting("timers_log_level", int, 2, "Megatron timers: timers above this log level are no-ops", 0, 2),
+    Setting("export_metrics", parse_bool, True, "export the rank's own straggler.instrumentation.* metrics"),
+    # test-only slow-rank injection: inert unless inject_rank and inject_stage are set
+    Setting("inject_rank", int, -1, "sleep inside a stage on this rank (test only; -1: off)", -1, 1 << 30),
+    Setting("inject_stage", str, "", "the stage to slow down (test only)"),
+    Setting("inject_from_step", int, 0, "slow down from this step on (test only)", 0, 1 << 62),
+    Setting("inject_slowdown", float, 0.0, "sleep this fraction of the stage's own elapsed time (test only)", 0.0, 100.0),
+)
+
+DEFAULTS = {setting.name: setting.default for setting in SETTINGS}

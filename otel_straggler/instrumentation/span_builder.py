@@ -1,0 +1,204 @@
+"""The background half of the rank side: turns recorded intervals into OTel spans.
+
+Every span of step N, on every rank, lands in one trace whose id is derived from
+(training.job.id, N) (CONTRACT §2), under that rank's `train.step` span. Span ids are derived
+too (from a per-process salt and the interval id), so a child can name its parent before the
+parent has ended: spans are built in completion order, children first, with no buffering.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import threading
+from typing import Any, Callable, Optional
+
+from opentelemetry import trace as trace_api
+from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
+
+from otel_straggler import contract
+from otel_straggler.instrumentation import stage_names
+from otel_straggler.instrumentation.recorder import INTERVAL, STEP_BEGIN, STEP_END, IntervalRecorder
+
+_MASK64 = (1 << 64) - 1
+_SAMPLED = trace_api.TraceFlags(trace_api.TraceFlags.SAMPLED)
+
+
+def trace_id_for_step(job_id: str, step: int) -> int:
+    """One trace per (job, step): every rank derives the same id without talking to the others."""
+    digest = hashlib.blake2b(f"{job_id}\x00{step}".encode(), digest_size=16).digest()
+    return int.from_bytes(digest, "big") or 1
+
+
+def _mix64(value: int) -> int:
+    """splitmix64 finaliser: distinct inputs give well-spread, distinct 64-bit ids."""
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (value ^ (value >> 31)) or 1
+
+
+class DerivedIdGenerator(IdGenerator):
+    """Hands out the ids the builder chose for the span it is about to start, and delegates to
+    the usual random ids otherwise (the user's own spans on a shared TracerProvider)."""
+
+    def __init__(self, fallback: Optional[IdGenerator] = None) -> None:
+        self.fallback = fallback or RandomIdGenerator()
+        self._chosen = threading.local()
+
+    def choose(self, span_id: int, trace_id: Optional[int] = None) -> None:
+        self._chosen.span_id = span_id
+        self._chosen.trace_id = trace_id
+
+    def generate_span_id(self) -> int:
+        span_id = getattr(self._chosen, "span_id", None)
+        if span_id is None:
+            return self.fallback.generate_span_id()
+        self._chosen.span_id = None
+        return span_id
+
+    def generate_trace_id(self) -> int:
+        trace_id = getattr(self._chosen, "trace_id", None)
+        if trace_id is None:
+            return self.fallback.generate_trace_id()
+        self._chosen.trace_id = None
+        return trace_id
+
+    def is_trace_id_random(self) -> bool:
+        return False
+
+
+def workload_value(value: Any) -> Optional[int]:
+    """Tokens/samples as reported; anything not a positive finite number is 'not reported'."""
+    try:
+        if isinstance(value, bool) or value is None:
+            return None
+        number = float(value)
+        if not math.isfinite(number) or number <= 0:
+            return None
+        return int(number)
+    except (TypeError, ValueError):
+        return None
+
+
+class SpanBuilder:
+    """Turns an IntervalRecorder's records into spans; called from the pipeline's thread.
+
+    `attach_device_events` is the CudaEventSpanProcessor's hook (None when device timing is
+    off); `release_event` returns events to the pool when an interval cannot be device-timed.
+    """
+
+    def __init__(
+        self,
+        recorder: IntervalRecorder,
+        tracer: trace_api.Tracer,
+        ids: DerivedIdGenerator,
+        job_id: str,
+        attach_device_events: Optional[Callable[[Any, Any, Any], None]] = None,
+        release_event: Optional[Callable[[Any], None]] = None,
+        extra_attributes: Optional[dict] = None,
+    ) -> None:
+        self.recorder = recorder
+        self.tracer = tracer
+        self.ids = ids
+        self.job_id = job_id
+        self.attach_device_events = attach_device_events
+        self.release_event = release_event or (lambda event: None)
+        self.extra_attributes = extra_attributes or {}
+        self.counters = {"spans_built": 0, "steps_built": 0, "pool_exhausted": 0, "build_errors": 0}
+        salt = int.from_bytes(os.urandom(8), "big")
+        self._interval_salt = salt
+        self._step_salt = salt ^ 0x5DEECE66D5DEECE6
+        self._open_step: Optional[tuple] = None  # (step, start_ns, tokens, samples)
+        self._last_end_ns = 0
+
+    def build_pending(self, close_open_step: bool = False) -> None:
+        """Builds every record queued so far; `close_open_step` ends the running step's span
+        too (at shutdown). Not thread-safe: one caller at a time."""
+        completed = self.recorder.completed
+        while completed:
+            record = completed.popleft()
+            try:
+                kind = record[0]
+                if kind == INTERVAL:
+                    self._build_interval(record)
+                elif kind == STEP_BEGIN:
+                    self._close_step(record[2])
+                    self._open_step = (record[1], record[2], record[3], record[4])
+                elif kind == STEP_END and self._open_step is not None and self._open_step[0] == record[1]:
+                    self._close_step(record[2])
+            except Exception:
+                self.counters["build_errors"] += 1
+        if close_open_step and self._open_step is not None:
+            self._close_step(max(self._last_end_ns, self._open_step[1]))
+
+    def _step_context(self, step: int) -> trace_api.Context:
+        parent = trace_api.SpanContext(
+            trace_id_for_step(self.job_id, step), _mix64(self._step_salt + step),
+            is_remote=False, trace_flags=_SAMPLED,
+        )
+        return trace_api.set_span_in_context(trace_api.NonRecordingSpan(parent))
+
+    def _close_step(self, end_ns: int) -> None:
+        if self._open_step is None:
+            return
+        step, start_ns, tokens, samples = self._open_step
+        self._open_step = None
+        attributes = {contract.STEP: step, **self.extra_attributes}
+        for key, value in ((contract.WORKLOAD_TOKENS, tokens), (contract.WORKLOAD_SAMPLES, samples)):
+            value = workload_value(value)
+            if value is not None:
+                attributes[key] = value
+        self.ids.choose(_mix64(self._step_salt + step), trace_id_for_step(self.job_id, step))
+        span = self.tracer.start_span(contract.STEP_SPAN_NAME, context=trace_api.Context(),
+                                      attributes=attributes, start_time=start_ns)
+        span.end(end_time=max(end_ns, start_ns))
+        self.counters["steps_built"] += 1
+
+    def _build_interval(self, record: tuple) -> None:
+        (_, interval_id, parent_id, name, start_ns, end_ns, start_event, end_event,
+         step, tokens, samples, seq, collective) = record
+        kind = stage_names.classify(name)
+        attributes = {
+            contract.STAGE: name,
+            contract.STAGE_GROUP: kind.group,
+            contract.SEQ: seq,
+            contract.COLLECTIVE: kind.collective if collective is None else bool(collective),
+            **self.extra_attributes,
+        }
+        if step is not None:
+            attributes[contract.STEP] = step
+        for key, value in ((contract.WORKLOAD_TOKENS, tokens), (contract.WORKLOAD_SAMPLES, samples)):
+            value = workload_value(value)
+            if value is not None:
+                attributes[key] = value
+        device_timed = start_event is not None and end_event is not None
+        if not device_timed:
+            if self.attach_device_events is None:
+                attributes[contract.TIMING] = contract.TIMING_HOST_ONLY
+                attributes[contract.TIMING_REASON] = "no_cuda"
+            else:
+                attributes[contract.TIMING] = contract.TIMING_DEVICE_UNAVAILABLE
+                attributes[contract.TIMING_REASON] = "pool_exhausted"
+                self.counters["pool_exhausted"] += 1
+                if start_event is not None:
+                    self.release_event(start_event)
+
+        if step is None:
+            context = trace_api.Context()  # before the first step(): a root span of its own
+        elif parent_id:
+            context = self._interval_context(step, parent_id)
+        else:
+            context = self._step_context(step)
+        self.ids.choose(_mix64(self._interval_salt + interval_id))
+        span = self.tracer.start_span(name, context=context, attributes=attributes, start_time=start_ns)
+        if device_timed:
+            self.attach_device_events(span, start_event, end_event)
+        span.end(end_time=end_ns)
+        self._last_end_ns = max(self._last_end_ns, end_ns)
+        self.counters["spans_built"] += 1
+
+    def _interval_context(self, step: int, parent_id: int) -> trace_api.Context:
+        parent = trace_api.SpanContext(trace_id_for_step(self.job_id, step), _mix64(self._interval_salt + parent_id),
+                                       is_remote=False, trace_flags=_SAMPLED)
+        return trace_api.set_span_in_context(trace_api.NonRecordingSpan(parent))

@@ -1,0 +1,193 @@
+"""CudaEventSpanProcessor: attaches GPU-side durations to spans once their CUDA events complete.
+
+A span that carries a start/end event pair (`attach_device_events` before `span.end()`) is held
+until its end event has completed, then forwarded to the next processor with
+`training.stage.timing = device` and `training.stage.device_duration_ms`. An event that does
+not complete within `readout_timeout_s`, or that errors, yields `device_unavailable` with a
+reason instead. Spans leave in the order they ended (per-rank completion order), so a span
+without events waits behind an earlier one that has them.
+
+It follows the SDK `BatchSpanProcessor` lifecycle: on_start / on_end / force_flush / shutdown,
+one worker thread woken by an event, and it never blocks or raises into its caller. Whatever
+cannot be held (`max_pending` spans) is forwarded at once as `device_unavailable` /
+`processor_full` and counted.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from opentelemetry.context import Context
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
+
+from otel_straggler import contract
+from otel_straggler.processors.device_events import DeviceEventBackend
+
+
+class _HeldSpan:
+    __slots__ = ("span", "start_event", "end_event", "deadline")
+
+    def __init__(self, span: ReadableSpan, start_event: Any, end_event: Any, deadline: float) -> None:
+        self.span = span
+        self.start_event = start_event
+        self.end_event = end_event
+        self.deadline = deadline
+
+
+def with_attributes(span: ReadableSpan, extra: dict) -> ReadableSpan:
+    """An ended span is immutable in the SDK: forward a copy with the extra attributes."""
+    attributes = dict(span.attributes or {})
+    attributes.update(extra)
+    return ReadableSpan(
+        name=span.name,
+        context=span.context,
+        parent=span.parent,
+        resource=span.resource,
+        attributes=attributes,
+        events=span.events,
+        links=span.links,
+        kind=span.kind,
+        status=span.status,
+        start_time=span.start_time,
+        end_time=span.end_time,
+        instrumentation_scope=span.instrumentation_scope,
+    )
+
+
+class CudaEventSpanProcessor(SpanProcessor):
+    def __init__(
+        self,
+        next_processor: SpanProcessor,
+        backend: Optional[DeviceEventBackend],
+        readout_timeout_s: float = 10.0,
+        max_pending: int = 16384,
+        poll_interval_s: float = 0.005,
+        release_event: Optional[Callable[[Any], None]] = None,
+    ) -> None:
+        self.next_processor = next_processor
+        self.backend = backend
+        self.readout_timeout_s = readout_timeout_s
+        self.max_pending = max_pending
+        self.poll_interval_s = poll_interval_s
+        # Events usually come from an EventPool; this hands them back once read.
+        self.release_event = release_event or (lambda event: None)
+        self._events_by_span_id: dict[int, tuple[Any, Any]] = {}
+        self._held: collections.deque[_HeldSpan] = collections.deque()
+        self._wake = threading.Event()
+        self._shutdown = False
+        self.counters = collections.Counter()
+        self._worker = threading.Thread(target=self._run, name="otel-straggler-device-timing", daemon=True)
+        self._worker.start()
+
+    # -- SpanProcessor lifecycle -------------------------------------------------------------
+
+    def attach_device_events(self, span: Span, start_event: Any, end_event: Any) -> None:
+        """Marks a not-yet-ended span as timed by this event pair on the device."""
+        self._events_by_span_id[span.get_span_context().span_id] = (start_event, end_event)
+
+    def on_start(self, span: Span, parent_context: Optional[Context] = None) -> None:
+        self.next_processor.on_start(span, parent_context=parent_context)
+
+    def on_end(self, span: ReadableSpan) -> None:
+        try:
+            events = self._events_by_span_id.pop(span.context.span_id, None)
+            if events is None and not self._held:
+                self._forward(span)
+                return
+            if self._shutdown or len(self._held) >= self.max_pending:
+                if events is not None:
+                    self.counters["processor_full"] += 1
+                    self._give_back(events)
+                    span = with_attributes(span, _unavailable("processor_full"))
+                self._forward(span)
+                return
+            start_event, end_event = events if events is not None else (None, None)
+            self._held.append(_HeldSpan(span, start_event, end_event, time.monotonic() + self.readout_timeout_s))
+            self._wake.set()
+        except Exception:  # never raise into the span's owner
+            self.counters["internal_error"] += 1
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        deadline = time.monotonic() + timeout_millis / 1000
+        drained = self._wait_drained(deadline)
+        remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
+        return self.next_processor.force_flush(remaining_ms) and drained
+
+    def shutdown(self) -> None:
+        if self._shutdown:
+            return
+        # Held spans still get their readout window (bounded by readout_timeout_s).
+        self._wait_drained(time.monotonic() + self.readout_timeout_s + 1.0)
+        self._shutdown = True
+        self._wake.set()
+        self._worker.join(timeout=self.readout_timeout_s + 1.0)
+        self.next_processor.shutdown()
+
+    def pending(self) -> int:
+        return len(self._held)
+
+    def _wait_drained(self, deadline: float) -> bool:
+        while self._held and time.monotonic() < deadline:
+            self._wake.set()
+            time.sleep(self.poll_interval_s)
+        return not self._held
+
+    # -- worker ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._shutdown:
+            self._wake.wait(self.poll_interval_s if self._held else None)
+            self._wake.clear()
+            try:
+                self._forward_ready()
+            except Exception:
+                self.counters["internal_error"] += 1
+        self._forward_ready(give_up=True)
+
+    def _forward_ready(self, give_up: bool = False) -> None:
+        """Forwards held spans from the front while they are ready, keeping their order."""
+        while self._held:
+            held = self._held[0]
+            if held.end_event is None:
+                extra = None
+            else:
+                extra = self._read(held, give_up)
+                if extra is None:
+                    return  # front still running on the device: everything behind it waits
+            self._held.popleft()
+            self._forward(held.span if extra is None else with_attributes(held.span, extra))
+
+    def _read(self, held: _HeldSpan, give_up: bool) -> Optional[dict]:
+        try:
+            if self.backend.query(held.end_event) and self.backend.query(held.start_event):
+                duration_ms = float(self.backend.elapsed_ms(held.start_event, held.end_event))
+                self._give_back((held.start_event, held.end_event))
+                self.counters["device_timed"] += 1
+                return {contract.TIMING: contract.TIMING_DEVICE, contract.DEVICE_DURATION_MS: duration_ms}
+            if give_up or time.monotonic() >= held.deadline:
+                reason = "readout_timeout"
+            else:
+                return None
+        except Exception:
+            reason = "event_error"
+        # An event that timed out or errored is not reused: it may still be pending on the
+        # device, and re-recording it would corrupt a later interval's timing.
+        self.counters[reason] += 1
+        return _unavailable(reason)
+
+    def _give_back(self, events: tuple[Any, Any]) -> None:
+        for event in events:
+            if event is not None:
+                self.release_event(event)
+
+    def _forward(self, span: ReadableSpan) -> None:
+        try:
+            self.next_processor.on_end(span)
+        except Exception:
+            self.counters["next_processor_error"] += 1
+
+
+def _unavailable(reason: str) -> dict:
+    return {contract.TIMING: contract.TIMING_DEVICE_UNAVAILABLE, contract.TIMING_REASON: reason}

@@ -39,6 +39,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("http_port", int, 4318, "OTLP/HTTP port (0 picks a free one)", 0, 65535),
     Setting("max_request_bytes", int, 16 * 1024 * 1024, "largest OTLP request accepted (after decompression)", 1024, 1 << 31),
     Setting("max_pending_requests", int, 256, "requests queued for the engine before intake answers 'retry later'", 1, 1_000_000),
+    Setting("max_pending_spans", int, 1_000_000, "spans queued for the engine before intake answers 'retry later'", 1, 100_000_000),
+    Setting("receiver_threads", int, 4, "threads decoding OTLP requests per protocol (gRPC workers; HTTP connections served at once)", 1, 256),
     Setting("auth_token_file", str, "", "file holding the bearer token clients must send (empty: no auth)"),
     Setting("auth_token", str, "", "bearer token clients must send (prefer --auth-token-file)"),
     Setting("tls_cert_file", str, "", "PEM certificate; with --tls-key-file serves TLS on both ports"),
@@ -46,6 +48,7 @@ SETTINGS: tuple[Setting, ...] = (
     # service: outputs
     Setting("evidence_dir", str, "straggler-evidence", "folder for verdicts.jsonl and status.json"),
     Setting("flush_interval_s", float, 1.0, "evidence is flushed at least this often", 0.05, 60.0),
+    Setting("max_evidence_bytes", int, 1 << 30, "verdicts.jsonl stops growing at this size; later verdicts are counted, not written", 1024, 1 << 40),
     Setting("prometheus_port", int, -1, "also serve metrics for scraping on this port (-1: off)", -1, 65535),
     Setting("export_metrics", _bool, True, "export verdict metrics and events over OTLP (OTEL_EXPORTER_OTLP_*)"),
     Setting("metric_export_interval_s", float, 5.0, "OTLP metric export period", 0.1, 3600.0),
@@ -76,12 +79,15 @@ class DetectorConfig:
     http_port: int = 4318
     max_request_bytes: int = 16 * 1024 * 1024
     max_pending_requests: int = 256
+    max_pending_spans: int = 1_000_000
+    receiver_threads: int = 4
     auth_token_file: str = ""
     auth_token: str = ""
     tls_cert_file: str = ""
     tls_key_file: str = ""
     evidence_dir: str = "straggler-evidence"
     flush_interval_s: float = 1.0
+    max_evidence_bytes: int = 1 << 30
     prometheus_port: int = -1
     export_metrics: bool = True
     metric_export_interval_s: float = 5.0

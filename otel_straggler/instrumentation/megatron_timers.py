@@ -51,17 +51,19 @@ class Timer:
         if self._started_ns is not None:
             return  # Megatron asserts here; a profiler must not stop training for it
         recorder = api._recorder
-        self._open = recorder.start(self.name) if recorder is not None else None
-        self._started_ns = time.perf_counter_ns()
+        if recorder is not None:
+            self._open = recorder.start(self.name)
+        self._started_ns = 0 if self._open is not None else time.perf_counter_ns()
 
     def stop(self, barrier: bool = False) -> None:
         if self._started_ns is None:
             return
-        duration_ns = time.perf_counter_ns() - self._started_ns
         opened, self._open = self._open, None
         recorder = api._recorder
         if opened is not None and recorder is not None:
-            recorder.stop(opened)
+            duration_ns = recorder.stop(opened)  # the span's own clock readings: no extra ones
+        else:
+            duration_ns = time.perf_counter_ns() - self._started_ns if self._started_ns else 0
         self._elapsed_ns += duration_ns
         self._active_ns += duration_ns
         self._started_ns = None

@@ -5,8 +5,7 @@ the current step and workload, and append to a bounded queue. They build no span
 log nothing, do no I/O and never raise. Everything else happens on the span builder's thread.
 
 Records in `completed` are plain tuples (cheap to make, atomic to append):
-  (INTERVAL, interval_id, parent_id, name, start_ns, end_ns, start_event, end_event,
-   step, tokens, samples, seq, collective)
+  (INTERVAL, open_interval, end_ns, end_event, (step, tokens, samples), seq)
   (STEP_BEGIN, step, time_ns, tokens, samples)
   (STEP_END, step, time_ns)
 """
@@ -20,6 +19,7 @@ from typing import Any, Optional
 from otel_straggler.processors.device_events import EventPool
 
 INTERVAL, STEP_BEGIN, STEP_END = 0, 1, 2
+_time_ns = time.time_ns
 
 # an open interval: [interval_id, parent_id, name, start_ns, start_event, collective, start_step]
 OpenInterval = list
@@ -64,12 +64,17 @@ class IntervalRecorder:
         try:
             opened = self.open_intervals
             step = self.binding[0]
-            # A parent only within the same step: a timer that runs across steps (Megatron's
-            # interval-time) would otherwise adopt spans of traces it does not belong to.
-            parent_id = opened[-1][0] if opened and opened[-1][6] == step else 0
-            interval = [self._next_interval_id(), parent_id, name, time.time_ns(), None, collective, step]
-            if self.event_pool is not None:
-                interval[4] = self.event_pool.record()
+            parent_id = 0
+            if opened:
+                # A parent only within the same step: a timer that runs across steps (Megatron's
+                # interval-time) would otherwise adopt spans of traces it does not belong to.
+                top = opened[-1]
+                if top[6] == step:
+                    parent_id = top[0]
+            pool = self.event_pool
+            # clock first, then the event: the event sits as close as it can to the stage's kernels
+            interval = [self._next_interval_id(), parent_id, name, _time_ns(),
+                        pool.record() if pool is not None else None, collective, step]
             opened.append(interval)
             return interval
         except Exception:
@@ -81,25 +86,22 @@ class IntervalRecorder:
         if interval is None:
             return 0
         try:
-            start_event = interval[4]
-            end_event = self.event_pool.record() if start_event is not None else None
+            end_event = self.event_pool.record() if interval[4] is not None else None
             if self.injection is not None:
                 self.injection.stretch(interval[2], interval[3], self.binding[0])
-            end_ns = time.time_ns()
+            end_ns = _time_ns()
             opened = self.open_intervals
             if opened and opened[-1] is interval:
                 opened.pop()
             elif interval in opened:  # timers may stop out of nesting order
                 opened.remove(interval)
-            step, tokens, samples = self.binding
             completed = self.completed
             if len(completed) < self.capacity:
-                completed.append((INTERVAL, interval[0], interval[1], interval[2], interval[3], end_ns,
-                                  start_event, end_event, step, tokens, samples, self._next_seq(), interval[5]))
+                completed.append((INTERVAL, interval, end_ns, end_event, self.binding, self._next_seq()))
             else:
                 self.dropped_queue_full += 1
                 self._next_seq()  # the gap shows the loss downstream too
-                self._give_back(start_event, end_event)
+                self._give_back(interval[4], end_event)
             return end_ns - interval[3]
         except Exception:
             self.internal_errors += 1
@@ -110,7 +112,7 @@ class IntervalRecorder:
             if self.on_first_step is not None:
                 make_event_pool, self.on_first_step = self.on_first_step, None
                 make_event_pool()
-            now = time.time_ns()
+            now = _time_ns()
             self.binding = (step, tokens, samples)
             if len(self.completed) < self.capacity:
                 self.completed.append((STEP_BEGIN, step, now, tokens, samples))
@@ -122,7 +124,7 @@ class IntervalRecorder:
     def end_step(self, step: int) -> None:
         try:
             if len(self.completed) < self.capacity:
-                self.completed.append((STEP_END, step, time.time_ns()))
+                self.completed.append((STEP_END, step, _time_ns()))
             else:
                 self.dropped_queue_full += 1
         except Exception:

@@ -156,8 +156,8 @@ class SpanBuilder:
         self.counters["steps_built"] += 1
 
     def _build_interval(self, record: tuple) -> None:
-        (_, interval_id, parent_id, name, start_ns, end_ns, start_event, end_event,
-         step, tokens, samples, seq, collective) = record
+        _, opened, end_ns, end_event, (step, tokens, samples), seq = record
+        interval_id, parent_id, name, start_ns, start_event, collective, _ = opened
         kind = stage_names.classify(name)
         attributes = {
             contract.STAGE: name,

@@ -1,0 +1,28 @@
+# The two quick-start targets (`make demo`, `make test`) and the pieces they are made of.
+# Every target sets itself up on a fresh machine; a second run reuses what is cached.
+SHELL := /bin/bash
+VENV ?= $(or $(OTEL_STRAGGLER_VENV),$(HOME)/.cache/otel-straggler/venv)
+PYTHON := $(VENV)/bin/python
+
+.PHONY: venv demo test test-unit services-build bench
+
+venv:
+	scripts/setup_venv.sh "$(VENV)"
+
+demo: venv
+	$(VENV)/bin/otel-straggler demo $(ARGS)
+
+# the whole suite: unit, protocol and end-to-end tests, with the real collector, Jaeger and
+# Prometheus built (cached) and started around the run
+test: venv services-build
+	scripts/run_tests.sh "$(VENV)" $(ARGS)
+
+# without the services: what runs in seconds while editing
+test-unit: venv
+	$(PYTHON) -m pytest -q -m "not services and not slow" $(ARGS)
+
+services-build:
+	scripts/services.sh build
+
+bench: venv
+	$(PYTHON) benchmarks/hot_path.py

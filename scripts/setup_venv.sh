@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Creates (or reuses) the project's one virtualenv and installs the package with its test
+# extras. torch comes from PyPI (the CUDA build, several GB): the venv is kept outside the
+# checkout so every clone on this machine shares one download.
+set -euo pipefail
+venv=${1:-${OTEL_STRAGGLER_VENV:-$HOME/.cache/otel-straggler/venv}}
+repo=$(cd "$(dirname "$0")/.." && pwd)
+python=${PYTHON:-python3}
+
+if [ ! -x "$venv/bin/python" ]; then
+  echo "creating virtualenv $venv"
+  mkdir -p "$(dirname "$venv")"
+  "$python" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip
+fi
+# Skip pip when neither the dependency list nor the checkout's location changed.
+stamp="$venv/.otel-straggler-installed"
+want="$(sha256sum "$repo/pyproject.toml" | cut -d' ' -f1) $repo"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "installing otel-straggler and its test dependencies into $venv"
+  "$venv/bin/python" -m pip install -q -e "$repo[test]"
+  echo "$want" > "$stamp"
+fi

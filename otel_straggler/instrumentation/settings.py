@@ -19,7 +19,6 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("queue_size", int, 65_536, "completed intervals waiting for the span builder; beyond it they are dropped and counted", 16, 1 << 24),
     Setting("build_interval_ms", float, 200.0, "how often the background thread turns intervals into spans", 1.0, 60_000.0),
     Setting("max_pending_spans", int, 16_384, "spans held while their CUDA events complete", 16, 1 << 22),
-    Setting("timers_log_level", int, 2, "Megatron timers: timers above this log level are no-ops", 0, 2),
     Setting("export_metrics", parse_bool, True, "export the rank's own straggler.instrumentation.* metrics"),
     # test-only slow-rank injection: inert unless inject_rank and inject_stage are set
     Setting("inject_rank", int, -1, "sleep inside a stage on this rank (test only; -1: off)", -1, 1 << 30),

@@ -28,6 +28,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("reference_quantile", float, 0.5, "quantile of the peers' window medians used as the reference", 0.0, 1.0),
     Setting("window_grace_s", float, 30.0, "a window closes this long after its last span even if the cohort has not moved on", 0.1, 86_400.0),
     Setting("silent_windows", int, 3, "a rank missing from this many consecutive closed windows is `silent`", 1, 1000),
+    Setting("window_close_lag", int, 4, "a window also closes once more than half of its cohort's ranks have reported a window this many later, so one lagging rank cannot hold it open", 1, 1000),
+    Setting("dedup_horizon", int, 512, "recent sequence numbers remembered per rank for de-duplication (8 bytes each; rounded up to a power of two)", 16, 1 << 20),
     Setting("max_jobs", int, 64, "bound on jobs tracked at once (oldest evicted, counted)", 1, 100_000),
     Setting("max_cohorts", int, 4096, "bound on cohorts tracked at once", 1, 1_000_000),
     Setting("max_ranks", int, 65_536, "bound on ranks tracked per cohort", 1, 10_000_000),
@@ -52,6 +54,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("prometheus_port", int, -1, "also serve metrics for scraping on this port (-1: off)", -1, 65535),
     Setting("export_metrics", _bool, True, "export verdict metrics and events over OTLP (OTEL_EXPORTER_OTLP_*)"),
     Setting("metric_export_interval_s", float, 5.0, "OTLP metric export period", 0.1, 3600.0),
+    Setting("max_metric_series", int, 50_000, "bound on series per per-rank metric (slowdown, alert, verdicts); more go to the overflow series", 100, 10_000_000),
 )
 
 _BY_NAME = {setting.name: setting for setting in SETTINGS}
@@ -69,6 +72,8 @@ class DetectorConfig:
     reference_quantile: float = 0.5
     window_grace_s: float = 30.0
     silent_windows: int = 3
+    window_close_lag: int = 4
+    dedup_horizon: int = 512
     max_jobs: int = 64
     max_cohorts: int = 4096
     max_ranks: int = 65_536
@@ -91,6 +96,7 @@ class DetectorConfig:
     prometheus_port: int = -1
     export_metrics: bool = True
     metric_export_interval_s: float = 5.0
+    max_metric_series: int = 50_000
 
     def __post_init__(self) -> None:
         for field in fields(self):

@@ -1,0 +1,168 @@
+"""What the demo shows while it runs: a progress bar, the latest window's per-rank stage
+medians, and alerts as they fire.
+
+On a terminal the block is redrawn in place; otherwise (a pipe, a CI log) the same content
+comes out as plain lines, each once. Events arrive from several threads; one lock orders them.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Optional, TextIO
+
+from otel_straggler import contract
+from otel_straggler.demo.summary import describe_alert
+
+RED = "\x1b[31m"
+BOLD = "\x1b[1m"
+RESET = "\x1b[0m"
+MAX_ALERT_LINES = 6
+
+
+def progress_bar(done: int, total: int, width: int = 30) -> str:
+    filled = 0 if total <= 0 else min(width, done * width // total)
+    return "[" + "#" * filled + "." * (width - filled) + "]"
+
+
+def verdict_line(verdict: dict[str, Any]) -> Optional[str]:
+    """One line for an alert, a recovery or a silence; None for verdicts not worth a line."""
+    kind = verdict.get("verdict")
+    if kind == contract.VERDICT_STRAGGLER:
+        return f"ALERT     window {verdict['window']}: straggler {describe_alert(verdict)}"
+    if kind == contract.VERDICT_RECOVERED:
+        return f"RECOVERED window {verdict['window']}: rank {verdict['rank']} in {verdict['stage']}"
+    if kind == contract.VERDICT_SILENT:
+        return f"SILENT    window {verdict['window']}: rank {verdict['rank']} stopped reporting"
+    return None
+
+
+def window_table(
+    window: int, window_steps: int, medians: dict[int, dict[str, float]], stages: list[str],
+    flagged: set[tuple[int, str]], color: bool,
+) -> list[str]:
+    """The window's median ms, a row per rank and a column per stage; flagged cells are marked
+    (red on a terminal, '!' otherwise). A whole-step alert marks the rank."""
+    first_step = window * window_steps
+    lines = [f"window {window} (steps {first_step}-{first_step + window_steps - 1}), median ms per stage"]
+    widths = [max(len(stage), 7) for stage in stages]
+    lines.append("rank   " + "  ".join(stage.rjust(width) for stage, width in zip(stages, widths)))
+    for rank in sorted(medians):
+        whole_step = (rank, contract.WHOLE_STEP_STAGE) in flagged
+        cells = []
+        for stage, width in zip(stages, widths):
+            value = medians[rank].get(stage)
+            text = "-" if value is None else f"{value:.1f}"
+            cells.append(_mark(text.rjust(width), (rank, stage) in flagged, color))
+        rank_label = _mark(f"{rank:>4}", whole_step, color) + ("!" if whole_step and not color else " ")
+        lines.append(f"{rank_label}  " + "  ".join(cells))
+    return lines
+
+
+def _mark(cell: str, flagged: bool, color: bool) -> str:
+    if not flagged:
+        return cell + (" " if not color else "")
+    return f"{RED}{BOLD}{cell}{RESET}" if color else cell + "!"
+
+
+class LiveView:
+    def __init__(self, stream: TextIO, total_steps: int, window_steps: int, header: str,
+                 interactive: Optional[bool] = None) -> None:
+        self._stream = stream
+        self._total_steps = total_steps
+        self._window_steps = window_steps
+        self._header = header
+        self._interactive = stream.isatty() if interactive is None else interactive
+        self._lock = threading.Lock()
+        self._started = time.monotonic()
+        self._steps_done = 0
+        self._loss: Optional[float] = None
+        self._latest_window: Optional[tuple[int, dict[int, dict[str, float]]]] = None
+        self._stages: list[str] = []
+        self._active_alerts: set[tuple[int, str]] = set()
+        self._alert_lines: list[str] = []
+        self._drawn_lines = 0
+        self._last_progress_line = -1
+        self._write_lines([header])
+
+    # events, from any thread
+
+    def on_progress(self, steps_done: int, loss: Optional[float]) -> None:
+        with self._lock:
+            self._steps_done, self._loss = steps_done, loss
+            if not self._interactive and (steps_done % self._window_steps == 0 or steps_done == self._total_steps):
+                if steps_done != self._last_progress_line:
+                    self._last_progress_line = steps_done
+                    self._write_lines([self._progress_line()])
+
+    def on_window(self, window: int, medians: dict[int, dict[str, float]]) -> None:
+        with self._lock:
+            for stages in medians.values():
+                self._stages.extend(stage for stage in stages if stage not in self._stages)
+            self._latest_window = (window, medians)
+            if not self._interactive:
+                self._write_lines(self._window_lines())
+
+    def on_verdict(self, verdict: dict[str, Any]) -> None:
+        with self._lock:
+            key = (verdict.get("rank"), verdict.get("stage"))
+            if verdict.get("verdict") == contract.VERDICT_STRAGGLER:
+                self._active_alerts.add(key)
+            elif verdict.get("verdict") == contract.VERDICT_RECOVERED:
+                self._active_alerts.discard(key)
+            line = verdict_line(verdict)
+            if line is None:
+                return
+            self._alert_lines.append(line)
+            if not self._interactive:
+                self._write_lines([line])
+
+    def message(self, text: str) -> None:
+        """A line that stays (above the live block on a terminal)."""
+        with self._lock:
+            self._write_lines([text])
+
+    def refresh(self) -> None:
+        """Redraws the block on a terminal; call it a few times a second. No-op otherwise."""
+        if not self._interactive:
+            return
+        with self._lock:
+            self._erase_block()
+            block = [self._progress_line(), *self._window_lines()]
+            if self._alert_lines:
+                block += ["alerts:"] + ["  " + line for line in self._alert_lines[-MAX_ALERT_LINES:]]
+            self._stream.write("\n".join(block) + "\n")
+            self._stream.flush()
+            self._drawn_lines = len(block)
+
+    def close(self) -> None:
+        """Leaves the last block on screen (a terminal) or the final progress line (plain)."""
+        self.refresh()
+        with self._lock:
+            self._drawn_lines = 0
+            if not self._interactive and self._steps_done != self._last_progress_line:
+                self._write_lines([self._progress_line()])
+
+    # drawing, under the lock
+
+    def _progress_line(self) -> str:
+        loss = "" if self._loss is None else f"  loss {self._loss:.4f}"
+        elapsed = time.monotonic() - self._started
+        return (f"{progress_bar(self._steps_done, self._total_steps)} step {self._steps_done}/{self._total_steps}"
+                f"{loss}  {elapsed:.1f} s")
+
+    def _window_lines(self) -> list[str]:
+        if self._latest_window is None:
+            return []
+        window, medians = self._latest_window
+        return window_table(window, self._window_steps, medians, self._stages, self._active_alerts,
+                            color=self._interactive)
+
+    def _erase_block(self) -> None:
+        if self._drawn_lines:
+            self._stream.write(f"\x1b[{self._drawn_lines}F\x1b[J")  # to the block's first line, clear below
+            self._drawn_lines = 0
+
+    def _write_lines(self, lines: list[str]) -> None:
+        self._erase_block()
+        self._stream.write("".join(line + "\n" for line in lines))
+        self._stream.flush()

@@ -1,0 +1,106 @@
+"""The one paragraph a run ends with: what was flagged, how fast, and what else was flagged.
+
+Pure functions over verdict records (CONTRACT §3a, as dicts) and the run record.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+from otel_straggler import contract
+from otel_straggler.demo.evidence import RunRecord
+
+Verdict = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Detection:
+    """The first alert for the injected rank in the injected stage or the whole step."""
+
+    verdict: Verdict
+    windows_after_injection: int  # windows from the one the injection began in, both counted
+    seconds_after_injection: Optional[float]  # None when the injection's start time is unknown
+
+
+def straggler_alerts(verdicts: Iterable[Verdict]) -> list[Verdict]:
+    """Alert onsets in the order they were made."""
+    alerts = [verdict for verdict in verdicts if verdict.get("verdict") == contract.VERDICT_STRAGGLER]
+    return sorted(alerts, key=lambda verdict: (verdict["window"], verdict.get("time_unix_nano") or 0))
+
+
+def find_detection(run: RunRecord, verdicts: Iterable[Verdict]) -> Optional[Detection]:
+    if run.injection is None:
+        return None
+    wanted_stages = (run.injection.stage, contract.WHOLE_STEP_STAGE)
+    for alert in straggler_alerts(verdicts):
+        if alert["rank"] == run.injection.rank and alert["stage"] in wanted_stages:
+            injection_window = run.injection.from_step // run.window_steps
+            started = run.injection_started_unix_nano()
+            made = alert.get("time_unix_nano")
+            seconds = (made - started) / 1e9 if started is not None and isinstance(made, int) else None
+            return Detection(alert, alert["window"] - injection_window + 1, seconds)
+    return None
+
+
+def other_alerts(run: Optional[RunRecord], verdicts: Iterable[Verdict]) -> list[Verdict]:
+    """Alerts on any rank but the injected one (all alerts when nothing was injected)."""
+    injected_rank = run.injection.rank if run is not None and run.injection is not None else None
+    return [alert for alert in straggler_alerts(verdicts) if alert["rank"] != injected_rank]
+
+
+def describe_alert(alert: Verdict) -> str:
+    """'rank 2 in forward-compute at window 4 (1.31x its peers, +9.4 ms)'."""
+    numbers = []
+    if isinstance(alert.get("slowdown"), (int, float)):
+        numbers.append(f"{alert['slowdown']:.2f}x its peers")
+    if isinstance(alert.get("gap_ms"), (int, float)):
+        numbers.append(f"{alert['gap_ms']:+.1f} ms")
+    detail = f" ({', '.join(numbers)})" if numbers else ""
+    return f"rank {alert['rank']} in {_stage_phrase(alert)} at window {alert['window']}{detail}"
+
+
+def _join(phrases: list[str]) -> str:
+    return phrases[0] if len(phrases) == 1 else ", ".join(phrases[:-1]) + " and " + phrases[-1]
+
+
+def summarize(run: Optional[RunRecord], verdicts: list[Verdict]) -> str:
+    """The closing paragraph. Without a run record (a detector's evidence alone) it lists the alerts."""
+    sentences = []
+    others = other_alerts(run, verdicts)
+    if run is not None and run.injection is not None:
+        injection = run.injection
+        injected = (f"injected slowdown (+{injection.slowdown:.0%} in {injection.stage} on rank {injection.rank} "
+                    f"from step {injection.from_step})")
+        detection = find_detection(run, verdicts)
+        if detection is None:
+            sentences.append(f"The {injected} was not flagged within {len(run.step_end_unix_nano)} steps.")
+        else:
+            after = f"{detection.windows_after_injection} window{'s' if detection.windows_after_injection != 1 else ''}"
+            if detection.seconds_after_injection is not None:
+                after += f" and {detection.seconds_after_injection:.1f} s"
+            sentences.append(f"Flagged {describe_alert(detection.verdict)}, {after} after the {injected} began.")
+        same_rank_elsewhere = [
+            alert for alert in straggler_alerts(verdicts)
+            if alert["rank"] == injection.rank and (detection is None or alert is not detection.verdict)
+        ]
+        if same_rank_elsewhere:
+            also = "also " if detection is not None else ""
+            sentences.append(f"Rank {injection.rank} was {also}flagged in "
+                             f"{_join(sorted({_stage_phrase(alert) for alert in same_rank_elsewhere}))}.")
+        sentences.append("No other rank was flagged." if not others else
+                         f"Other ranks flagged: {_join([describe_alert(alert) for alert in others])}.")
+    elif run is not None:
+        windows = -(-len(run.step_end_unix_nano) // run.window_steps)
+        sentences.append(
+            f"No rank was flagged over {len(run.step_end_unix_nano)} healthy steps ({windows} windows)." if not others
+            else f"Flagged with no slowdown injected: {_join([describe_alert(alert) for alert in others])}.")
+    else:
+        sentences.append("No straggler alert in this evidence." if not others
+                         else f"Straggler alerts: {_join([describe_alert(alert) for alert in others])}.")
+    if run is not None and len(run.losses) >= 2:
+        sentences.append(f"Training loss went from {run.losses[0]:.2f} to {run.losses[-1]:.2f}.")
+    return " ".join(sentences)
+
+
+def _stage_phrase(alert: Verdict) -> str:
+    return "the whole-step compute (*)" if alert["stage"] == contract.WHOLE_STEP_STAGE else alert["stage"]

@@ -1,0 +1,67 @@
+import io
+
+from otel_straggler.demo.live_view import LiveView, progress_bar, verdict_line, window_table
+
+from demo_synthetic_evidence import verdict
+
+STAGES = ["forward-compute", "all-grads-sync"]
+MEDIANS = {0: {"forward-compute": 30.0, "all-grads-sync": 29.0}, 2: {"forward-compute": 39.04, "all-grads-sync": 20.0}}
+
+
+def test_progress_bar():
+    assert progress_bar(0, 70, width=10) == "[..........]"
+    assert progress_bar(35, 70, width=10) == "[#####.....]"
+    assert progress_bar(99, 70, width=10) == "[##########]"
+
+
+def test_verdict_lines():
+    assert verdict_line(verdict(2, 4)) == ("ALERT     window 4: straggler rank 2 in forward-compute at window 4 "
+                                           "(1.30x its peers, +9.0 ms)")
+    assert verdict_line(verdict(2, 6, kind="recovered")).startswith("RECOVERED window 6: rank 2")
+    assert "stopped reporting" in verdict_line(verdict(1, 6, kind="silent"))
+    assert verdict_line(verdict(1, 6, kind="uncertain")) is None
+
+
+def test_window_table_marks_flagged_cells_without_color():
+    lines = window_table(4, 10, MEDIANS, STAGES, {(2, "forward-compute")}, color=False)
+    assert lines[0] == "window 4 (steps 40-49), median ms per stage"
+    assert lines[1].split() == ["rank", "forward-compute", "all-grads-sync"]
+    assert lines[2].split() == ["0", "30.0", "29.0"]
+    assert lines[3].split() == ["2", "39.0!", "20.0"]
+
+
+def test_window_table_colors_flagged_cells_and_whole_step_ranks():
+    lines = window_table(4, 10, MEDIANS, STAGES, {(2, "*")}, color=True)
+    assert "\x1b[31m" in lines[3] and "\x1b[31m" not in lines[2]
+
+
+def test_plain_output_prints_each_event_once():
+    out = io.StringIO()
+    view = LiveView(out, total_steps=20, window_steps=10, header="demo: 4 ranks", interactive=False)
+    for step in range(1, 21):
+        view.on_progress(step, 1.0)
+    view.on_window(0, MEDIANS)
+    view.on_verdict(verdict(2, 4))
+    view.on_verdict(verdict(0, 4, kind="uncertain"))
+    view.refresh()
+    view.close()
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "demo: 4 ranks"
+    assert [line.split()[2] for line in lines if line.startswith("[")] == ["10/20", "20/20"]
+    assert sum(line.startswith("ALERT") for line in lines) == 1
+    assert sum(line.startswith("window 0") for line in lines) == 1
+    assert "\x1b" not in out.getvalue()
+
+
+def test_terminal_output_redraws_the_block_in_place():
+    out = io.StringIO()
+    view = LiveView(out, total_steps=20, window_steps=10, header="demo", interactive=True)
+    view.on_progress(5, 2.0)
+    view.refresh()
+    view.on_window(0, MEDIANS)
+    view.on_verdict(verdict(2, 0, stage="forward-compute"))
+    view.refresh()
+    text = out.getvalue()
+    assert text.count("\x1b[1F\x1b[J") == 1  # the first block (one progress line) was erased once
+    last_block = text.rsplit("\x1b[J", 1)[1]
+    assert "step 5/20" in last_block and "alerts:" in last_block and "\x1b[31m" in last_block

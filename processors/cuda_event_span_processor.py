@@ -88,7 +88,10 @@ class CudaEventSpanProcessor(SpanProcessor):
         self._events_by_span_id[span.get_span_context().span_id] = (start_event, end_event)
 
     def on_start(self, span: Span, parent_context: Optional[Context] = None) -> None:
-        self.next_processor.on_start(span, parent_context=parent_context)
+        try:
+            self.next_processor.on_start(span, parent_context=parent_context)
+        except Exception:
+            self.counters["next_processor_error"] += 1
 
     def on_end(self, span: ReadableSpan) -> None:
         try:
@@ -113,7 +116,11 @@ class CudaEventSpanProcessor(SpanProcessor):
         deadline = time.monotonic() + timeout_millis / 1000
         drained = self._wait_drained(deadline)
         remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
-        return self.next_processor.force_flush(remaining_ms) and drained
+        try:
+            return self.next_processor.force_flush(remaining_ms) and drained
+        except Exception:
+            self.counters["next_processor_error"] += 1
+            return False
 
     def shutdown(self) -> None:
         if self._shutdown:
@@ -123,7 +130,10 @@ class CudaEventSpanProcessor(SpanProcessor):
         self._shutdown = True
         self._wake.set()
         self._worker.join(timeout=self.readout_timeout_s + 1.0)
-        self.next_processor.shutdown()
+        try:
+            self.next_processor.shutdown()
+        except Exception:
+            self.counters["next_processor_error"] += 1
 
     def pending(self) -> int:
         return len(self._held)
@@ -156,8 +166,10 @@ class CudaEventSpanProcessor(SpanProcessor):
                 extra = self._read(held, give_up)
                 if extra is None:
                     return  # front still running on the device: everything behind it waits
-            self._held.popleft()
+            # Forwarded before it leaves the queue: while it is still there, a span ending
+            # meanwhile queues up behind it instead of overtaking it in on_end.
             self._forward(held.span if extra is None else with_attributes(held.span, extra))
+            self._held.popleft()
 
     def _read(self, held: _HeldSpan, give_up: bool) -> Optional[dict]:
         try:

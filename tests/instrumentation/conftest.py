@@ -1,0 +1,288 @@
+"""Shared set-up for the rank-side tests: a clean environment, configure() with a guaranteed
+shutdown, in-memory span collection, a fake Megatron parallel state, and in-test OTLP
+receivers (gRPC and HTTP) on free 127.0.0.1 ports."""
+from __future__ import annotations
+
+import gzip
+import http.server
+import os
+import socket
+import sys
+import threading
+import time
+import types
+from concurrent import futures
+from typing import Any, Callable, Optional
+
+import grpc
+import pytest
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+import otel_straggler
+from otel_straggler.instrumentation import api
+
+# Everything that steers configuration or identity; each test starts without any of it.
+_ENV_PREFIXES = ("OTEL_", "SLURM_", "TORCHELASTIC_")
+_ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+_MEGATRON_STATE = "megatron.core.parallel_state"
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith(_ENV_PREFIXES) or name in _ENV_NAMES:
+            monkeypatch.delenv(name)
+    monkeypatch.delitem(sys.modules, _MEGATRON_STATE, raising=False)
+    assert otel_straggler.current() is None, "a previous test left the instrumentation on"
+
+
+@pytest.fixture
+def configure() -> Callable[..., otel_straggler.Instrumentation]:
+    """otel_straggler.configure(), shut down after the test whatever happens (configure() is
+    process-global: the next test's configure() must start from scratch)."""
+    handles: list = []
+
+    def configure_for_test(**kwargs: Any) -> otel_straggler.Instrumentation:
+        kwargs.setdefault("build_interval_ms", 5.0)
+        handle = otel_straggler.configure(**kwargs)
+        handles.append(handle)
+        return handle
+
+    yield configure_for_test
+    for handle in handles:
+        handle.shutdown(timeout_s=3.0)
+    assert api._recorder is None and otel_straggler.current() is None
+
+
+class InMemorySpans:
+    """The instrumentation on a user's TracerProvider that keeps finished spans in memory."""
+
+    def __init__(self, configure: Callable[..., otel_straggler.Instrumentation]) -> None:
+        self._configure = configure
+        self.exporter = InMemorySpanExporter()
+        self.provider = TracerProvider()
+        self.provider.add_span_processor(SimpleSpanProcessor(self.exporter))
+        self.handle: Optional[otel_straggler.Instrumentation] = None
+
+    def configure(self, **kwargs: Any) -> otel_straggler.Instrumentation:
+        kwargs.setdefault("job_id", "job-in-memory")
+        kwargs.setdefault("rank", 0)
+        self.handle = self._configure(tracer_provider=self.provider, **kwargs)
+        return self.handle
+
+    def spans(self) -> list:
+        assert self.handle.flush(timeout_s=5.0)
+        return list(self.exporter.get_finished_spans())
+
+    def stage_spans(self) -> list:
+        return [span for span in self.spans() if span.name != "train.step"]
+
+
+@pytest.fixture
+def in_memory(configure) -> InMemorySpans:
+    return InMemorySpans(configure)
+
+
+def fake_parallel_state(tp=(1, 2), pp=(0, 2), cp=(0, 1), ep=(0, 1), dp=(3, 4), vpp=None) -> types.ModuleType:
+    """A stand-in for megatron.core.parallel_state: (rank, size) per dimension, None when the
+    dimension is not in use (Megatron returns None for VPP then)."""
+    state = types.ModuleType(_MEGATRON_STATE)
+    state.model_parallel_is_initialized = lambda: True
+    for dim, getter in (("tensor_model", tp), ("pipeline_model", pp), ("context", cp),
+                        ("expert_model", ep), ("data", dp), ("virtual_pipeline_model", vpp)):
+        rank, size = getter if getter is not None else (None, None)
+        setattr(state, f"get_{dim}_parallel_rank", lambda rank=rank: rank)
+        setattr(state, f"get_{dim}_parallel_world_size", lambda size=size: size)
+    return state
+
+
+@pytest.fixture
+def megatron_state(monkeypatch: pytest.MonkeyPatch) -> Callable[..., types.ModuleType]:
+    """Installs a fake Megatron parallel state in sys.modules, as an initialised Megatron has."""
+
+    def install(**dims: Any) -> types.ModuleType:
+        state = fake_parallel_state(**dims)
+        monkeypatch.setitem(sys.modules, _MEGATRON_STATE, state)
+        return state
+
+    return install
+
+
+def poll_until(condition: Callable[[], Any], timeout_s: float = 5.0, interval_s: float = 0.005) -> Any:
+    """Polls a condition on background work; returns its last value (falsy if it timed out)."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()) and time.monotonic() < deadline:
+        time.sleep(interval_s)
+    return value
+
+
+@pytest.fixture
+def wait_until() -> Callable[..., Any]:
+    return poll_until
+
+
+def closed_port() -> int:
+    """A 127.0.0.1 port nothing listens on (bound once by us, then released)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# -- in-test OTLP receivers ------------------------------------------------------------------
+
+def any_value(value) -> Any:
+    """An OTLP AnyValue as the Python value it carries, keeping its wire type (int vs str)."""
+    kind = value.WhichOneof("value")
+    return getattr(value, kind) if kind else None
+
+
+def attributes(key_values) -> dict:
+    return {item.key: any_value(item.value) for item in key_values}
+
+
+class ReceivedSpan:
+    __slots__ = ("resource", "span", "attributes")
+
+    def __init__(self, resource: dict, span) -> None:
+        self.resource = resource
+        self.span = span
+        self.attributes = attributes(span.attributes)
+
+
+class OtlpSink:
+    """What a receiver got: decoded ExportTraceServiceRequest / ExportMetricsServiceRequest."""
+
+    def __init__(self) -> None:
+        self.trace_requests: list = []
+        self.metric_requests: list = []
+        self._arrived = threading.Condition()
+
+    def add_traces(self, request) -> None:
+        with self._arrived:
+            self.trace_requests.append(request)
+            self._arrived.notify_all()
+
+    def add_metrics(self, request) -> None:
+        with self._arrived:
+            self.metric_requests.append(request)
+            self._arrived.notify_all()
+
+    def spans(self) -> list[ReceivedSpan]:
+        with self._arrived:
+            requests = list(self.trace_requests)
+        return [ReceivedSpan(attributes(resource_spans.resource.attributes), span)
+                for request in requests for resource_spans in request.resource_spans
+                for scope_spans in resource_spans.scope_spans for span in scope_spans.spans]
+
+    def metrics(self) -> dict[str, list]:
+        """Metric name -> its data points, from every request received."""
+        with self._arrived:
+            requests = list(self.metric_requests)
+        points: dict[str, list] = {}
+        for request in requests:
+            for resource_metrics in request.resource_metrics:
+                for scope_metrics in resource_metrics.scope_metrics:
+                    for metric in scope_metrics.metrics:
+                        data = getattr(metric, metric.WhichOneof("data"))
+                        points.setdefault(metric.name, []).extend(data.data_points)
+        return points
+
+    def wait_for_spans(self, count: int, timeout_s: float = 10.0) -> list[ReceivedSpan]:
+        deadline = time.monotonic() + timeout_s
+        with self._arrived:
+            while sum(len(s.spans) for r in self.trace_requests for rs in r.resource_spans
+                      for s in rs.scope_spans) < count:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._arrived.wait(left)
+        return self.spans()
+
+
+class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
+    def __init__(self, sink: OtlpSink) -> None:
+        self.sink = sink
+
+    def Export(self, request, context):
+        self.sink.add_traces(request)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+class _MetricsService(metrics_service_pb2_grpc.MetricsServiceServicer):
+    def __init__(self, sink: OtlpSink) -> None:
+        self.sink = sink
+
+    def Export(self, request, context):
+        self.sink.add_metrics(request)
+        return metrics_service_pb2.ExportMetricsServiceResponse()
+
+
+@pytest.fixture
+def grpc_receiver():
+    """An OTLP/gRPC receiver; `.endpoint` is what configure(endpoint=...) takes."""
+    sink = OtlpSink()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_TraceService(sink), server)
+    metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_MetricsService(sink), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    sink.endpoint = f"127.0.0.1:{port}"
+    sink.protocol = "grpc"
+    yield sink
+    server.stop(grace=None)
+
+
+class _OtlpHttpHandler(http.server.BaseHTTPRequestHandler):
+    routes = {
+        "/v1/traces": (trace_service_pb2.ExportTraceServiceRequest, trace_service_pb2.ExportTraceServiceResponse,
+                       OtlpSink.add_traces),
+        "/v1/metrics": (metrics_service_pb2.ExportMetricsServiceRequest,
+                        metrics_service_pb2.ExportMetricsServiceResponse, OtlpSink.add_metrics),
+    }
+
+    def do_POST(self) -> None:
+        route = self.routes.get(self.path)
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if route is None:
+            self.send_error(404)
+            return
+        if self.headers.get("Content-Encoding") == "gzip":
+            body = gzip.decompress(body)
+        request_type, response_type, add = route
+        request = request_type()
+        request.ParseFromString(body)
+        add(self.server.sink, request)
+        payload = response_type().SerializeToString()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args: Any) -> None:
+        pass  # keep the test output to the assertions
+
+
+@pytest.fixture
+def http_receiver():
+    """An OTLP/HTTP (protobuf) receiver for POST /v1/traces and /v1/metrics."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OtlpHttpHandler)
+    server.daemon_threads = True
+    server.sink = sink = OtlpSink()
+    thread = threading.Thread(target=server.serve_forever, name="otlp-http-receiver", daemon=True)
+    thread.start()
+    sink.endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    sink.protocol = "http/protobuf"
+    yield sink
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(params=["grpc", "http"])
+def otlp_receiver(request):
+    """Each test using it runs once per OTLP transport."""
+    return request.getfixturevalue(f"{request.param}_receiver")

@@ -1,0 +1,381 @@
+"""OTLP trace requests (protobuf or JSON) -> Observations, the detector's hot path.
+
+A span is ours when it carries `training.stage` (CONTRACT §2). Everything else, including the
+per-rank `train.step` spans, is counted as ignored: the engine derives whole-step compute from the
+stage spans (DESIGN §3), so the step span adds nothing. A stage span that lacks a required field
+(job id, rank, step, seq, timestamps) or has one of the wrong type is counted as malformed; the rest
+of its request still counts. A payload that cannot be parsed at all raises MalformedPayload.
+
+Resource attributes (CONTRACT §1) may also arrive on the span itself, e.g. from an exporter that
+flattens resources; the span's value is used only when the resource has none. A missing cohort means
+"every rank plays the same role" (plain data parallelism) and maps to DEFAULT_COHORT; a missing
+topology epoch is 0. Workload values that are not positive numbers degrade to None ("not reported").
+
+Speed: the protobuf path parses with a *view* of the OTLP schema that keeps only the fields read
+here and declares attributes as `map<string, bytes>` (a map entry has the same wire format as
+KeyValue). That parses in C, answers each attribute by one lookup instead of a Python walk over
+KeyValue objects, and leaves each value as its raw AnyValue bytes, which repeat heavily across spans
+(stage names, steps, workload), so a small bounded cache turns most of them into one dict lookup.
+"""
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+from otel_straggler import contract
+from otel_straggler.detector.observation import Observation
+
+DEFAULT_COHORT = "default"
+_VALUE_CACHE_ENTRIES = 4096  # distinct AnyValue encodings kept; cleared when full, so always bounded
+
+
+class MalformedPayload(ValueError):
+    """The request as a whole cannot be decoded; the message says why in one line."""
+
+
+@dataclass
+class DecodedBatch:
+    """What one OTLP request held."""
+
+    observations: list[Observation] = field(default_factory=list)
+    ignored: int = 0  # spans that are not stage spans
+    malformed: int = 0  # stage spans rejected for a missing or invalid field
+    first_error: str = ""  # the first rejection, for OTLP partial success
+
+    def reject(self, span_name: str, reason: str) -> None:
+        self.malformed += 1
+        if not self.first_error:
+            self.first_error = f"span {span_name!r}: {reason}"
+
+    @property
+    def span_count(self) -> int:
+        return len(self.observations) + self.ignored + self.malformed
+
+
+class _Invalid:
+    """A value that is present but not a string, bool, int or double (array, kvlist, bytes)."""
+
+    def __repr__(self) -> str:
+        return "<unsupported value>"
+
+
+INVALID = _Invalid()
+
+
+# ---------------------------------------------------------------- shared validation
+
+def _positive_count(value: Any) -> Optional[int]:
+    if type(value) is int:
+        return value if value > 0 else None
+    if type(value) is float and math.isfinite(value) and value >= 1:
+        return int(value)
+    return None
+
+
+def _observation(
+    job_id: Any, epoch: Any, cohort: Any, rank: Any, stage: Any, step: Any, seq: Any, timing: Any,
+    device_ms: Any, collective: Any, tokens: Any, samples: Any, start: int, end: int,
+) -> Observation | str:
+    """One stage span's typed values -> its Observation, or why it is rejected.
+    `type(x) is int` on purpose: a bool is an int subclass and is not a valid rank or step."""
+    if type(job_id) is not str or not job_id:
+        return f"{contract.JOB_ID} missing or not a string"
+    if type(rank) is not int or rank < 0:
+        return f"{contract.RANK} missing or not a non-negative int"
+    if type(stage) is not str or not stage:
+        return f"{contract.STAGE} is not a non-empty string"
+    if type(step) is not int or step < 0:
+        return f"{contract.STEP} missing or not a non-negative int"
+    if type(seq) is not int or seq < 0:
+        return f"{contract.SEQ} missing or not a non-negative int"
+    if epoch is None:
+        epoch = 0
+    elif type(epoch) is not int or epoch < 0:
+        return f"{contract.TOPOLOGY_EPOCH} is not a non-negative int"
+    if not cohort:
+        cohort = DEFAULT_COHORT
+    elif type(cohort) is not str:
+        return f"{contract.COHORT} is not a string"
+    if type(start) is not int or type(end) is not int or start <= 0 or end < start:
+        return "start/end time missing or end before start"
+    if timing == contract.TIMING_DEVICE and type(device_ms) in (float, int) and 0 <= device_ms < math.inf:
+        device_ms = float(device_ms)
+    else:
+        device_ms = None
+    return Observation(
+        job_id, epoch, cohort, rank, stage, step, seq, (end - start) / 1e6, device_ms,
+        collective is True, _positive_count(tokens), _positive_count(samples), end,
+    )
+
+
+_IDENTITY_KEYS = (contract.JOB_ID, contract.TOPOLOGY_EPOCH, contract.COHORT, contract.RANK)
+
+
+# ---------------------------------------------------------------- protobuf
+
+def _view_classes() -> type:
+    """Builds the OTLP view schema described in the module doc and returns its request class."""
+    F = descriptor_pb2.FieldDescriptorProto
+    proto = descriptor_pb2.FileDescriptorProto(name="otel_straggler_otlp_view.proto", package="otlp_view", syntax="proto3")
+
+    def message(name: str, *fields: tuple, attributes_field: int = 0) -> None:
+        descriptor = proto.message_type.add(name=name)
+        for field_name, number, kind, label, type_name in fields:
+            added = descriptor.field.add(name=field_name, number=number, type=kind, label=label)
+            if type_name:
+                added.type_name = type_name
+        if attributes_field:
+            entry = descriptor.nested_type.add(name="AttributesEntry")
+            entry.field.add(name="key", number=1, type=F.TYPE_STRING, label=F.LABEL_OPTIONAL)
+            entry.field.add(name="value", number=2, type=F.TYPE_BYTES, label=F.LABEL_OPTIONAL)
+            entry.options.map_entry = True
+            descriptor.field.add(name="attributes", number=attributes_field, type=F.TYPE_MESSAGE,
+                                 label=F.LABEL_REPEATED, type_name=f".otlp_view.{name}.AttributesEntry")
+
+    one, many = F.LABEL_OPTIONAL, F.LABEL_REPEATED
+    # Field numbers are those of opentelemetry/proto/trace/v1/trace.proto and resource.proto.
+    message("Span", ("name", 5, F.TYPE_STRING, one, ""),
+            ("start_time_unix_nano", 7, F.TYPE_FIXED64, one, ""),
+            ("end_time_unix_nano", 8, F.TYPE_FIXED64, one, ""), attributes_field=9)
+    message("Resource", attributes_field=1)
+    message("ScopeSpans", ("spans", 2, F.TYPE_MESSAGE, many, ".otlp_view.Span"))
+    message("ResourceSpans", ("resource", 1, F.TYPE_MESSAGE, one, ".otlp_view.Resource"),
+            ("scope_spans", 2, F.TYPE_MESSAGE, many, ".otlp_view.ScopeSpans"))
+    message("Request", ("resource_spans", 1, F.TYPE_MESSAGE, many, ".otlp_view.ResourceSpans"))
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(proto)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("otlp_view.Request"))
+
+
+_RequestView = _view_classes()
+_SCALAR_KINDS = {"string_value", "bool_value", "int_value", "double_value"}
+
+
+def _any_value(raw: Optional[bytes]) -> Any:
+    """Raw AnyValue bytes -> str/bool/int/float; None when absent or empty; INVALID for other kinds."""
+    if raw is None:
+        return None
+    try:
+        value = AnyValue.FromString(raw)
+    except DecodeError:
+        return INVALID
+    kind = value.WhichOneof("value")
+    if kind is None:
+        return None
+    return getattr(value, kind) if kind in _SCALAR_KINDS else INVALID
+
+
+_unpack_double = struct.Struct("<d").unpack_from
+_INT_VALUE_TAG, _DOUBLE_VALUE_TAG = 0x18, 0x21  # AnyValue.int_value (varint), double_value (fixed64)
+
+
+def _int_any_value(raw: Optional[bytes]) -> Any:
+    """_any_value for values expected to be ints, with a fast path for the canonical encoding
+    (tag, then a varint of at most 8 bytes that ends the message)."""
+    if raw is not None and 2 <= len(raw) <= 9 and raw[0] == _INT_VALUE_TAG and raw[-1] < 0x80:
+        value, shift = 0, 0
+        for byte in raw[1:-1]:
+            if byte < 0x80:
+                return _any_value(raw)  # the varint ends early: more fields follow
+            value |= (byte & 0x7F) << shift
+            shift += 7
+        return value | (raw[-1] << shift)
+    return _any_value(raw)
+
+
+def _double_any_value(raw: Optional[bytes]) -> Any:
+    """_any_value for values expected to be doubles, with a fast path for the canonical encoding."""
+    if raw is not None and len(raw) == 9 and raw[0] == _DOUBLE_VALUE_TAG:
+        return _unpack_double(raw, 1)[0]
+    return _any_value(raw)
+
+
+class ProtobufDecoder:
+    """Decodes serialized ExportTraceServiceRequests. Safe to share between threads: its only state
+    is the value cache, whose worst race is a miss."""
+
+    def __init__(self) -> None:
+        self._value_cache: dict[bytes, Any] = {}
+
+    def _value(self, raw: Optional[bytes]) -> Any:
+        value = self._value_cache.get(raw)
+        if value is None and raw is not None:
+            value = _any_value(raw)
+            if len(self._value_cache) >= _VALUE_CACHE_ENTRIES:
+                self._value_cache.clear()
+            self._value_cache[raw] = value
+        return value
+
+    def decode(self, payload: bytes) -> DecodedBatch:
+        try:
+            request = _RequestView.FromString(payload)
+        except DecodeError as error:
+            raise MalformedPayload(f"not an OTLP ExportTraceServiceRequest: {error}") from None
+        batch = DecodedBatch()
+        append = batch.observations.append
+        cached = self._value_cache.get
+        value_of = self._value
+        for resource_spans in request.resource_spans:
+            resource = resource_spans.resource.attributes
+            job_id, epoch, cohort, rank = (value_of(resource.get(key)) for key in _IDENTITY_KEYS)
+            complete_resource = None not in (job_id, epoch, cohort, rank)
+            for scope_spans in resource_spans.scope_spans:
+                for span in scope_spans.spans:
+                    get = span.attributes.get
+                    raw = get(contract.STAGE)
+                    if raw is None:
+                        batch.ignored += 1
+                        continue
+                    # Inlined cache lookups: this loop runs once per span.
+                    stage = cached(raw)
+                    if stage is None:
+                        stage = value_of(raw)
+                    raw = get(contract.STEP)
+                    step = cached(raw)
+                    if step is None:
+                        step = value_of(raw)
+                    raw = get(contract.TIMING)
+                    timing = cached(raw)
+                    if timing is None:
+                        timing = value_of(raw)
+                    raw = get(contract.COLLECTIVE)
+                    collective = cached(raw)
+                    if collective is None:
+                        collective = value_of(raw)
+                    raw = get(contract.WORKLOAD_TOKENS)
+                    tokens = cached(raw)
+                    if tokens is None:
+                        tokens = value_of(raw)
+                    raw = get(contract.WORKLOAD_SAMPLES)
+                    samples = cached(raw)
+                    if samples is None:
+                        samples = value_of(raw)
+                    # seq and device duration are unique per span: caching them would only evict others
+                    seq = _int_any_value(get(contract.SEQ))
+                    device_ms = (_double_any_value(get(contract.DEVICE_DURATION_MS))
+                                 if timing == contract.TIMING_DEVICE else None)
+                    if complete_resource:
+                        result = _observation(job_id, epoch, cohort, rank, stage, step, seq, timing, device_ms,
+                                              collective, tokens, samples,
+                                              span.start_time_unix_nano, span.end_time_unix_nano)
+                    else:
+                        own = [value_of(get(key)) if value is None else value
+                               for key, value in zip(_IDENTITY_KEYS, (job_id, epoch, cohort, rank))]
+                        result = _observation(*own, stage, step, seq, timing, device_ms, collective, tokens,
+                                              samples, span.start_time_unix_nano, span.end_time_unix_nano)
+                    if type(result) is str:
+                        batch.reject(span.name, result)
+                    else:
+                        append(result)
+        return batch
+
+
+# ---------------------------------------------------------------- JSON
+
+_JSON_DOUBLE_WORDS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _json_int(value: Any) -> Any:
+    # ProtoJSON writes int64 as a decimal string; plain numbers are accepted too.
+    if type(value) is int:
+        return value
+    if type(value) is str:
+        try:
+            return int(value)
+        except ValueError:
+            return INVALID
+    return INVALID
+
+
+def _json_any_value(value: Any) -> Any:
+    if not isinstance(value, dict) or not value:
+        return None
+    if "stringValue" in value:
+        text = value["stringValue"]
+        return text if type(text) is str else INVALID
+    if "intValue" in value:
+        return _json_int(value["intValue"])
+    if "doubleValue" in value:
+        number = value["doubleValue"]
+        if type(number) in (int, float):
+            return float(number)
+        return _JSON_DOUBLE_WORDS.get(number, INVALID) if type(number) is str else INVALID
+    if "boolValue" in value:
+        flag = value["boolValue"]
+        return flag if type(flag) is bool else INVALID
+    return INVALID
+
+
+def _json_attributes(attributes: Any) -> dict[str, Any]:
+    if not isinstance(attributes, list):
+        raise MalformedPayload("attributes is not a list")
+    typed = {}
+    for pair in attributes:
+        if not isinstance(pair, dict) or type(pair.get("key")) is not str:
+            raise MalformedPayload("attribute without a string key")
+        typed[pair["key"]] = _json_any_value(pair.get("value"))
+    return typed
+
+
+def _json_list(container: dict, key: str) -> list:
+    value = container.get(key, [])
+    if not isinstance(value, list):
+        raise MalformedPayload(f"{key} is not a list")
+    return value
+
+
+def _json_object(value: Any, what: str) -> dict:
+    if not isinstance(value, dict):
+        raise MalformedPayload(f"{what} is not a JSON object")
+    return value
+
+
+def decode_json_request(request: Any) -> DecodedBatch:
+    """Decodes an already-parsed OTLP/JSON ExportTraceServiceRequest (lowerCamelCase keys, int64 as
+    strings). Trace and span ids (hex in OTLP/JSON, not base64) are never read: the detector
+    de-duplicates by (job, epoch, rank, seq), so no id is decoded or trusted."""
+    batch = DecodedBatch()
+    for resource_spans in _json_list(_json_object(request, "request"), "resourceSpans"):
+        resource_spans = _json_object(resource_spans, "resourceSpans[]")
+        resource = _json_attributes(_json_object(resource_spans.get("resource", {}), "resource").get("attributes", []))
+        for scope_spans in _json_list(resource_spans, "scopeSpans"):
+            for span in _json_list(_json_object(scope_spans, "scopeSpans[]"), "spans"):
+                span = _json_object(span, "span")
+                name = str(span.get("name", ""))
+                try:
+                    attributes = _json_attributes(span.get("attributes", []))
+                except MalformedPayload as error:
+                    batch.reject(name, str(error))
+                    continue
+                if contract.STAGE not in attributes:
+                    batch.ignored += 1
+                    continue
+                identity = [attributes.get(key) if resource.get(key) is None else resource[key] for key in _IDENTITY_KEYS]
+                result = _observation(
+                    *identity, attributes[contract.STAGE], attributes.get(contract.STEP), attributes.get(contract.SEQ),
+                    attributes.get(contract.TIMING), attributes.get(contract.DEVICE_DURATION_MS),
+                    attributes.get(contract.COLLECTIVE), attributes.get(contract.WORKLOAD_TOKENS),
+                    attributes.get(contract.WORKLOAD_SAMPLES),
+                    _json_int(span.get("startTimeUnixNano", 0)), _json_int(span.get("endTimeUnixNano", 0)),
+                )
+                if type(result) is str:
+                    batch.reject(name, result)
+                else:
+                    batch.observations.append(result)
+    return batch
+
+
+def decode_json(payload: bytes) -> DecodedBatch:
+    """Decodes an OTLP/JSON request body."""
+    try:
+        request = json.loads(payload)
+    except (ValueError, RecursionError) as error:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise MalformedPayload(f"not JSON: {error}") from None
+    return decode_json_request(request)

@@ -1,0 +1,141 @@
+"""Verdicts out, off the ingest path: the engine thread only appends to a bounded list; a writer thread
+wakes every flush interval and sends what accumulated to the evidence file, then to telemetry
+(counter and events), then refreshes status.json.
+
+A SIGTERM is turned by the service into stop(), which flushes everything; a SIGKILL loses at most
+the verdicts of the last flush interval, never part of a line (see evidence.py). Each flush ends with
+an fsync, so a machine crash loses about as little: at most one fsync per interval, on this thread.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from typing import Callable, Optional
+
+from otel_straggler.detector.evidence import EvidenceFiles, verdict_line
+from otel_straggler.detector.observation import Verdict
+from otel_straggler.detector.pipeline import EngineDriver
+from otel_straggler.detector.telemetry import DetectorTelemetry
+
+_log = logging.getLogger(__name__)
+MAX_PENDING_VERDICTS = 200_000  # about one flush interval of a very large job; beyond it, counted and dropped
+
+
+class VerdictEmitter:
+    def __init__(
+        self,
+        evidence: EvidenceFiles,
+        flush_interval_s: float,
+        status: Callable[[], dict],
+        telemetry: Optional[DetectorTelemetry] = None,
+    ) -> None:
+        self._evidence = evidence
+        self._flush_interval_s = flush_interval_s
+        self._status = status
+        self._telemetry = telemetry
+        self._pending: list[Verdict] = []
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread: Optional[threading.Thread] = None
+        self._counts_lock = threading.Lock()
+        self.dropped: Counter[str] = Counter()  # verdicts not written to verdicts.jsonl, by reason
+        self.errors: Counter[str] = Counter()
+        self.verdicts: Counter[str] = Counter()  # emitted, by verdict kind
+        self._logged: set[str] = set()
+
+    def submit(self, verdicts: list[Verdict]) -> None:
+        """Called on the engine thread; never blocks on I/O."""
+        with self._wake:
+            room = MAX_PENDING_VERDICTS - len(self._pending)
+            self._pending.extend(verdicts[:max(0, room)])
+        if len(verdicts) > room:
+            self._count(self.dropped, "queue_full", len(verdicts) - max(0, room))
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="straggler-emitter", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float) -> bool:
+        """Flushes everything submitted so far, writes the last status.json, closes the file."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                return False
+        else:
+            self.flush()
+        self._evidence.close()
+        return True
+
+    def counts(self) -> dict:
+        with self._counts_lock:
+            return {"verdicts": dict(self.verdicts), "verdicts_dropped": dict(self.dropped), "errors": dict(self.errors)}
+
+    def evidence_counts(self) -> dict:
+        return {"path": self._evidence.verdicts_path, "bytes": self._evidence.size,
+                "lines_written": self._evidence.lines_written,
+                "torn_bytes_repaired": self._evidence.torn_bytes_repaired}
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                if not self._stopping:
+                    self._wake.wait(self._flush_interval_s)
+                stopping = self._stopping
+            self.flush()
+            if stopping:
+                return
+
+    def flush(self) -> None:
+        with self._wake:
+            verdicts, self._pending = self._pending, []
+        if verdicts:
+            with self._counts_lock:
+                self.verdicts.update(verdict.verdict for verdict in verdicts)
+            before = self._evidence.lines_dropped_file_full
+            try:
+                self._evidence.append(verdict_line(verdict) for verdict in verdicts)
+            except OSError:
+                self._failed("write_failed", len(verdicts), "cannot append to verdicts.jsonl")
+            self._count(self.dropped, "file_full", self._evidence.lines_dropped_file_full - before)
+            if self._telemetry is not None:
+                try:
+                    self._telemetry.record_verdicts(verdicts)
+                except Exception:  # noqa: BLE001 - telemetry must not stop the evidence file
+                    self._failed("telemetry", 1, "recording verdict telemetry failed")
+        try:
+            self._evidence.write_status(self._status())
+        except Exception:  # noqa: BLE001
+            self._failed("status_file", 1, "cannot write status.json")
+
+    def _failed(self, reason: str, count: int, message: str) -> None:
+        self._count(self.dropped if reason == "write_failed" else self.errors, reason, count)
+        if reason not in self._logged:  # once per reason: a full disk would otherwise flood the log
+            self._logged.add(reason)
+            _log.exception("%s (counted, logged once)", message)
+
+    def _count(self, counter: Counter, key: str, amount: int) -> None:
+        if amount > 0:
+            with self._counts_lock:
+                counter[key] += amount
+
+
+def status_record(driver: EngineDriver, emitter: VerdictEmitter, telemetry: Optional[DetectorTelemetry]) -> dict:
+    """The counters part of status.json, shared by the live service and replay."""
+    counts = driver.counters.snapshot()
+    emitted = emitter.counts()
+    errors = Counter(counts["errors"])
+    errors.update(emitted["errors"])
+    return {
+        "spans": counts["spans"],
+        "requests": counts["requests"],
+        "errors": dict(errors),
+        "engine": driver.stats(),
+        "verdicts": emitted["verdicts"],
+        "verdicts_dropped": emitted["verdicts_dropped"],
+        "evidence": emitter.evidence_counts(),
+        "export_failures": dict(telemetry.export_failures) if telemetry is not None else {},
+    }

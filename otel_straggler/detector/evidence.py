@@ -1,0 +1,103 @@
+"""The evidence directory: `verdicts.jsonl` (CONTRACT §3a) and a `status.json` snapshot.
+
+Crash safety comes from how bytes reach the file, not from the caller: lines are appended through an
+O_APPEND descriptor, all pending lines in one os.write, so a SIGKILL leaves either whole lines or,
+if the kernel cut a large write short, one torn tail. Opening the file repairs that tail (the bytes
+after the last newline are cut off and counted), so the file is always whole JSON lines.
+`status.json` is replaced atomically (temporary file, then os.replace), so readers never see half.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Iterable, Optional
+
+from otel_straggler import contract
+from otel_straggler.detector.observation import Verdict
+
+VERDICTS_FILE = "verdicts.jsonl"
+STATUS_FILE = "status.json"
+_TAIL_PROBE_BYTES = 64 * 1024
+
+
+def verdict_line(verdict: Verdict) -> bytes:
+    """One JSON line with exactly the CONTRACT §3a fields, in contract order. A non-finite number
+    (which JSON cannot hold) is written as null, like a missing one."""
+    record = verdict.to_dict()
+    for key in ("slowdown", "gap_ms", "rank_ms", "reference_ms"):
+        value = record[key]
+        if isinstance(value, float) and not math.isfinite(value):
+            record[key] = None
+    ordered = {key: record[key] for key in contract.VERDICT_FIELDS}
+    return (json.dumps(ordered, separators=(",", ":"), allow_nan=False) + "\n").encode()
+
+
+def _cut_torn_tail(fd: int) -> int:
+    """Truncates the file after its last newline; returns how many bytes were cut."""
+    size = os.fstat(fd).st_size
+    end = size
+    while end > 0:
+        start = max(0, end - _TAIL_PROBE_BYTES)
+        chunk = os.pread(fd, end - start, start)
+        newline = chunk.rfind(b"\n")
+        if newline >= 0:
+            keep = start + newline + 1
+            break
+        end = start
+    else:
+        keep = 0
+    if keep < size:
+        os.ftruncate(fd, keep)
+    return size - keep
+
+
+class EvidenceFiles:
+    """Owns the evidence directory. Not thread-safe: one writer thread calls it."""
+
+    def __init__(self, directory: str, max_bytes: int, fsync: bool = True) -> None:
+        self.directory = directory
+        self.max_bytes = max_bytes
+        self._fsync = fsync
+        os.makedirs(directory, exist_ok=True)
+        self.verdicts_path = os.path.join(directory, VERDICTS_FILE)
+        self.status_path = os.path.join(directory, STATUS_FILE)
+        self._fd: Optional[int] = os.open(self.verdicts_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.torn_bytes_repaired = _cut_torn_tail(self._fd)
+        self.size = os.fstat(self._fd).st_size
+        self.lines_written = 0
+        self.lines_dropped_file_full = 0
+
+    def append(self, lines: Iterable[bytes]) -> None:
+        """Appends whole lines in one write (loops only on a short write); lines that would take the
+        file past max_bytes are dropped and counted instead."""
+        if self._fd is None:
+            raise ValueError("evidence files are closed")
+        accepted = []
+        for line in lines:
+            if self.size + len(line) > self.max_bytes:
+                self.lines_dropped_file_full += 1
+                continue
+            accepted.append(line)
+            self.size += len(line)
+        if not accepted:
+            return
+        view = memoryview(b"".join(accepted))
+        while view:
+            written = os.write(self._fd, view)
+            view = view[written:]
+        if self._fsync:
+            os.fsync(self._fd)
+        self.lines_written += len(accepted)
+
+    def write_status(self, status: dict) -> None:
+        temporary = self.status_path + ".tmp"
+        with open(temporary, "w", encoding="utf-8") as handle:
+            json.dump(status, handle, indent=1, sort_keys=True, default=str)
+            handle.write("\n")
+        os.replace(temporary, self.status_path)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

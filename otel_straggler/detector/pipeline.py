@@ -1,0 +1,204 @@
+"""Between intake and the engine: counting, a bounded queue, and the one thread that runs the engine.
+
+Receivers decode on their own threads and `submit` batches; one engine thread ingests them in
+arrival order, advances the engine's windows by the wall clock, and hands verdicts on. When the queue
+is full, `submit` refuses and the receiver answers "retry later", so an overloaded detector sheds
+load at the door instead of growing without bound. Every span lands in exactly one outcome counter.
+`EngineDriver` holds the part that does not need a thread, so `replay` drives the same code
+synchronously with span time as its clock.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from typing import Callable, Optional
+
+from otel_straggler.detector.config import DetectorConfig
+from otel_straggler.detector.decode import DecodedBatch
+from otel_straggler.detector.observation import Verdict
+
+_log = logging.getLogger(__name__)
+
+# CONTRACT §3b `straggler.detector.spans{outcome}`; `ignored` (not our spans) is counted apart so it
+# does not dilute the loss ratio that alert rules compute from these five.
+SPAN_OUTCOMES = ("accepted", "duplicate", "late", "malformed", "dropped")
+ADVANCE_INTERVAL_S = 0.1  # how often the engine thread offers the wall clock to close windows
+
+
+class IntakeCounters:
+    """Thread-safe running totals: spans by outcome (plus `ignored`), requests by result, and
+    internal errors survived by kind."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._spans: Counter[str] = Counter({outcome: 0 for outcome in SPAN_OUTCOMES + ("ignored",)})
+        self._requests: Counter[str] = Counter()
+        self._errors: Counter[str] = Counter()
+
+    def add(self, **span_counts: int) -> None:
+        with self._lock:
+            self._spans.update(span_counts)
+
+    def add_request(self, result: str) -> None:
+        with self._lock:
+            self._requests[result] += 1
+
+    def add_error(self, kind: str, count: int = 1) -> None:
+        with self._lock:
+            self._errors[kind] += count
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        with self._lock:
+            return {"spans": dict(self._spans), "requests": dict(self._requests), "errors": dict(self._errors)}
+
+
+VerdictSink = Callable[[list[Verdict]], None]
+
+
+class EngineDriver:
+    """Feeds decoded batches to an engine and passes its verdicts to `deliver`. Every engine call
+    holds one lock, so other threads may read `rank_state()` and `stats()` at any time. An engine
+    exception is counted and logged, and intake goes on: fail open."""
+
+    def __init__(self, engine, counters: IntakeCounters, deliver: VerdictSink,
+                 on_ingest_lag: Optional[Callable[[float], None]] = None) -> None:
+        self.engine = engine
+        self.counters = counters
+        self._deliver = deliver
+        self._on_ingest_lag = on_ingest_lag
+        self._engine_lock = threading.RLock()
+        self._logged_engine_error = False
+
+    def count_decoded(self, batch: DecodedBatch) -> None:
+        self.counters.add(malformed=batch.malformed, ignored=batch.ignored)
+
+    def ingest(self, batch: DecodedBatch, now_unix_nano: int) -> None:
+        observations = batch.observations
+        if not observations:
+            return
+        try:
+            with self._engine_lock:
+                outcomes = self.engine.ingest_many(observations)
+        except Exception:  # noqa: BLE001 - an engine bug must not stop intake
+            self._engine_failed("ingest_many")
+            self.counters.add(dropped=len(observations))
+            return
+        self.counters.add(**outcomes)
+        if self._on_ingest_lag is not None:
+            # one sample per batch: the age of its last span when the engine took it
+            self._on_ingest_lag(max(0.0, (now_unix_nano - observations[-1].end_unix_nano) / 1e9))
+
+    def advance(self, now_unix_nano: int) -> None:
+        self._close("advance", now_unix_nano)
+
+    def drain(self, now_unix_nano: int) -> None:
+        self._close("drain", now_unix_nano)
+
+    def _close(self, method: str, now_unix_nano: int) -> None:
+        try:
+            with self._engine_lock:
+                verdicts = getattr(self.engine, method)(now_unix_nano)
+        except Exception:  # noqa: BLE001
+            self._engine_failed(method)
+            return
+        if verdicts:
+            self._deliver(verdicts)
+
+    def rank_state(self):
+        with self._engine_lock:
+            return self.engine.rank_state()
+
+    def stats(self) -> dict[str, int]:
+        with self._engine_lock:
+            return dict(self.engine.stats())
+
+    def _engine_failed(self, method: str) -> None:
+        self.counters.add_error("engine")
+        if not self._logged_engine_error:  # once: a failing engine would otherwise flood the log
+            self._logged_engine_error = True
+            _log.exception("engine.%s failed; counted as engine_errors (logged once)", method)
+
+
+_STOP = object()
+
+
+class SpanPipeline:
+    """The bounded queue and the engine thread of the live service."""
+
+    def __init__(self, driver: EngineDriver, config: DetectorConfig,
+                 clock: Callable[[], int] = time.time_ns) -> None:
+        self.driver = driver
+        self._clock = clock
+        self._max_pending_spans = config.max_pending_spans
+        self._pending: queue.Queue = queue.Queue(maxsize=config.max_pending_requests)
+        self._pending_spans = 0
+        self._pending_lock = threading.Lock()
+        self._accepting = False
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def pending_spans(self) -> int:
+        return self._pending_spans
+
+    def has_room(self) -> bool:
+        """Cheap check before decoding: a request that would be refused is not worth decoding."""
+        return self._accepting and not self._pending.full() and self._pending_spans < self._max_pending_spans
+
+    def submit(self, batch: DecodedBatch) -> bool:
+        """Queues a decoded batch for the engine; False (spans counted as dropped) when full or stopped."""
+        spans = len(batch.observations)
+        with self._pending_lock:
+            room = self._accepting and self._pending_spans + spans <= self._max_pending_spans
+            if room:
+                try:
+                    self._pending.put_nowait(batch)
+                    self._pending_spans += spans
+                except queue.Full:
+                    room = False
+        if not room:
+            self.driver.counters.add(dropped=spans)
+            return False
+        self.driver.count_decoded(batch)
+        return True
+
+    def start(self) -> None:
+        self._accepting = True
+        self._thread = threading.Thread(target=self._run, name="straggler-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float) -> bool:
+        """Refuses new batches, lets the engine thread ingest what is queued, then drains the engine
+        so every open window is judged. True when that finished within the timeout."""
+        with self._pending_lock:
+            self._accepting = False
+        if self._thread is None:
+            return True
+        deadline = time.monotonic() + timeout_s
+        # after _accepting is False nothing else is put, so this put only waits for the thread to make room
+        try:
+            self._pending.put(_STOP, timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Full:
+            return False
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        next_advance = time.monotonic() + ADVANCE_INTERVAL_S
+        while True:
+            try:
+                batch = self._pending.get(timeout=max(0.0, next_advance - time.monotonic()))
+            except queue.Empty:
+                batch = None
+            if batch is _STOP:
+                break
+            if batch is not None:
+                with self._pending_lock:
+                    self._pending_spans -= len(batch.observations)
+                self.driver.ingest(batch, self._clock())
+            if time.monotonic() >= next_advance:
+                self.driver.advance(self._clock())
+                next_advance = time.monotonic() + ADVANCE_INTERVAL_S
+        self.driver.drain(self._clock())

@@ -1,0 +1,98 @@
+"""What both OTLP receivers do with a trace export, independent of the wire.
+
+Authenticate, refuse early when the engine's queue is full (a request that would be refused is not
+worth decoding), decode, queue, and say what happened in OTLP terms. receiver_grpc.py and
+receiver_http.py only translate the outcome into status codes, headers and bodies.
+"""
+from __future__ import annotations
+
+import enum
+import hmac
+from dataclasses import dataclass
+from typing import Optional
+
+from otel_straggler.detector.config import ConfigError, DetectorConfig
+from otel_straggler.detector.decode import MalformedPayload, ProtobufDecoder, decode_json
+from otel_straggler.detector.pipeline import SpanPipeline
+
+RETRY_AFTER_S = 1  # what an overloaded detector tells exporters to wait before retrying
+
+
+class Result(enum.Enum):
+    """Request results, also the `result` attribute of straggler.detector.requests."""
+
+    OK = "ok"
+    PARTIAL = "partial"  # some spans rejected as malformed
+    MALFORMED = "malformed"
+    OVERLOADED = "overloaded"
+    UNAUTHENTICATED = "unauthenticated"
+    TOO_LARGE = "too_large"
+    UNSUPPORTED = "unsupported"  # content type or encoding
+
+
+@dataclass(frozen=True)
+class ExportOutcome:
+    result: Result
+    message: str = ""
+    rejected_spans: int = 0  # OTLP partial success
+
+
+def load_token(config: DetectorConfig) -> Optional[str]:
+    """The bearer token clients must present, or None when auth is off."""
+    if config.auth_token_file and config.auth_token:
+        raise ConfigError("--auth-token-file and --auth-token: give one of them")
+    if config.auth_token_file:
+        try:
+            with open(config.auth_token_file, encoding="utf-8") as handle:
+                token = handle.read().strip()
+        except OSError as error:
+            raise ConfigError(f"--auth-token-file: cannot read {config.auth_token_file!r}: {error.strerror}") from None
+        if not token:
+            raise ConfigError(f"--auth-token-file: {config.auth_token_file!r} is empty")
+        return token
+    return config.auth_token.strip() or None
+
+
+class OtlpIntake:
+    """Shared by the receivers' threads; its parts are thread-safe."""
+
+    def __init__(self, pipeline: SpanPipeline, token: Optional[str], max_request_bytes: int) -> None:
+        self._pipeline = pipeline
+        self.counters = pipeline.driver.counters
+        self._expected = None if token is None else f"Bearer {token}".encode()
+        self.max_request_bytes = max_request_bytes
+        self._decoder = ProtobufDecoder()
+
+    def authorized(self, authorization: Optional[str]) -> bool:
+        """Checks an `authorization` header/metadata value in constant time; counts refusals."""
+        if self._expected is None:
+            return True
+        presented = (authorization or "").strip()
+        scheme, _, credentials = presented.partition(" ")
+        # the scheme is case-insensitive (RFC 7235); the token is compared in constant time
+        ok = hmac.compare_digest(f"Bearer {credentials.strip()}".encode(), self._expected) and scheme.lower() == "bearer"
+        if not ok:
+            self.refused(Result.UNAUTHENTICATED)
+        return ok
+
+    def refused(self, result: Result) -> None:
+        """Counts a request turned away before export() (by the wire layer or by authorized())."""
+        self.counters.add_request(result.value)
+
+    def export(self, payload: bytes, is_json: bool) -> ExportOutcome:
+        if not self._pipeline.has_room():
+            return self._done(Result.OVERLOADED, "detector queue full, retry later")
+        try:
+            batch = decode_json(payload) if is_json else self._decoder.decode(payload)
+        except MalformedPayload as error:
+            return self._done(Result.MALFORMED, str(error))
+        if not self._pipeline.submit(batch):
+            return self._done(Result.OVERLOADED, "detector queue full, retry later")
+        if batch.malformed:
+            return self._done(Result.PARTIAL, f"{batch.malformed} span(s) rejected, first: {batch.first_error}",
+                              batch.malformed)
+        return self._done(Result.OK)
+
+    def _done(self, result: Result, message: str = "", rejected_spans: int = 0) -> ExportOutcome:
+        self.counters.add_request(result.value)
+        return ExportOutcome(result, message, rejected_spans)

@@ -1,0 +1,81 @@
+"""OTLP/gRPC trace receiver: opentelemetry.proto.collector.trace.v1.TraceService/Export.
+
+The method is registered with a raw-bytes request (no deserializer) instead of through the
+generated servicer, whose handler would parse the full ExportTraceServiceRequest before decode.py
+parses it again with its faster view; the service and message names still come from the generated
+opentelemetry-proto module. Codes follow the OTLP spec: INVALID_ARGUMENT for a malformed request,
+UNAUTHENTICATED without the right bearer token, RESOURCE_EXHAUSTED with RetryInfo when the queue is
+full (exporters retry it after the given delay), partial success in the response. gRPC itself
+enforces the size bound (RESOURCE_EXHAUSTED, before the request reaches this code) and gzip.
+"""
+from __future__ import annotations
+
+from concurrent import futures
+from typing import Optional
+
+import grpc
+from google.protobuf.any_pb2 import Any as AnyMessage
+from google.protobuf.duration_pb2 import Duration
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+from otel_straggler.detector.receiver import RETRY_AFTER_S, OtlpIntake, Result
+
+_SERVICE = trace_service_pb2.DESCRIPTOR.services_by_name["TraceService"]
+_Response = trace_service_pb2.ExportTraceServiceResponse
+
+
+def _retry_info_metadata(message: str) -> tuple[tuple[str, bytes], ...]:
+    """RetryInfo as trailing metadata, both where the OTLP spec puts it (inside the rich status,
+    `grpc-status-details-bin`) and where the Python exporter reads it (`google.rpc.retryinfo-bin`)."""
+    retry_info = error_details_pb2.RetryInfo(retry_delay=Duration(seconds=RETRY_AFTER_S))
+    detail = AnyMessage()
+    detail.Pack(retry_info)
+    status = status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=message, details=[detail])
+    return (("grpc-status-details-bin", status.SerializeToString()),
+            ("google.rpc.retryinfo-bin", retry_info.SerializeToString()))
+
+
+class OtlpGrpcReceiver:
+    def __init__(self, intake: OtlpIntake, address: str, port: int, workers: int,
+                 tls_key_and_cert: Optional[tuple[bytes, bytes]] = None) -> None:
+        self._intake = intake
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="straggler-otlp-grpc"),
+            # calls beyond this are refused by gRPC with RESOURCE_EXHAUSTED instead of queueing without bound
+            maximum_concurrent_rpcs=workers * 4,
+            options=[("grpc.max_receive_message_length", intake.max_request_bytes)],
+        )
+        handler = grpc.unary_unary_rpc_method_handler(self._export, response_serializer=_Response.SerializeToString)
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(_SERVICE.full_name, {"Export": handler}),))
+        target = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+        if tls_key_and_cert is None:
+            self.port = self._server.add_insecure_port(target)
+        else:
+            self.port = self._server.add_secure_port(target, grpc.ssl_server_credentials([tls_key_and_cert]))
+        if not self.port:
+            raise OSError(f"cannot listen for OTLP/gRPC on {target}")
+
+    def start(self) -> None:
+        self._server.start()
+
+    def stop(self, grace_s: float) -> None:
+        """Refuses new calls at once and lets calls in progress finish for up to grace_s."""
+        self._server.stop(grace_s).wait(grace_s + 1.0)
+
+    def _export(self, request: bytes, context: grpc.ServicerContext) -> trace_service_pb2.ExportTraceServiceResponse:
+        metadata = dict(context.invocation_metadata())
+        if not self._intake.authorized(metadata.get("authorization")):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        outcome = self._intake.export(request, is_json=False)
+        if outcome.result is Result.MALFORMED:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, outcome.message)
+        if outcome.result is Result.OVERLOADED:
+            context.set_trailing_metadata(_retry_info_metadata(outcome.message))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, outcome.message)
+        response = _Response()
+        if outcome.rejected_spans:
+            response.partial_success.rejected_spans = outcome.rejected_spans
+            response.partial_success.error_message = outcome.message
+        return response

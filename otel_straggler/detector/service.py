@@ -1,0 +1,189 @@
+"""The detector service: OTLP in, verdicts out. `otel-straggler detect` runs one; the demo embeds one.
+
+    service = DetectorService(config)
+    service.add_verdict_listener(print)       # optional: called on the engine thread per Verdict
+    service.start()                           # binds the ports; bound_ports tells which
+    ...
+    service.stop(timeout_s=10)                # judges every open window, flushes the evidence
+
+Threads: receivers (gRPC workers, one per HTTP connection) decode and queue; one engine thread
+ingests, closes windows by the wall clock and calls the listeners; one emitter thread writes
+verdicts.jsonl, status.json and the OTel metrics and events. See pipeline.py and emit.py.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Optional
+
+from otel_straggler.detector.config import ConfigError, DetectorConfig
+from otel_straggler.detector.emit import VerdictEmitter, status_record
+from otel_straggler.detector.evidence import EvidenceFiles
+from otel_straggler.detector.observation import Verdict
+from otel_straggler.detector.pipeline import EngineDriver, IntakeCounters, SpanPipeline
+from otel_straggler.detector.receiver import OtlpIntake, load_token
+from otel_straggler.detector.receiver_grpc import OtlpGrpcReceiver
+from otel_straggler.detector.receiver_http import OtlpHttpReceiver, server_ssl_context
+from otel_straggler.detector.telemetry import DetectorTelemetry
+from otel_straggler.detector.telemetry_prometheus import PrometheusEndpoint
+
+_log = logging.getLogger(__name__)
+VerdictListener = Callable[[Verdict], None]
+
+
+class DetectorService:
+    def __init__(self, config: DetectorConfig, engine=None) -> None:
+        """`engine` defaults to a new Engine(config); pass one only to wrap a custom engine."""
+        if engine is None:
+            from otel_straggler.detector.engine import Engine
+            engine = Engine(config)
+        self.config = config
+        self._listeners: list[VerdictListener] = []
+        self._counters = IntakeCounters()
+        self._telemetry: Optional[DetectorTelemetry] = None
+        self._driver = EngineDriver(engine, self._counters, self._deliver, self._record_ingest_lag)
+        self._pipeline = SpanPipeline(self._driver, config)
+        self._emitter: Optional[VerdictEmitter] = None
+        self._grpc: Optional[OtlpGrpcReceiver] = None
+        self._http: Optional[OtlpHttpReceiver] = None
+        self._prometheus: Optional[PrometheusEndpoint] = None
+        self._started_unix_nano: Optional[int] = None
+        self._state = "new"
+        self._state_lock = threading.Lock()
+
+    # ---------------------------------------------------------------- public API
+
+    def add_verdict_listener(self, listener: VerdictListener) -> None:
+        """`listener(verdict)` is called on the engine thread for every verdict, before it is written
+        to the evidence file. Keep it quick; an exception is caught and counted (errors.listener)."""
+        self._listeners.append(listener)
+
+    def start(self) -> None:
+        """Binds the receivers and starts the threads. Raises ConfigError for a bad token, cert or
+        OTLP exporter setting, OSError when a port cannot be bound; nothing is left running then."""
+        with self._state_lock:
+            if self._state != "new":
+                raise RuntimeError(f"DetectorService.start() on a {self._state} service")
+            self._state = "starting"
+        try:
+            self._start()
+        except BaseException:
+            self._stop_parts(timeout_s=1.0)
+            self._state = "stopped"
+            raise
+        self._state = "running"
+
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """Stops intake, lets the engine judge every open window (drain), flushes the evidence and
+        the OTel exporters. True when all of that finished within timeout_s."""
+        with self._state_lock:
+            if self._state != "running":
+                return self._state in ("stopped", "new")
+            self._state = "stopping"
+        finished = self._stop_parts(timeout_s)
+        self._state = "stopped"
+        return finished
+
+    @property
+    def bound_ports(self) -> tuple[int, int]:
+        """(gRPC port, HTTP port) actually bound; useful with port 0."""
+        if self._grpc is None or self._http is None:
+            raise RuntimeError("the service is not started")
+        return self._grpc.port, self._http.port
+
+    @property
+    def prometheus_port(self) -> Optional[int]:
+        return self._prometheus.port if self._prometheus is not None else None
+
+    def status(self) -> dict:
+        """Everything status.json holds: counters of every outcome and loss, engine stats, ports."""
+        record = {
+            "state": self._state,
+            "time_unix_nano": time.time_ns(),
+            "started_unix_nano": self._started_unix_nano,
+            "ports": {"grpc": self._grpc and self._grpc.port, "http": self._http and self._http.port,
+                      "prometheus": self.prometheus_port},
+            "queue": {"pending_spans": self._pipeline.pending_spans},
+        }
+        if self._emitter is not None:
+            record.update(status_record(self._driver, self._emitter, self._telemetry))
+        return record
+
+    def rank_state(self):
+        """The engine's rank_state(), read under the engine's lock (safe from any thread)."""
+        return self._driver.rank_state()
+
+    def __enter__(self) -> "DetectorService":
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    # ---------------------------------------------------------------- internals
+
+    def _start(self) -> None:
+        config = self.config
+        token = load_token(config)
+        ssl_context, key_and_cert = None, None
+        if config.tls_cert_file:
+            try:
+                ssl_context = server_ssl_context(config.tls_cert_file, config.tls_key_file)
+                with open(config.tls_key_file, "rb") as key, open(config.tls_cert_file, "rb") as cert:
+                    key_and_cert = (key.read(), cert.read())
+            except (OSError, ValueError) as error:
+                raise ConfigError(f"--tls-cert-file/--tls-key-file: cannot load: {error}") from None
+        self._telemetry = DetectorTelemetry(config, self.status, self.rank_state,
+                                            export_otlp=config.export_metrics)
+        self._emitter = VerdictEmitter(EvidenceFiles(config.evidence_dir, config.max_evidence_bytes),
+                                       config.flush_interval_s, self.status, self._telemetry)
+        intake = OtlpIntake(self._pipeline, token, config.max_request_bytes)
+        self._grpc = OtlpGrpcReceiver(intake, config.listen_address, config.grpc_port, config.receiver_threads,
+                                      key_and_cert)
+        self._http = OtlpHttpReceiver(intake, config.listen_address, config.http_port, config.receiver_threads,
+                                      ssl_context)
+        if self._telemetry.scrape_reader is not None:
+            self._prometheus = PrometheusEndpoint(self._telemetry.scrape_reader, config.listen_address,
+                                                  config.prometheus_port)
+        self._started_unix_nano = time.time_ns()
+        self._emitter.start()
+        self._pipeline.start()
+        self._grpc.start()
+        self._http.start()
+        if self._prometheus is not None:
+            self._prometheus.start()
+
+    def _stop_parts(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
+        if self._http is not None:
+            self._http.stop()
+        if self._grpc is not None:
+            self._grpc.stop(grace_s=min(1.0, left()))
+        finished = self._pipeline.stop(left())
+        if self._emitter is not None:
+            finished = self._emitter.stop(left()) and finished
+        if self._telemetry is not None:
+            self._telemetry.shutdown(min(5.0, left()))
+        if self._prometheus is not None:
+            self._prometheus.stop()
+        return finished
+
+    def _deliver(self, verdicts: list[Verdict]) -> None:
+        for listener in self._listeners:
+            for verdict in verdicts:
+                try:
+                    listener(verdict)
+                except Exception:  # noqa: BLE001 - a listener's bug must not stop the detector
+                    self._counters.add_error("listener")
+                    _log.debug("verdict listener failed", exc_info=True)
+        if self._emitter is not None:
+            self._emitter.submit(verdicts)
+
+    def _record_ingest_lag(self, seconds: float) -> None:
+        if self._telemetry is not None:
+            self._telemetry.record_ingest_lag(seconds)

@@ -1,0 +1,240 @@
+"""The detector's own OpenTelemetry output: verdict metrics (CONTRACT §3b), one `straggler.verdict`
+event per verdict (§3c), and health metrics.
+
+The providers are private to the detector, never installed as the global ones, so a program that
+embeds the service keeps its own telemetry untouched. Nothing is exported over OTLP unless an
+endpoint is configured by the standard env vars (OTEL_EXPORTER_OTLP_ENDPOINT or the per-signal
+OTEL_EXPORTER_OTLP_METRICS_ENDPOINT / OTEL_EXPORTER_OTLP_LOGS_ENDPOINT; protocol from
+OTEL_EXPORTER_OTLP[_<SIGNAL>]_PROTOCOL, `grpc` by default as in the Python SDK); the exporters read
+headers, TLS, compression and timeout from the same env vars. Export failures are counted.
+
+Gauges and health counters are observed at collection time from callables the service provides, so
+there is one source of truth (the engine's state and the intake counters) and no second copy here.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections import Counter
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+from opentelemetry._logs import SeverityNumber
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk._logs import LoggerProvider
+from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.metrics.view import View
+from opentelemetry.sdk.resources import Resource
+
+from otel_straggler import contract
+from otel_straggler.detector.config import ConfigError, DetectorConfig
+from otel_straggler.detector.observation import Verdict
+from otel_straggler.detector.pipeline import SPAN_OUTCOMES
+
+SCOPE_NAME = "otel_straggler.detector"
+DETECTOR_SERVICE_NAME = "otel-straggler-detector"
+_WARN_VERDICTS = {contract.VERDICT_STRAGGLER, contract.VERDICT_SILENT}
+# exporter batching adds seconds; beyond a window's grace (30 s by default) spans risk being late
+_LAG_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+def otlp_endpoint_configured(signal: str, environ: Mapping[str, str] = os.environ) -> bool:
+    return bool(environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+
+
+def _otlp_exporter_class(signal: str, environ: Mapping[str, str]) -> type:
+    variable = f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL"
+    protocol = (environ.get(variable) or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc").strip()
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+    elif protocol == "http/protobuf":
+        from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
+        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    else:
+        raise ConfigError(f"{variable} / OTEL_EXPORTER_OTLP_PROTOCOL: expected grpc or http/protobuf, got {protocol!r}")
+    return OTLPMetricExporter if signal == "metrics" else OTLPLogExporter
+
+
+def _counting_failures(exporter_class: type, on_failure: Callable[[], None]) -> type:
+    """A subclass of an OTLP exporter that counts failed exports (the SDK only logs them)."""
+
+    class CountingExporter(exporter_class):
+        def export(self, *args: Any, **kwargs: Any):
+            try:
+                result = super().export(*args, **kwargs)
+            except Exception:
+                on_failure()
+                raise
+            if result.name != "SUCCESS":
+                on_failure()
+            return result
+
+    return CountingExporter
+
+
+def verdict_attributes(verdict: Verdict) -> dict[str, Any]:
+    """The evidence-file fields as event attributes; null ones are left out (attributes have no null)."""
+    record = verdict.to_dict()
+    return {key: record[key] for key in contract.VERDICT_FIELDS if record[key] is not None}
+
+
+class DetectorTelemetry:
+    """Owns the detector's MeterProvider and LoggerProvider. `health()` returns the status dict of
+    the service (see DetectorService.status); `rank_states()` the engine's rank_state() (rows with
+    job_id, cohort, stage, rank, slowdown, alert_active)."""
+
+    def __init__(
+        self,
+        config: DetectorConfig,
+        health: Callable[[], dict],
+        rank_states: Callable[[], Iterable[Any]],
+        export_otlp: bool,
+        environ: Mapping[str, str] = os.environ,
+    ) -> None:
+        self._health = health
+        self._rank_states = rank_states
+        self._lock = threading.Lock()
+        self.export_failures: Counter[str] = Counter()
+        resource = Resource.create({
+            "service.name": DETECTOR_SERVICE_NAME,
+            # stable across restarts of the same shard, so a restart is not a vanished detector
+            "service.instance.id": f"{socket.gethostname()}:{config.grpc_port}",
+        })
+        readers: list[MetricReader] = []
+        if export_otlp and otlp_endpoint_configured("metrics", environ):
+            exporter = _counting_failures(_otlp_exporter_class("metrics", environ), lambda: self._failed("metrics"))()
+            readers.append(PeriodicExportingMetricReader(exporter, export_interval_millis=config.metric_export_interval_s * 1000))
+        self.scrape_reader: Optional[InMemoryMetricReader] = None
+        if config.prometheus_port >= 0:
+            self.scrape_reader = InMemoryMetricReader()
+            readers.append(self.scrape_reader)
+        per_rank = (contract.METRIC_RANK_SLOWDOWN, contract.METRIC_ALERT_ACTIVE, contract.METRIC_VERDICTS)
+        self._meter_provider = MeterProvider(
+            metric_readers=readers, resource=resource,
+            views=[View(instrument_name=name, aggregation_cardinality_limit=config.max_metric_series) for name in per_rank],
+        )
+        self._logger_provider: Optional[LoggerProvider] = None
+        self._event_logger = None
+        if export_otlp and otlp_endpoint_configured("logs", environ):
+            exporter = _counting_failures(_otlp_exporter_class("logs", environ), lambda: self._failed("logs"))()
+            self._logger_provider = LoggerProvider(resource=resource)
+            self._logger_provider.add_log_record_processor(BatchLogRecordProcessor(exporter))
+            self._event_logger = self._logger_provider.get_logger(SCOPE_NAME)
+        self._create_instruments(self._meter_provider.get_meter(SCOPE_NAME))
+
+    def _create_instruments(self, meter) -> None:
+        meter.create_observable_gauge(
+            contract.METRIC_RANK_SLOWDOWN, [self._observe_slowdown],
+            description="latest window median of the rank over the reference (1.10 = 10% slower)")
+        meter.create_observable_gauge(
+            contract.METRIC_ALERT_ACTIVE, [self._observe_alert_active],
+            description="1 while a straggler alert is active for the rank")
+        self._verdicts = meter.create_counter(contract.METRIC_VERDICTS, description="verdicts emitted")
+        meter.create_observable_counter(
+            contract.METRIC_DETECTOR_SPANS, [self._observe_health("spans", "outcome", only=SPAN_OUTCOMES)],
+            description="spans reaching the detector, by outcome")
+        meter.create_observable_counter(
+            "straggler.detector.spans.ignored", [self._observe_total("spans", "ignored")],
+            description="spans without training.stage (not stage spans), ignored")
+        meter.create_observable_counter(
+            "straggler.detector.requests", [self._observe_health("requests", "result")],
+            description="OTLP export requests, by result")
+        meter.create_observable_counter(
+            "straggler.detector.windows.closed", [self._observe_total("engine", "windows_closed")],
+            description="windows judged by the engine")
+        meter.create_observable_counter(
+            "straggler.detector.evictions", [self._observe_health("engine", "kind", prefix="evictions_")],
+            description="engine state evicted to stay within its bounds, by kind")
+        meter.create_observable_counter(
+            "straggler.detector.errors", [self._observe_health("errors", "kind")],
+            description="internal errors survived (engine, verdict listener, telemetry)")
+        meter.create_observable_counter(
+            "straggler.detector.verdicts.dropped", [self._observe_health("verdicts_dropped", "reason")],
+            description="verdicts not written to verdicts.jsonl, by reason")
+        meter.create_observable_counter(
+            "straggler.detector.export.failures", [self._observe_export_failures],
+            description="failed OTLP exports of the detector's own metrics and events, by signal")
+        meter.create_observable_gauge(
+            "straggler.detector.queue.spans", [self._observe_total("queue", "pending_spans")],
+            description="decoded spans waiting for the engine")
+        self._ingest_lag = meter.create_histogram(
+            "straggler.detector.ingest.lag", unit="s",
+            description="age of a batch's last span (now - span end) when the engine ingests it",
+            explicit_bucket_boundaries_advisory=_LAG_BUCKETS_S)
+
+    # ---------------------------------------------------------------- recording
+
+    def record_verdicts(self, verdicts: Iterable[Verdict]) -> None:
+        for verdict in verdicts:
+            self._verdicts.add(1, {
+                "verdict": verdict.verdict, "reason": verdict.reason, contract.STAGE: verdict.stage,
+                contract.RANK: verdict.rank, contract.JOB_ID: verdict.job_id,
+            })
+            if self._event_logger is not None:
+                self._event_logger.emit(
+                    timestamp=verdict.time_unix_nano,
+                    event_name=contract.VERDICT_EVENT_NAME,
+                    severity_number=SeverityNumber.WARN if verdict.verdict in _WARN_VERDICTS else SeverityNumber.INFO,
+                    body=f"rank {verdict.rank} {verdict.verdict} ({verdict.reason}) in {verdict.stage} of job {verdict.job_id}",
+                    attributes=verdict_attributes(verdict),
+                )
+
+    def record_ingest_lag(self, seconds: float) -> None:
+        self._ingest_lag.record(seconds)
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Exports what is pending, then stops the providers."""
+        millis = int(timeout_s * 1000)
+        if self._logger_provider is not None:
+            self._logger_provider.force_flush(millis)
+            self._logger_provider.shutdown()
+        self._meter_provider.force_flush(millis)
+        self._meter_provider.shutdown(millis)
+
+    # ---------------------------------------------------------------- observation callbacks
+
+    def _failed(self, signal: str) -> None:
+        with self._lock:
+            self.export_failures[signal] += 1
+
+    def _observe_slowdown(self, options: CallbackOptions) -> Iterable[Observation]:
+        for state in self._rank_states():
+            if state.slowdown is not None:
+                yield Observation(state.slowdown, _rank_attributes(state))
+
+    def _observe_alert_active(self, options: CallbackOptions) -> Iterable[Observation]:
+        for state in self._rank_states():
+            yield Observation(1 if state.alert_active else 0, _rank_attributes(state))
+
+    def _observe_health(self, section: str, attribute: str, only: Iterable[str] = (), prefix: str = "") -> Callable:
+        wanted = set(only)
+
+        def observe(options: CallbackOptions) -> Iterable[Observation]:
+            for key, value in self._health().get(section, {}).items():
+                if (not wanted or key in wanted) and key.startswith(prefix):
+                    yield Observation(value, {attribute: key[len(prefix):]})
+
+        return observe
+
+    def _observe_total(self, section: str, key: str) -> Callable:
+        def observe(options: CallbackOptions) -> Iterable[Observation]:
+            value = self._health().get(section, {}).get(key)
+            if value is not None:
+                yield Observation(value)
+
+        return observe
+
+    def _observe_export_failures(self, options: CallbackOptions) -> Iterable[Observation]:
+        with self._lock:
+            failures = dict(self.export_failures)
+        for signal, count in failures.items():
+            yield Observation(count, {"signal": signal})
+
+
+
+def _rank_attributes(state: Any) -> dict[str, Any]:
+    return {contract.JOB_ID: state.job_id, contract.COHORT: state.cohort,
+            contract.STAGE: state.stage, contract.RANK: state.rank}

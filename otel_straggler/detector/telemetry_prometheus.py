@@ -1,0 +1,120 @@
+"""A Prometheus scrape endpoint (`--prometheus-port`) for the detector's metrics.
+
+The text exposition format is small enough to write here, which saves the service a dependency on
+prometheus_client. Names follow the collector's prometheus exporter (UnderscoreEscapingWithSuffixes)
+so the alert rules in collector-config/prometheus work against either: dots become underscores,
+monotonic sums get `_total`, seconds get `_seconds`, attribute keys become labels the same way.
+Metrics are collected from the SDK on each scrape (InMemoryMetricReader, cumulative).
+"""
+from __future__ import annotations
+
+import math
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Optional
+
+from opentelemetry.sdk.metrics.export import Gauge, Histogram, InMemoryMetricReader, MetricsData, Sum
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_INVALID_NAME_CHARS = re.compile(r"[^a-zA-Z0-9_]")
+_UNIT_SUFFIXES = {"s": "seconds", "ms": "milliseconds", "By": "bytes"}
+
+
+def _name(text: str) -> str:
+    name = _INVALID_NAME_CHARS.sub("_", text)
+    return "_" + name if name[:1].isdigit() else name
+
+
+def _number(value: float) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "NaN"
+        if math.isinf(value):
+            return "+Inf" if value > 0 else "-Inf"
+        return repr(value)
+    return str(value)
+
+
+def _escape(value) -> str:
+    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(attributes, extra: Optional[tuple[str, str]] = None) -> str:
+    pairs = [(_name(key), value) for key, value in (attributes or {}).items()]
+    if extra:
+        pairs.append(extra)
+    if not pairs:
+        return ""
+    escaped = (f'{key}="{_escape(value)}"' for key, value in pairs)
+    return "{" + ",".join(escaped) + "}"
+
+
+def exposition_text(data: Optional[MetricsData]) -> str:
+    """MetricsData -> Prometheus text format 0.0.4."""
+    lines: list[str] = []
+    for resource_metrics in (data.resource_metrics if data else ()):
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                name = _name(metric.name)
+                suffix = _UNIT_SUFFIXES.get(metric.unit or "")
+                if suffix and not name.endswith("_" + suffix):
+                    name += "_" + suffix
+                points = metric.data.data_points
+                if isinstance(metric.data, Sum) and metric.data.is_monotonic:
+                    kind, name = "counter", name + "_total"
+                elif isinstance(metric.data, (Sum, Gauge)):
+                    kind = "gauge"
+                elif isinstance(metric.data, Histogram):
+                    kind = "histogram"
+                else:
+                    continue  # exponential histograms are not used by the detector
+                if metric.description:
+                    lines.append(f"# HELP {name} {metric.description.replace(chr(10), ' ')}")
+                lines.append(f"# TYPE {name} {kind}")
+                for point in points:
+                    if kind != "histogram":
+                        lines.append(f"{name}{_labels(point.attributes)} {_number(point.value)}")
+                        continue
+                    cumulative = 0
+                    for bound, count in zip(list(point.explicit_bounds) + [math.inf], point.bucket_counts):
+                        cumulative += count
+                        lines.append(f"{name}_bucket{_labels(point.attributes, ('le', _number(float(bound))))} {cumulative}")
+                    lines.append(f"{name}_sum{_labels(point.attributes)} {_number(point.sum)}")
+                    lines.append(f"{name}_count{_labels(point.attributes)} {point.count}")
+    return "\n".join(lines) + "\n"
+
+
+class PrometheusEndpoint:
+    """Serves GET /metrics on its own port from an InMemoryMetricReader."""
+
+    def __init__(self, reader: InMemoryMetricReader, address: str, port: int) -> None:
+        self._reader = reader
+        endpoint = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+                if self.path.split("?", 1)[0] != "/metrics":
+                    self.send_error(404)
+                    return
+                body = exposition_text(endpoint._reader.get_metrics_data()).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPE)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args) -> None:  # scrapes are not worth a log line each
+                pass
+
+        self._server = ThreadingHTTPServer((address, port), Handler)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="straggler-prometheus", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -4,7 +4,6 @@
 // ignored and the versions pinned here (go.sum) are used instead.
 //   cd collector-config/jaeger && go build -o jaeger github.com/jaegertracing/jaeger/cmd/jaeger
 // scripts/services.sh build does this, cached.
-module resolves them through this module's go.sum.
 module otel-straggler.local/jaeger
 
 go 1.26

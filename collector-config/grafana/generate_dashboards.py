@@ -1,0 +1,323 @@
+"""Generate the Grafana dashboards for otel-straggler.
+
+The dashboards are data built here and written as JSON to dashboards/, which Grafana loads through
+provisioning/dashboards/. Edit this file, not the JSON: tests/pipeline checks that the committed
+JSON equals what this script writes, and runs every panel's query against a real Prometheus.
+
+    python collector-config/grafana/generate_dashboards.py          # rewrite dashboards/*.json
+    python collector-config/grafana/generate_dashboards.py --check  # exit 1 if they are stale
+
+Metric and label names are those of the collector's prometheus exporter (docs/pipeline.md).
+Standard library only, so it runs anywhere Python does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DASHBOARD_DIR = Path(__file__).resolve().parent / "dashboards"
+
+# Data source uids fixed by provisioning/datasources/datasources.yml.
+PROMETHEUS = {"type": "prometheus", "uid": "prometheus"}
+
+# Every query is filtered by the dashboard's variables; tests expand them with expand_variables().
+JOB = 'training_job_id=~"$job_id"'
+JOB_COHORT = JOB + ', training_cohort=~"$cohort"'
+
+# Slowdown colours: within the detector's default 5% tolerance, beyond it, far beyond it.
+SLOWDOWN_THRESHOLDS = [
+    {"color": "green", "value": None},
+    {"color": "yellow", "value": 1.05},
+    {"color": "red", "value": 1.2},
+]
+
+# A verdict names job, rank and stage, but not the step: it closes a window of steps. The link
+# opens Jaeger's search for that rank's spans of that stage in the panel's time range; each hit is
+# the trace of one step with every rank side by side. Jaeger's search takes microseconds.
+JAEGER_SEARCH_LINK = {
+    "title": "Jaeger: traces of rank ${__field.labels.training_rank}",
+    "targetBlank": True,
+    "url": (
+        "${jaeger_url}/search?service=${training_service}"
+        '&tags=%7B%22training.job.id%22%3A%22${__field.labels.training_job_id}%22'
+        '%2C%22training.rank%22%3A%22${__field.labels.training_rank}%22%7D'
+        "&start=${__from}000&end=${__to}000&limit=20"
+    ),
+}
+
+
+def prom_target(expr: str, legend: str = "", ref: str = "A", instant: bool = False) -> dict:
+    return {
+        "datasource": PROMETHEUS,
+        "expr": expr,
+        "legendFormat": legend,
+        "refId": ref,
+        "instant": instant,
+        "range": not instant,
+    }
+
+
+class Layout:
+    """Places panels left to right on Grafana's 24-column grid, wrapping to a new row."""
+
+    def __init__(self) -> None:
+        self.x = 0
+        self.y = 0
+        self.row_height = 0
+        self.next_id = 1
+
+    def place(self, panel: dict, width: int, height: int) -> dict:
+        if self.x + width > 24:
+            self.x, self.y, self.row_height = 0, self.y + self.row_height, 0
+        panel["id"] = self.next_id
+        panel["gridPos"] = {"x": self.x, "y": self.y, "w": width, "h": height}
+        self.next_id += 1
+        self.x += width
+        self.row_height = max(self.row_height, height)
+        return panel
+
+
+def panel(kind: str, title: str, description: str, targets: list[dict], **extra) -> dict:
+    body = {
+        "type": kind,
+        "title": title,
+        "description": description,
+        "datasource": PROMETHEUS,
+        "targets": targets,
+    }
+    body.update(extra)
+    return body
+
+
+def field_config(unit: str = "none", thresholds: list[dict] | None = None, links: list[dict] | None = None,
+                 custom: dict | None = None, color_mode: str = "thresholds") -> dict:
+    return {
+        "defaults": {
+            "unit": unit,
+            "color": {"mode": color_mode},
+            "thresholds": {"mode": "absolute", "steps": thresholds or [{"color": "green", "value": None}]},
+            "links": links or [],
+            "custom": custom or {},
+        },
+        "overrides": [],
+    }
+
+
+def variables() -> list[dict]:
+    def query_variable(name: str, label: str, query: str, multi: bool) -> dict:
+        return {
+            "type": "query",
+            "name": name,
+            "label": label,
+            "datasource": PROMETHEUS,
+            "query": {"query": query, "refId": f"{name}-values"},
+            "definition": query,
+            "refresh": 2,
+            "includeAll": multi,
+            "multi": multi,
+            "allValue": ".*" if multi else None,
+            "sort": 1,
+            "current": {},
+            "options": [],
+        }
+
+    def constant(name: str, label: str, value: str, description: str) -> dict:
+        return {
+            "type": "textbox",
+            "name": name,
+            "label": label,
+            "description": description,
+            "query": value,
+            "current": {"text": value, "value": value},
+            "options": [{"selected": True, "text": value, "value": value}],
+            "hide": 0,
+        }
+
+    return [
+        query_variable("job_id", "Job", "label_values(straggler_rank_slowdown, training_job_id)", False),
+        query_variable("cohort", "Cohort", 'label_values(straggler_rank_slowdown{training_job_id=~"$job_id"}, training_cohort)', True),
+        constant("jaeger_url", "Jaeger UI", "http://localhost:16686",
+                 "Where the browser reaches Jaeger's UI; used by the trace links."),
+        constant("training_service", "Training service", "training",
+                 "service.name of the training ranks (OTEL_SERVICE_NAME), used by the trace links."),
+    ]
+
+
+def job_overview() -> dict:
+    layout = Layout()
+    panels = [
+        layout.place(panel(
+            "stat", "Active straggler alerts",
+            "Ranks the detector currently holds a straggler alert for (straggler_alert_active == 1).",
+            [prom_target(f"sum(straggler_alert_active{{{JOB_COHORT}}})", "active alerts", instant=True)],
+            fieldConfig=field_config(thresholds=[{"color": "green", "value": None}, {"color": "red", "value": 1}]),
+            options={"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                     "colorMode": "background", "graphMode": "none", "textMode": "value"},
+        ), 4, 6),
+        layout.place(panel(
+            "table", "Active alerts",
+            "One row per rank and stage under an active straggler alert, with its latest slowdown. "
+            "The link opens that rank's step traces in Jaeger.",
+            [prom_target(
+                f"straggler_rank_slowdown{{{JOB_COHORT}}} and on (training_job_id, training_cohort, training_stage, training_rank) "
+                f"(straggler_alert_active{{{JOB_COHORT}}} == 1)", instant=True)],
+            fieldConfig=field_config(unit="none", thresholds=SLOWDOWN_THRESHOLDS, links=[JAEGER_SEARCH_LINK]),
+            transformations=[
+                {"id": "labelsToFields", "options": {"mode": "columns"}},
+                {"id": "organize", "options": {
+                    "excludeByName": {"Time": True, "__name__": True, "job": True, "instance": True},
+                    "renameByName": {"Value": "slowdown", "training_rank": "rank", "training_stage": "stage",
+                                     "training_cohort": "cohort", "training_job_id": "job"}}},
+            ],
+            options={"showHeader": True},
+        ), 20, 6),
+        layout.place(panel(
+            "table", "Slowdown per rank × stage",
+            "Latest window slowdown of each rank against its comparable peers (1.00 = as fast as the "
+            "reference, 1.10 = 10% slower), rows by rank, columns by stage. Yellow from 5%, red from 20%.",
+            [prom_target(f"max by (training_rank, training_stage) (straggler_rank_slowdown{{{JOB_COHORT}}})", instant=True)],
+            fieldConfig=field_config(
+                unit="none", thresholds=SLOWDOWN_THRESHOLDS, links=[JAEGER_SEARCH_LINK],
+                custom={"cellOptions": {"type": "color-background"}, "align": "center"}),
+            transformations=[
+                {"id": "labelsToFields", "options": {"mode": "columns"}},
+                {"id": "groupingToMatrix", "options": {
+                    "rowField": "training_rank", "columnField": "training_stage", "valueField": "Value"}},
+            ],
+            options={"showHeader": True},
+        ), 12, 10),
+        layout.place(panel(
+            "timeseries", "Slowdown over time",
+            "Each rank's window slowdown per stage; the dashed line is the detector's default 5% threshold.",
+            [prom_target(f"straggler_rank_slowdown{{{JOB_COHORT}}}", "rank {{training_rank}} {{training_stage}}")],
+            fieldConfig=field_config(
+                unit="none", thresholds=SLOWDOWN_THRESHOLDS, links=[JAEGER_SEARCH_LINK], color_mode="palette-classic",
+                custom={"thresholdsStyle": {"mode": "dashed"}, "lineWidth": 1, "showPoints": "auto"}),
+            options={"legend": {"displayMode": "table", "placement": "right", "calcs": ["lastNotNull", "max"]},
+                     "tooltip": {"mode": "multi", "sort": "desc"}},
+        ), 12, 10),
+        layout.place(panel(
+            "state-timeline", "Verdict timeline: alert state per rank",
+            "When each rank and stage was under a straggler alert (red) or not (green).",
+            [prom_target(f"max by (training_rank, training_stage) (straggler_alert_active{{{JOB_COHORT}}})",
+                         "rank {{training_rank}} {{training_stage}}")],
+            fieldConfig=field_config(
+                thresholds=[{"color": "green", "value": None}, {"color": "red", "value": 1}],
+                links=[JAEGER_SEARCH_LINK],
+                custom={"fillOpacity": 80, "lineWidth": 0}),
+            options={"showValue": "never", "mergeValues": True, "rowHeight": 0.8,
+                     "legend": {"showLegend": False}},
+        ), 12, 10),
+        layout.place(panel(
+            "timeseries", "Verdicts",
+            "Verdicts per evaluation interval by rank, verdict and reason (straggler_verdicts_total); "
+            "uncertain verdicts are left out here.",
+            [prom_target(
+                f'sum by (training_rank, verdict, reason) (increase(straggler_verdicts_total{{{JOB}, verdict!="uncertain"}}[$__rate_interval]))',
+                "rank {{training_rank}} {{verdict}} ({{reason}})")],
+            fieldConfig=field_config(
+                unit="short", links=[JAEGER_SEARCH_LINK], color_mode="palette-classic",
+                custom={"drawStyle": "bars", "fillOpacity": 60, "stacking": {"mode": "normal", "group": "A"}}),
+            options={"legend": {"displayMode": "list", "placement": "bottom"}, "tooltip": {"mode": "multi"}},
+        ), 12, 10),
+        layout.place(panel(
+            "timeseries", "Detector intake by outcome",
+            "Spans reaching the detector per second: accepted, duplicate, late, malformed, dropped. "
+            "Malformed or dropped spans are evidence the detector never saw.",
+            [prom_target("sum by (outcome) (rate(straggler_detector_spans_total[$__rate_interval]))", "{{outcome}}")],
+            fieldConfig=field_config(unit="reqps", color_mode="palette-classic", custom={"fillOpacity": 10}),
+            options={"legend": {"displayMode": "list", "placement": "bottom"}, "tooltip": {"mode": "multi"}},
+        ), 6, 8),
+        layout.place(panel(
+            "timeseries", "Detector ingest lag and windows",
+            "p95 age of a span batch when the engine ingests it (left), and windows judged per second (right). "
+            "A growing lag means the detector falls behind the ranks.",
+            [prom_target("histogram_quantile(0.95, sum by (le) (rate(straggler_detector_ingest_lag_seconds_bucket[$__rate_interval])))",
+                         "ingest lag p95", "A"),
+             prom_target("sum(rate(straggler_detector_windows_closed_total[$__rate_interval]))", "windows closed/s", "B")],
+            fieldConfig={**field_config(unit="s", color_mode="palette-classic"), "overrides": [{
+                "matcher": {"id": "byName", "options": "windows closed/s"},
+                "properties": [{"id": "unit", "value": "short"}, {"id": "custom.axisPlacement", "value": "right"}]}]},
+            options={"legend": {"displayMode": "list", "placement": "bottom"}, "tooltip": {"mode": "multi"}},
+        ), 6, 8),
+        layout.place(panel(
+            "timeseries", "Collector: spans in and out",
+            "The gateway collector's own counters: spans accepted from the ranks, and spans sent and "
+            "failed per exporter (load_balancing/detector = detector shards, otlp_grpc/jaeger = Jaeger, sampled).",
+            [prom_target("sum(rate(otelcol_receiver_accepted_spans[$__rate_interval]))", "received", "A"),
+             prom_target("sum by (exporter) (rate(otelcol_exporter_sent_spans[$__rate_interval]))", "sent {{exporter}}", "B")],
+            fieldConfig=field_config(unit="reqps", color_mode="palette-classic"),
+            options={"legend": {"displayMode": "list", "placement": "bottom"}, "tooltip": {"mode": "multi"}},
+        ), 6, 8),
+        layout.place(panel(
+            "stat", "Scrape targets up",
+            "Prometheus reaching the collector's metric endpoints (1 = up).",
+            [prom_target("up", "{{job}} {{instance}}", instant=True)],
+            fieldConfig=field_config(thresholds=[{"color": "red", "value": None}, {"color": "green", "value": 1}]),
+            options={"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                     "colorMode": "background", "graphMode": "none", "textMode": "value_and_name"},
+        ), 6, 8),
+    ]
+    return {
+        "uid": "otel-straggler-job",
+        "title": "otel-straggler: job overview",
+        "description": "Straggler verdicts of one training job and the health of the detector pipeline.",
+        "tags": ["otel-straggler", "training"],
+        "timezone": "browser",
+        "editable": True,
+        "graphTooltip": 1,
+        "refresh": "10s",
+        "time": {"from": "now-30m", "to": "now"},
+        "schemaVersion": 39,
+        "version": 1,
+        "templating": {"list": variables()},
+        "annotations": {"list": []},
+        "links": [{"title": "Jaeger", "type": "link", "url": "${jaeger_url}", "targetBlank": True}],
+        "panels": panels,
+    }
+
+
+DASHBOARDS = {"job-overview.json": job_overview}
+
+
+def render(build) -> str:
+    return json.dumps(build(), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def expand_variables(expr: str, job_id: str = ".+", cohort: str = ".*", rate_interval: str = "1m") -> str:
+    """A panel query as Grafana would send it, with the dashboard variables filled in."""
+    return (expr.replace("$job_id", job_id).replace("$cohort", cohort)
+            .replace("$__rate_interval", rate_interval))
+
+
+def panel_queries() -> list[tuple[str, str]]:
+    """(panel title, PromQL with variables) for every query of every generated dashboard."""
+    return [(p["title"], t["expr"]) for build in DASHBOARDS.values() for p in build()["panels"] for t in p["targets"]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only compare, write nothing; exit 1 when stale")
+    parser.add_argument("--out", type=Path, default=DASHBOARD_DIR, help="directory for the JSON files")
+    args = parser.parse_args(argv)
+    stale = []
+    for name, build in DASHBOARDS.items():
+        path = args.out / name
+        text = render(build)
+        if args.check:
+            if not path.exists() or path.read_text(encoding="utf-8") != text:
+                stale.append(str(path))
+            continue
+        args.out.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    if stale:
+        print("stale, run collector-config/grafana/generate_dashboards.py: " + ", ".join(stale), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

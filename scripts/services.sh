@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# Build, start and stop the real pipeline programs used by tests/pipeline and by hand:
+# the otelcol-straggler collector, Jaeger v2, Prometheus/promtool (and docker-compose, to validate
+# docker-compose.yml).
+#
+#   scripts/services.sh build   build or fetch what is missing; cached, so a second run takes seconds
+#   scripts/services.sh start   start Jaeger, Prometheus and the gateway collector on 127.0.0.1,
+#                               free ports, recorded in .services/env (logs in .services/*.log)
+#   scripts/services.sh stop    stop whatever `start` started (safe to run any time)
+#   scripts/services.sh env     print the env file of the running stack
+#
+# Cache: ${OTEL_STRAGGLER_CACHE:-$HOME/.cache/otel-straggler}/bin holds the binaries; each build
+# lives in a folder keyed by a hash of its inputs (manifest or go.mod/go.sum, builder and Go
+# versions), so a changed manifest rebuilds and an unchanged one does not.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CACHE="${OTEL_STRAGGLER_CACHE:-$HOME/.cache/otel-straggler}"
+BIN="$CACHE/bin"
+SERVICES_DIR="${OTEL_STRAGGLER_SERVICES_DIR:-$REPO/.services}"
+# The OpenTelemetry Collector Builder release; keep it equal to dist.version in builder-config.yaml.
+OCB_VERSION="v0.161.0"
+# Upper bound for one Go build (cold builds take minutes on two cores).
+BUILD_TIMEOUT_S="${OTEL_STRAGGLER_BUILD_TIMEOUT_S:-2400}"
+
+log() { printf '[services] %s\n' "$*" >&2; }
+
+find_go() {
+  if command -v go >/dev/null 2>&1; then command -v go; return; fi
+  if [ -x /usr/local/go/bin/go ]; then echo /usr/local/go/bin/go; return; fi
+  log "Go is needed to build the collector and Jaeger (go 1.26 or newer)"; exit 1
+}
+
+hash_of() {  # hash of the given files' contents plus extra words
+  local files=("$@")
+  { cat "${files[@]}"; echo "$EXTRA_KEY"; } | sha256sum | cut -c1-16
+}
+
+build_collector() {
+  local go; go="$(find_go)"
+  local manifest="$REPO/collector-config/builder-config.yaml"
+  EXTRA_KEY="$OCB_VERSION $("$go" env GOVERSION)"
+  local key; key="$(hash_of "$manifest")"
+  local out="$CACHE/build/otelcol-$key"
+  if [ -x "$out/otelcol-straggler" ]; then
+    log "collector: cached ($out)"
+  else
+    local builder="$CACHE/tools/builder-$OCB_VERSION/builder"
+    if [ ! -x "$builder" ]; then
+      log "collector: installing builder $OCB_VERSION"
+      GOBIN="$(dirname "$builder")" timeout "$BUILD_TIMEOUT_S" "$go" install "go.opentelemetry.io/collector/cmd/builder@$OCB_VERSION"
+    fi
+    log "collector: building (cold builds take several minutes)"
+    local work="$out.partial"
+    rm -rf "$work"; mkdir -p "$work"
+    # Same manifest, output redirected into the cache.
+    sed "s#^\([[:space:]]*output_path:\).*#\1 $work#" "$manifest" > "$work/manifest.yaml"
+    local start=$SECONDS
+    PATH="$(dirname "$go"):$PATH" timeout "$BUILD_TIMEOUT_S" "$builder" --config "$work/manifest.yaml" > "$work/build.log" 2>&1 \
+      || { tail -n 30 "$work/build.log" >&2; log "collector: build failed (log: $work/build.log)"; exit 1; }
+    rm -rf "$out"; mv "$work" "$out"
+    log "collector: built in $((SECONDS - start))s"
+  fi
+  mkdir -p "$BIN"; ln -sfn "$out/otelcol-straggler" "$BIN/otelcol-straggler"
+}
+
+build_jaeger() {
+  local go; go="$(find_go)"
+  local module="$REPO/collector-config/jaeger"
+  EXTRA_KEY="$("$go" env GOVERSION)"
+  local key; key="$(hash_of "$module/go.mod" "$module/go.sum")"
+  local out="$CACHE/build/jaeger-$key"
+  if [ -x "$out/jaeger" ]; then
+    log "jaeger: cached ($out)"
+  else
+    log "jaeger: building (cold builds take several minutes)"
+    mkdir -p "$out"
+    local start=$SECONDS
+    (cd "$module" && timeout "$BUILD_TIMEOUT_S" "$go" build -o "$out/jaeger.partial" github.com/jaegertracing/jaeger/cmd/jaeger) \
+      || { log "jaeger: build failed"; exit 1; }
+    mv "$out/jaeger.partial" "$out/jaeger"
+    log "jaeger: built in $((SECONDS - start))s"
+  fi
+  mkdir -p "$BIN"; ln -sfn "$out/jaeger" "$BIN/jaeger"
+}
+
+install_debian_packages() {
+  local wanted=()
+  command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 || wanted+=(prometheus)
+  command -v docker-compose >/dev/null 2>&1 || wanted+=(docker-compose)
+  command -v openssl >/dev/null 2>&1 || wanted+=(openssl)
+  if [ "${#wanted[@]}" -eq 0 ]; then log "debian packages: present"; return; fi
+  if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+    log "missing ${wanted[*]}: install them (Debian: apt-get install ${wanted[*]})"; exit 1
+  fi
+  log "debian packages: installing ${wanted[*]}"
+  # The prometheus package would start its own daemon on :9090; a policy-rc.d that says 101
+  # ("action forbidden") stops the package scripts from starting any service.
+  local policy=/usr/sbin/policy-rc.d made_policy=""
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' > "$policy"; chmod +x "$policy"; made_policy=1
+  fi
+  local rc=0
+  { timeout 600 env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${wanted[@]}" \
+      || { timeout 300 apt-get update -qq && timeout 600 env DEBIAN_FRONTEND=noninteractive \
+             apt-get install -y -qq --no-install-recommends "${wanted[@]}"; }; } >/dev/null || rc=$?
+  [ -n "$made_policy" ] && rm -f "$policy"
+  [ "$rc" -eq 0 ] || { log "apt-get install ${wanted[*]} failed"; exit 1; }
+}
+
+python_for_helpers() {  # the helper is standard-library only: any Python 3.9+ will do
+  command -v python3 || { log "python3 is needed"; exit 1; }
+}
+
+case "${1:-}" in
+  build)
+    start=$SECONDS
+    install_debian_packages
+    build_collector
+    build_jaeger
+    log "build done in $((SECONDS - start))s; binaries in $BIN"
+    ;;
+  start)
+    "$(python_for_helpers)" "$REPO/tests/pipeline/services.py" start --dir "$SERVICES_DIR"
+    ;;
+  stop)
+    "$(python_for_helpers)" "$REPO/tests/pipeline/services.py" stop --dir "$SERVICES_DIR"
+    ;;
+  env)
+    cat "$SERVICES_DIR/env"
+    ;;
+  *)
+    echo "usage: $0 build|start|stop|env" >&2
+    exit 2
+    ;;
+esac

@@ -33,12 +33,14 @@ _IDENTITY_KEYS_ON_SPANS = (contract.JOB_ID, contract.RANK, contract.COHORT, cont
 
 class CountingBatchSpanProcessor(BatchSpanProcessor):
     """The SDK's BatchSpanProcessor, counting the spans it drops because its queue is full
-    (the SDK only logs them) and shutting down within a given time."""
+    (the SDK only logs them), shutting down by a given deadline, and counting what it
+    leaves unexported then (the SDK drops that silently)."""
 
     def __init__(self, exporter, **kwargs: Any) -> None:
         super().__init__(exporter, **kwargs)
         self.dropped_queue_full = 0
-        self.shutdown_timeout_ms = 10_000
+        self.unexported_at_shutdown = 0
+        self.shutdown_deadline: Optional[float] = None  # time.monotonic(); None: the SDK's 30 s
 
     def on_end(self, span) -> None:
         batch = getattr(self, "_batch_processor", None)
@@ -49,10 +51,16 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
 
     def shutdown(self) -> None:
         batch = getattr(self, "_batch_processor", None)
-        if batch is not None:
-            batch.shutdown(timeout_millis=self.shutdown_timeout_ms)
-        else:
+        if batch is None:
             super().shutdown()
+            return
+        deadline = self.shutdown_deadline or time.monotonic() + 30.0
+        # Export until shortly before the deadline, keeping the rest to see the export the SDK
+        # abandons (its exporter is told to stop) return and be counted by the exporter.
+        margin_s = min(0.5, max(0.0, deadline - time.monotonic()) / 4)
+        batch.shutdown(timeout_millis=max(0.0, deadline - margin_s - time.monotonic()) * 1000)
+        batch._worker_thread.join(max(0.0, deadline - time.monotonic()))
+        self.unexported_at_shutdown = len(batch._queue)
 
 
 class RankPipeline:
@@ -86,7 +94,6 @@ class RankPipeline:
             # Export is set up now so a bad endpoint or protocol fails configure(), not later.
             self.exporter = CountingSpanExporter(span_exporter(endpoint, protocol))
             self.batch_processor = CountingBatchSpanProcessor(self.exporter)
-            self.batch_processor.shutdown_timeout_ms = int(options["readout_timeout_ms"])
             if self.backend is not None:
                 self.device_processor = CudaEventSpanProcessor(
                     self.batch_processor, self.backend,
@@ -186,17 +193,20 @@ class RankPipeline:
         return bool(result and result[0])
 
     def shutdown(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s  # one budget for every part, not one each
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout_s)
         self._build(close_open_step=True)
+        if self.batch_processor is not None:
+            self.batch_processor.shutdown_deadline = deadline
         if self.user_provider is None and self.provider is not None:
             closer = threading.Thread(target=self.provider.shutdown, name="otel-straggler-shutdown", daemon=True)
             closer.start()
-            closer.join(timeout_s)
+            closer.join(max(0.0, deadline - time.monotonic()))
         if self.metrics_provider is not None:
             try:
-                self.metrics_provider.shutdown(timeout_millis=timeout_s * 1000)
+                self.metrics_provider.shutdown(timeout_millis=max(0.0, deadline - time.monotonic()) * 1000)
             except Exception:
                 pass
 
@@ -216,6 +226,7 @@ class RankPipeline:
             "processor_full": device.get("processor_full", 0),
             "exporter_queue_full": self.batch_processor.dropped_queue_full if self.batch_processor else 0,
             "export_failed": self.exporter.export_failed if self.exporter else 0,
+            "unexported_at_shutdown": self.batch_processor.unexported_at_shutdown if self.batch_processor else 0,
             "internal_error": recorder.internal_errors + built["build_errors"] + device.get("internal_error", 0)
             + device.get("next_processor_error", 0),
         }

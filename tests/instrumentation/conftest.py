@@ -24,6 +24,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 import otel_straggler
 from otel_straggler.instrumentation import api
+from otel_straggler.processors.cuda_event_span_processor import CudaEventSpanProcessor
 
 # Everything that steers configuration or identity; each test starts without any of it.
 _ENV_PREFIXES = ("OTEL_", "SLURM_", "TORCHELASTIC_")
@@ -59,16 +60,25 @@ def configure() -> Callable[..., otel_straggler.Instrumentation]:
 
 
 class InMemorySpans:
-    """The instrumentation on a user's TracerProvider that keeps finished spans in memory."""
+    """The instrumentation on a user's TracerProvider that keeps finished spans in memory;
+    with a device backend, a CudaEventSpanProcessor sits in front of the in-memory export."""
 
     def __init__(self, configure: Callable[..., otel_straggler.Instrumentation]) -> None:
         self._configure = configure
         self.exporter = InMemorySpanExporter()
-        self.provider = TracerProvider()
-        self.provider.add_span_processor(SimpleSpanProcessor(self.exporter))
+        self.provider: Optional[TracerProvider] = None
+        self.device_processor: Optional[CudaEventSpanProcessor] = None
         self.handle: Optional[otel_straggler.Instrumentation] = None
 
-    def configure(self, **kwargs: Any) -> otel_straggler.Instrumentation:
+    def configure(self, device_backend: Any = None, readout_timeout_s: float = 5.0,
+                  **kwargs: Any) -> otel_straggler.Instrumentation:
+        self.provider = TracerProvider()
+        processor = SimpleSpanProcessor(self.exporter)
+        if device_backend is not None:
+            processor = self.device_processor = CudaEventSpanProcessor(
+                processor, device_backend, readout_timeout_s=readout_timeout_s, poll_interval_s=0.001)
+            kwargs["device_processor"] = processor
+        self.provider.add_span_processor(processor)
         kwargs.setdefault("job_id", "job-in-memory")
         kwargs.setdefault("rank", 0)
         self.handle = self._configure(tracer_provider=self.provider, **kwargs)
@@ -81,10 +91,20 @@ class InMemorySpans:
     def stage_spans(self) -> list:
         return [span for span in self.spans() if span.name != "train.step"]
 
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.shutdown(timeout_s=3.0)
+        if self.device_processor is not None:
+            self.device_processor.backend.complete_all()
+        if self.provider is not None:
+            self.provider.shutdown()
+
 
 @pytest.fixture
 def in_memory(configure) -> InMemorySpans:
-    return InMemorySpans(configure)
+    spans = InMemorySpans(configure)
+    yield spans
+    spans.close()
 
 
 def fake_parallel_state(tp=(1, 2), pp=(0, 2), cp=(0, 1), ep=(0, 1), dp=(3, 4), vpp=None) -> types.ModuleType:
@@ -125,11 +145,12 @@ def wait_until() -> Callable[..., Any]:
     return poll_until
 
 
-def closed_port() -> int:
-    """A 127.0.0.1 port nothing listens on (bound once by us, then released)."""
+@pytest.fixture
+def unreachable_endpoint() -> str:
+    """A 127.0.0.1 address nothing listens on: the port was bound once by us, then released."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+        return f"127.0.0.1:{probe.getsockname()[1]}"
 
 
 # -- in-test OTLP receivers ------------------------------------------------------------------

@@ -1,0 +1,85 @@
+"""Device timing through the whole rank side: stage() records events from the pool, the
+builder hands them to the CudaEventSpanProcessor, and every way of losing the device
+duration is named on the span and counted in status()."""
+from __future__ import annotations
+
+import otel_straggler
+from otel_straggler import contract
+from otel_straggler.processors.device_events import FakeDeviceEvents
+
+
+def timing_of(span) -> tuple:
+    attributes = span.attributes
+    return (attributes[contract.TIMING], attributes.get(contract.DEVICE_DURATION_MS),
+            attributes.get(contract.TIMING_REASON))
+
+
+def test_an_exhausted_pool_times_host_only_until_events_come_back(in_memory, wait_until):
+    backend = FakeDeviceEvents(kernel_ms=1.0)
+    handle = in_memory.configure(device_backend=backend, event_pool_size=4)
+    otel_straggler.step(0)
+    for name in ("forward-compute", "backward-compute", "optimizer"):  # 2 events each, 4 in the pool
+        with otel_straggler.stage(name):
+            pass
+    assert handle.status()["event_pool_free"] == 0
+    backend.complete_all()
+
+    spans = {span.name: span for span in in_memory.stage_spans()}
+    assert timing_of(spans["forward-compute"]) == (contract.TIMING_DEVICE, 1.0, None)
+    assert timing_of(spans["backward-compute"]) == (contract.TIMING_DEVICE, 1.0, None)
+    assert timing_of(spans["optimizer"]) == (contract.TIMING_DEVICE_UNAVAILABLE, None, "pool_exhausted")
+    status = handle.status()
+    assert status["lost"]["pool_exhausted"] == 1 and status["device_timed"] == 2
+    assert wait_until(lambda: handle.status()["event_pool_free"] == 4)
+
+    in_memory.exporter.clear()
+    otel_straggler.step(1)
+    with otel_straggler.stage("forward-compute"):
+        pass
+    backend.complete_all()
+    (again,) = in_memory.stage_spans()
+    assert timing_of(again) == (contract.TIMING_DEVICE, 1.0, None)
+
+
+def test_nested_stages_get_the_device_time_between_their_own_events(in_memory):
+    backend = FakeDeviceEvents(auto_complete=True, kernel_ms=1.5)
+    in_memory.configure(device_backend=backend)
+    otel_straggler.step(0)
+    with otel_straggler.stage("forward-backward"):  # its events enclose the children's four
+        with otel_straggler.stage("forward-compute"):
+            pass
+        with otel_straggler.stage("backward-compute"):
+            pass
+    spans = {span.name: span for span in in_memory.stage_spans()}
+    assert spans["forward-backward"].attributes[contract.DEVICE_DURATION_MS] == 5 * 1.5
+    assert spans["forward-compute"].attributes[contract.DEVICE_DURATION_MS] == 1.5
+
+
+def test_readout_timeouts_and_event_errors_are_named_and_counted(in_memory, wait_until):
+    backend = FakeDeviceEvents()
+    handle = in_memory.configure(device_backend=backend, readout_timeout_s=0.05)
+    otel_straggler.step(0)
+    with otel_straggler.stage("stuck-on-device"):
+        pass
+    assert wait_until(lambda: handle.status()["lost"]["readout_timeout"] == 1)
+
+    backend.fail_next_query = True
+    with otel_straggler.stage("device-error"):
+        pass
+    backend.complete_all()
+    assert wait_until(lambda: handle.status()["lost"]["event_error"] == 1)
+
+    spans = {span.name: span for span in in_memory.stage_spans()}
+    assert timing_of(spans["stuck-on-device"]) == (contract.TIMING_DEVICE_UNAVAILABLE, None, "readout_timeout")
+    assert timing_of(spans["device-error"]) == (contract.TIMING_DEVICE_UNAVAILABLE, None, "event_error")
+    assert handle.status()["device_timed"] == 0
+
+
+def test_without_a_device_backend_spans_are_host_only(in_memory):
+    handle = in_memory.configure()
+    otel_straggler.step(0)
+    with otel_straggler.stage("forward-compute"):
+        pass
+    (span,) = in_memory.stage_spans()
+    assert timing_of(span) == (contract.TIMING_HOST_ONLY, None, "no_cuda")
+    assert handle.status()["device_timing"] == "off"

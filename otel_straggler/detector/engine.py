@@ -1,0 +1,263 @@
+"""The detector's engine: stage observations in, straggler verdicts out. Pure: no I/O, no threads, no
+clock reads, so the same observations and the same `now` values give the same verdicts, live or
+replayed.
+
+- `ingest_many` is the hot path. Per observation it de-duplicates by (job, epoch, rank, seq) in a
+  per-rank ring of the last `dedup_horizon` sequence numbers, finds the open window of its step and
+  appends four numbers to that window's columns. Statistics wait until the window is judged.
+- `advance(now)` closes the windows the cohort has moved past or that stayed idle for
+  `window_grace_s` (windows.py) and judges them (judge.py); `drain(now)` judges every open window.
+- Everything is bounded: jobs, cohorts, ranks per cohort, stage names per cohort and open windows
+  per cohort. What does not fit evicts the least recently active entry that has nothing waiting to
+  be judged, or, when there is none, is dropped; both are counted in `stats()`.
+
+Outcomes of `ingest`: `accepted`; `duplicate` (seq seen before, or older than the rank's
+de-duplication horizon); `late` (its window was already judged: counted, never judged again);
+`malformed` (a value of the wrong type, or a host duration that is negative or not finite);
+`dropped` (no room under the bounds). They match CONTRACT §3b `straggler.detector.spans{outcome}`.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Iterable, NamedTuple, Optional
+
+import numpy as np
+
+from otel_straggler.detector.config import DetectorConfig
+from otel_straggler.detector.judge import judge_window
+from otel_straggler.detector.observation import Observation, Verdict
+from otel_straggler.detector.windows import Cohort, RankEntry, RowLayout, WindowRows
+
+OUTCOMES = ("accepted", "duplicate", "late", "malformed", "dropped")
+# a seq this far below what the rank's ring holds means the rank's process started over
+RESTART_HORIZONS = 4
+
+
+class RankState(NamedTuple):
+    """The live view of one (job, epoch, cohort, stage, rank): the straggler.rank.slowdown and
+    straggler.alert.active gauges."""
+    job_id: str
+    epoch: int
+    cohort: str
+    stage: str
+    rank: int
+    slowdown: Optional[float]  # latest window's slowdown vs its reference; None when not comparable
+    alert_active: bool
+
+
+class Engine:
+    def __init__(self, config: DetectorConfig) -> None:
+        self._config = config
+        self._layout = RowLayout(config.window_steps, config.max_ranks)
+        self._dedup_horizon = 1 << max(0, (config.dedup_horizon - 1).bit_length())
+        self._grace_ns = int(config.window_grace_s * 1e9)
+        self._ranks: dict[tuple, RankEntry] = {}  # (job_id, epoch, rank) -> entry
+        self._cohorts: dict[tuple, Cohort] = {}  # (job_id, epoch, cohort) -> cohort
+        self._cohorts_by_job: dict[str, list[tuple]] = {}
+        self._counts: Counter = Counter()
+        self._now = 0  # latest `now` given; new cohorts start their activity clock there
+
+    # ---- intake ----
+    def ingest(self, observation: Observation) -> str:
+        """One observation; returns its outcome (see the module docstring)."""
+        counts = self.ingest_many((observation,))
+        return next(outcome for outcome in OUTCOMES if counts[outcome])
+
+    def ingest_many(self, observations: Iterable[Observation]) -> dict[str, int]:
+        """The fast path: outcome counts of a batch."""
+        ranks = self._ranks
+        window_steps = self._layout.window_steps
+        collective_offset = self._layout.collective_offset
+        seq_mask = self._dedup_horizon - 1
+        nan, inf = math.nan, math.inf
+        accepted = duplicate = late = malformed = dropped = 0
+        rows: Optional[WindowRows] = None
+        for observation in observations:
+            try:
+                entry = ranks.get((observation.job_id, observation.epoch, observation.rank))
+                if entry is None or entry.cohort_name != observation.cohort:
+                    entry = self._admit_rank(observation)
+                    if entry is None:
+                        dropped += 1
+                        continue
+                seq = observation.seq
+                recent_seqs = entry.recent_seqs
+                seq_slot = seq & seq_mask
+                if recent_seqs[seq_slot] >= seq and not self._restarted(entry, seq, recent_seqs[seq_slot]):
+                    duplicate += 1
+                    continue
+                host_ms = observation.host_ms
+                if not 0.0 <= host_ms < inf:
+                    malformed += 1
+                    continue
+                cohort = entry.cohort
+                stage_offset = cohort.stage_offsets.get(observation.stage)
+                if stage_offset is None:
+                    stage_offset = self._admit_stage(cohort, observation.stage)
+                    if stage_offset is None:
+                        dropped += 1
+                        continue
+                step = observation.step
+                window = step // window_steps
+                rows = cohort.open_windows.get(window)
+                if rows is None:
+                    rows = cohort.open_window(window)
+                    if rows is None:
+                        late += 1
+                        continue
+                device_ms = observation.device_ms
+                tokens = observation.tokens
+                recent_seqs[seq_slot] = seq
+                rows.host_ms.append(host_ms)
+                rows.device_ms.append(nan if device_ms is None else device_ms)
+                rows.tokens.append(tokens if tokens is not None and tokens > 0 else 0.0)
+                rows.keys.append(stage_offset + entry.key_slot + step - window * window_steps
+                                 + (collective_offset if observation.collective else 0))
+                if window > entry.latest_window:
+                    cohort.rank_reached(entry, window)
+                accepted += 1
+            except (TypeError, ValueError, OverflowError, AttributeError):
+                malformed += 1
+                if rows is not None:
+                    rows.repair()
+        counts = {"accepted": accepted, "duplicate": duplicate, "late": late,
+                  "malformed": malformed, "dropped": dropped}
+        self._counts.update(counts)
+        return counts
+
+    def _restarted(self, entry: RankEntry, seq: int, remembered: int) -> bool:
+        """A seq far below the one remembered in its ring slot: the rank's process started over."""
+        if remembered - seq <= RESTART_HORIZONS * self._dedup_horizon:
+            return False
+        entry.cohort.rank_restarted(entry)
+        self._counts["seq_restarts"] += 1
+        return True
+
+    def _admit_rank(self, observation: Observation) -> Optional[RankEntry]:
+        """Registers a rank (or its move to another cohort), within the bounds; None: no room."""
+        job_id, epoch, rank, cohort_name = observation.job_id, observation.epoch, observation.rank, observation.cohort
+        if not (isinstance(job_id, str) and isinstance(cohort_name, str) and _is_int(epoch) and _is_int(rank)):
+            raise TypeError("job_id and cohort must be str, epoch and rank int")
+        cohort = self._cohort(job_id, epoch, cohort_name)
+        if cohort is None:
+            return None
+        entry, evicted = cohort.add_rank(rank, self._dedup_horizon)
+        if evicted is not None:
+            self._forget_rank(evicted)
+        if entry is None:
+            return None
+        # a rank that moved cohorts keeps its old entry there (it falls silent); this one replaces it here
+        self._ranks[(job_id, epoch, rank)] = entry
+        return entry
+
+    def _admit_stage(self, cohort: Cohort, stage: str) -> Optional[int]:
+        if not isinstance(stage, str):
+            raise TypeError("stage must be str")
+        return cohort.add_stage(stage)
+
+    def _cohort(self, job_id: str, epoch: int, name: str) -> Optional[Cohort]:
+        key = (job_id, epoch, name)
+        cohort = self._cohorts.get(key)
+        if cohort is not None:
+            return cohort
+        if job_id not in self._cohorts_by_job and len(self._cohorts_by_job) >= self._config.max_jobs:
+            self._evict_job()
+        if len(self._cohorts) >= self._config.max_cohorts:
+            self._evict_cohort(min(self._cohorts.values(), key=lambda c: c.last_active_unix_nano))
+            self._counts["evictions_cohorts"] += 1
+        config = self._config
+        cohort = Cohort(job_id, epoch, name, self._layout, config.max_ranks, config.max_stages,
+                        config.max_open_windows, self._counts, self._now)
+        self._cohorts[key] = cohort
+        self._cohorts_by_job.setdefault(job_id, []).append(key)
+        return cohort
+
+    def _evict_job(self) -> None:
+        def last_active(job_id: str) -> int:
+            return max(self._cohorts[key].last_active_unix_nano for key in self._cohorts_by_job[job_id])
+        for key in list(self._cohorts_by_job[min(self._cohorts_by_job, key=last_active)]):
+            self._evict_cohort(self._cohorts[key])
+        self._counts["evictions_jobs"] += 1
+
+    def _evict_cohort(self, cohort: Cohort) -> None:
+        """Forgets a cohort, its ranks and its unjudged windows (counted as dropped)."""
+        key = (cohort.job_id, cohort.epoch, cohort.name)
+        del self._cohorts[key]
+        job_cohorts = self._cohorts_by_job[cohort.job_id]
+        job_cohorts.remove(key)
+        if not job_cohorts:
+            del self._cohorts_by_job[cohort.job_id]
+        for entry in cohort.slot_entries:
+            if entry is not None:
+                self._forget_rank(entry)
+        self._counts["windows_dropped"] += cohort.pending_window_count()
+
+    def _forget_rank(self, entry: RankEntry) -> None:
+        key = (entry.job_id, entry.epoch, entry.rank)
+        if self._ranks.get(key) is entry:  # not when the rank has since moved to another cohort
+            del self._ranks[key]
+
+    # ---- judging ----
+    def advance(self, now_unix_nano: int) -> list[Verdict]:
+        """Closes and judges the windows that are due at `now` (the caller's clock, ns)."""
+        self._now = now_unix_nano
+        return self._judge(lambda cohort: cohort.windows_to_judge(
+            now_unix_nano, self._grace_ns, self._config.window_close_lag), now_unix_nano)
+
+    def drain(self, now_unix_nano: int) -> list[Verdict]:
+        """Closes and judges every open window: end of a replay, or shutdown."""
+        self._now = now_unix_nano
+        return self._judge(Cohort.all_windows, now_unix_nano)
+
+    def _judge(self, windows_of, now_unix_nano: int) -> list[Verdict]:
+        verdicts: list[Verdict] = []
+        for cohort in list(self._cohorts.values()):
+            for rows in windows_of(cohort):
+                judgement = judge_window(cohort, rows, self._config, now_unix_nano)
+                cohort.ranks_fell_silent(judgement.fell_silent)
+                cohort.ranks_came_back(judgement.came_back)
+                self._counts["windows_closed"] += 1
+                self._counts["coverage_gaps"] += judgement.coverage_gaps
+                self._counts["invalid_device_durations"] += judgement.invalid_device_rows
+                self._counts["verdicts"] += len(judgement.verdicts)
+                verdicts.extend(judgement.verdicts)
+        return verdicts
+
+    # ---- views ----
+    def stats(self) -> dict[str, int]:
+        """Running counters plus the current sizes of everything bounded."""
+        counters = ("accepted", "duplicate", "late", "malformed", "dropped", "windows_closed",
+                    "coverage_gaps", "evictions_jobs", "evictions_cohorts", "evictions_ranks",
+                    "evictions_stages", "evictions_windows", "windows_dropped", "seq_restarts",
+                    "invalid_device_durations", "verdicts")
+        stats = {name: int(self._counts[name]) for name in counters}
+        stats["duplicates"] = stats["duplicate"]
+        stats["jobs"] = len(self._cohorts_by_job)
+        stats["cohorts"] = len(self._cohorts)
+        stats["ranks"] = sum(cohort.rank_count() for cohort in self._cohorts.values())
+        stats["open_windows"] = sum(cohort.pending_window_count() for cohort in self._cohorts.values())
+        return stats
+
+    def rank_state(self) -> list[RankState]:
+        """Latest slowdown and alert per (job, epoch, cohort, stage, rank) that has been compared."""
+        states = []
+        for cohort in self._cohorts.values():
+            verdict_state = cohort.verdict_state
+            slots = len(cohort.slot_entries)
+            codes = min(2 * len(cohort.stage_names), verdict_state.alert.shape[0])
+            slowdown = verdict_state.slowdown[:codes, :slots]
+            alert = verdict_state.alert[:codes, :slots]
+            for code, slot in zip(*np.nonzero(~np.isnan(slowdown) | alert)):
+                entry = cohort.slot_entries[slot]
+                stage = cohort.stage_names[code // 2]
+                if entry is None or stage is None:
+                    continue
+                value = float(slowdown[code, slot])
+                states.append(RankState(cohort.job_id, cohort.epoch, cohort.name, stage, entry.rank,
+                                        value if math.isfinite(value) else None, bool(alert[code, slot])))
+        return states
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,47 @@
+"""Sorting by (group, value) and per-group medians, fast.
+
+`numpy.lexsort` on a million rows costs about 0.8 s on a small cloud core; one int64 sort of a
+packed key (group in the high 32 bits, the value's float32 bit pattern in the low 32) costs about
+0.1 s. For non-negative floats the IEEE bit pattern orders like the value, and float32 keeps ~7
+significant digits, far finer than any threshold here. Values must be finite or +inf and >= 0.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+MAX_GROUP = (1 << 31) - 1  # group ids must fit the high half of an int64 without its sign bit
+
+
+def _packed(groups: np.ndarray, values: np.ndarray) -> np.ndarray:
+    # `+ 0.0` turns -0.0 into +0.0, whose bit pattern would otherwise sort after every positive value
+    value_bits = (values + 0.0).astype(np.float32).view(np.uint32).astype(np.int64)
+    return (groups.astype(np.int64) << 32) | value_bits
+
+
+def dense_groups(groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct group ids, each row's index into them): for group ids too large to pack."""
+    distinct, index = np.unique(groups, return_inverse=True)
+    return distinct, index.reshape(-1)
+
+
+def order_within_groups(groups: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Permutation sorting rows by group, then value. Groups: 0 <= g <= MAX_GROUP."""
+    return np.argsort(_packed(groups, values))
+
+
+def grouped_medians(groups: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct groups ascending, the median of each group's values)."""
+    if groups.size == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0)
+    if int(groups.max()) > MAX_GROUP:
+        distinct, index = dense_groups(groups)
+        dense, medians = grouped_medians(index, values)
+        return distinct[dense], medians
+    packed = np.sort(_packed(groups, values))
+    sorted_groups = packed >> 32
+    sorted_values = (packed & 0xFFFFFFFF).astype(np.uint32).view(np.float32).astype(np.float64)
+    starts = np.flatnonzero(np.r_[True, sorted_groups[1:] != sorted_groups[:-1]])
+    sizes = np.diff(np.r_[starts, packed.size])
+    low = sorted_values[starts + (sizes - 1) // 2]
+    high = sorted_values[starts + sizes // 2]
+    return sorted_groups[starts], (low + high) / 2.0

@@ -1,0 +1,415 @@
+"""Judging one closed window of one cohort: statistics, references, thresholds, alert state.
+
+Everything is computed for all (stage, rank) pairs of the window at once with numpy; verdict objects
+are built only for the few pairs whose state changes. Per pair and window:
+
+- statistic: the median host duration and, where the rank has device durations, the median device
+  duration of its intervals of that stage. The whole step (stage "*") is, per rank and step, the sum
+  of its non-collective intervals (device sum only when every one of them has a device duration),
+  then the median over the window's steps. Nested timers are summed too: every rank of a cohort
+  nests the same way, so the comparison is unaffected.
+- reference: see peer_reference.py (median of the comparable peers, the rank left out). Device
+  durations are compared with peers that have device durations.
+- slow: slowdown > 1 + rel_threshold AND gap > min_gap_ms, on host or device; over the relative
+  threshold but not the gap is `below_absolute_floor`, never slow.
+- usable: the rank has at least min_cohort_size - 1 comparable peers; otherwise
+  `cohort_below_min_size` (the stage has too few ranks) or `workload_incomparable`.
+
+Verdicts emitted (healthy windows emit nothing; the live slowdown gauge updates every window):
+- `straggler`/`slow_vs_peers` when a pair becomes slow for persist_windows consecutive usable
+  windows (a rank's first warmup_windows windows are not judged at all);
+- `recovered`/`within_tolerance` (or `below_absolute_floor`) at the first usable, not-slow window
+  while an alert is active;
+- `uncertain`/`recovery_evidence_insufficient` when an active alert meets an unusable window (the
+  alert is held); `uncertain`/`cohort_below_min_size` or `workload_incomparable` when a pair enters
+  that state; both once per stretch, not every window. An unusable window breaks an onset streak;
+- `uncertain`/`below_absolute_floor` once a pair has been over the relative threshold but under
+  the floor for persist_windows consecutive windows;
+- collective stages are never slow by their own duration: a pair that would be slow there for
+  persist_windows windows gets one `uncertain`/`waiting_on_peer` (attribution `waiting_on_peer`);
+- `silent`/`no_report` (stage "*") when a rank misses silent_windows consecutive closed windows.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from otel_straggler import contract
+from otel_straggler.detector.config import DetectorConfig
+from otel_straggler.detector.grouped import dense_groups, grouped_medians
+from otel_straggler.detector.observation import Verdict
+from otel_straggler.detector.peer_reference import (WORKLOAD_COMPARABLE, WORKLOAD_NOT_REPORTED,
+                                                    PeerReferences, peer_references)
+
+REASON_SLOW_VS_PEERS = "slow_vs_peers"
+REASON_WITHIN_TOLERANCE = "within_tolerance"
+REASON_BELOW_ABSOLUTE_FLOOR = "below_absolute_floor"
+REASON_COHORT_BELOW_MIN_SIZE = "cohort_below_min_size"
+REASON_WORKLOAD_INCOMPARABLE = "workload_incomparable"
+REASON_RECOVERY_EVIDENCE_INSUFFICIENT = "recovery_evidence_insufficient"
+REASON_WAITING_ON_PEER = "waiting_on_peer"
+REASON_NO_REPORT = "no_report"
+
+# the last uncertain reason noted per pair, as a small int (0: none), so each is noted once
+_UNCERTAIN_REASONS = (None, REASON_COHORT_BELOW_MIN_SIZE, REASON_WORKLOAD_INCOMPARABLE,
+                      REASON_RECOVERY_EVIDENCE_INSUFFICIENT, REASON_BELOW_ABSOLUTE_FLOOR)
+_SMALL, _INCOMPARABLE, _INSUFFICIENT, _FLOOR = 1, 2, 3, 4
+
+TIMING_HOST = "host"
+TIMING_DEVICE = "device"
+
+_DENSE_BINS_LIMIT = 1 << 24  # (slot, step) bins counted with bincount up to this many, else compacted first
+
+
+class CohortVerdictState:
+    """What is remembered between windows, as arrays: per slot (rank) and per (code, slot)."""
+
+    def __init__(self) -> None:
+        self.windows_seen = np.zeros(0, dtype=np.int64)  # closed windows the rank had rows in
+        self.missed_windows = np.zeros(0, dtype=np.int64)  # consecutive closed windows without its rows
+        self.silent = np.zeros(0, dtype=bool)
+        self.alert = np.zeros((0, 0), dtype=bool)
+        self.slow_streak = np.zeros((0, 0), dtype=np.int64)
+        self.floor_streak = np.zeros((0, 0), dtype=np.int64)
+        self.last_uncertain = np.zeros((0, 0), dtype=np.int8)
+        self.slowdown = np.zeros((0, 0))  # latest window's slowdown; nan: none yet
+
+    def ensure(self, stage_count: int, slot_count: int) -> None:
+        codes, slots = self.alert.shape
+        if 2 * stage_count <= codes and slot_count <= slots:
+            return
+        codes = max(codes, 2 * stage_count, 4) if 2 * stage_count <= codes else max(2 * codes, 2 * stage_count)
+        slots = max(slots, slot_count, 16) if slot_count <= slots else max(2 * slots, slot_count)
+        for name in ("windows_seen", "missed_windows", "silent"):
+            old = getattr(self, name)
+            new = np.zeros(slots, dtype=old.dtype)
+            new[:old.size] = old
+            setattr(self, name, new)
+        for name, fill in (("alert", False), ("slow_streak", 0), ("floor_streak", 0),
+                           ("last_uncertain", 0), ("slowdown", np.nan)):
+            old = getattr(self, name)
+            new = np.full((codes, slots), fill, dtype=old.dtype)
+            new[:old.shape[0], :old.shape[1]] = old
+            setattr(self, name, new)
+
+    def reset_slot(self, slot: int) -> None:
+        self.windows_seen[slot] = self.missed_windows[slot] = 0
+        self.silent[slot] = False
+        self._reset((slice(None), slot))
+
+    def reset_code(self, code: int) -> None:
+        self._reset((code, slice(None)))
+
+    def rejoin(self, slot: int) -> None:
+        """A silent rank reports again, likely a new process: warmup starts over."""
+        self.windows_seen[slot] = self.missed_windows[slot] = 0
+        self.silent[slot] = False
+
+    def _reset(self, where) -> None:
+        self.alert[where] = False
+        self.slow_streak[where] = self.floor_streak[where] = 0
+        self.last_uncertain[where] = 0
+        self.slowdown[where] = np.nan
+
+
+@dataclass
+class WindowJudgement:
+    verdicts: list[Verdict] = field(default_factory=list)
+    coverage_gaps: int = 0
+    fell_silent: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    came_back: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    invalid_device_rows: int = 0
+
+
+@dataclass
+class _Comparison:
+    """One duration kind (host or device) compared for every entry."""
+    median: np.ndarray
+    references: PeerReferences
+    entries: np.ndarray  # which entries these rows are (device: only those with device durations)
+    usable: np.ndarray
+    slowdown: np.ndarray
+    gap: np.ndarray
+    over: np.ndarray  # slowdown over the relative threshold
+    slow: np.ndarray  # ... and gap over the floor
+
+
+def judge_window(cohort, rows, config: DetectorConfig, now_unix_nano: int) -> WindowJudgement:
+    """Judges the closed window `rows` of `cohort` (windows.Cohort) and updates its verdict state."""
+    state: CohortVerdictState = cohort.verdict_state
+    layout = cohort.layout
+    slot_count = len(cohort.slot_entries)
+    with np.errstate(all="ignore"):  # inf/nan from hostile values are handled as unusable below
+        entries, invalid_device_rows = _entries(rows, layout, slot_count)
+        judgement = _judge_entries(cohort, rows.window, entries, config, now_unix_nano)
+    judgement.invalid_device_rows = invalid_device_rows
+    _judge_presence(cohort, rows.window, entries.present, config, now_unix_nano, judgement)
+    state.windows_seen[:slot_count][entries.present] += 1
+    for stage_index in np.unique(entries.code // 2).tolist():
+        if stage_index:
+            cohort.stage_seen(stage_index, rows.window)
+    return judgement
+
+
+@dataclass
+class _Entries:
+    """One entry per (stage code, slot) present in the window, sorted by code then slot."""
+    code: np.ndarray
+    slot: np.ndarray
+    host: np.ndarray
+    device: np.ndarray  # nan: no device duration
+    tokens: np.ndarray  # the slot's tokens per step; nan: not reported
+    present: np.ndarray  # bool per slot: the rank had rows in this window
+
+
+def _entries(rows, layout, slot_count: int) -> tuple[_Entries, int]:
+    keys = np.frombuffer(rows.keys, dtype=np.int64)
+    host = np.frombuffer(rows.host_ms, dtype=np.float64)
+    device = np.frombuffer(rows.device_ms, dtype=np.float64)
+    tokens = np.frombuffer(rows.tokens, dtype=np.float64)
+    group, code, slot, step_offset = layout.unpack(keys)
+    has_device = np.isfinite(device) & (device >= 0)
+    invalid_device_rows = int(np.count_nonzero(~np.isnan(device) & ~has_device))
+
+    stage_groups, stage_host = grouped_medians(group, host)
+    device_groups, device_medians = grouped_medians(group[has_device], device[has_device])
+    stage_device = np.full(stage_groups.size, np.nan)
+    stage_device[np.searchsorted(stage_groups, device_groups)] = device_medians
+
+    # whole step: per (slot, step) sums of the non-collective intervals, then per-slot medians
+    compute = (code & 1) == 0
+    step_bin = slot * layout.window_steps + step_offset
+    bins, (host_sum, device_sum, device_missing) = _sums_by_bin(
+        step_bin[compute], host[compute], np.where(has_device, device, 0.0)[compute],
+        (~has_device[compute]).astype(np.float64))
+    whole_slots, whole_host = grouped_medians(bins // layout.window_steps, host_sum)
+    complete = device_missing == 0
+    whole_device_slots, whole_device_medians = grouped_medians(bins[complete] // layout.window_steps,
+                                                               device_sum[complete])
+    whole_device = np.full(whole_slots.size, np.nan)
+    whole_device[np.searchsorted(whole_slots, whole_device_slots)] = whole_device_medians
+
+    # workload: tokens per (slot, step) averaged over the step's rows that carry it, per-slot median
+    reported = np.isfinite(tokens) & (tokens > 0)
+    token_bins, (token_sum, token_rows) = _sums_by_bin(step_bin[reported], tokens[reported],
+                                                       np.ones(int(np.count_nonzero(reported))))
+    token_slots, token_medians = grouped_medians(token_bins // layout.window_steps, token_sum / token_rows)
+    tokens_by_slot = np.full(slot_count, np.nan)
+    tokens_by_slot[token_slots] = np.where(np.isfinite(token_medians), token_medians, np.nan)
+
+    stage_code = stage_groups // layout.slot_stride
+    stage_slot = stage_groups - stage_code * layout.slot_stride
+    all_slots = np.concatenate((whole_slots, stage_slot))
+    present = np.zeros(slot_count, dtype=bool)
+    present[slot] = True
+    return _Entries(
+        code=np.concatenate((np.zeros(whole_slots.size, dtype=np.int64), stage_code)),
+        slot=all_slots,
+        host=np.concatenate((whole_host, stage_host)),
+        device=np.concatenate((whole_device, stage_device)),
+        tokens=tokens_by_slot[all_slots],
+        present=present,
+    ), invalid_device_rows
+
+
+def _sums_by_bin(bins: np.ndarray, *weights: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(the distinct bins, each weight column summed per bin)."""
+    if bins.size == 0:
+        return bins, [np.zeros(0) for _ in weights]
+    if int(bins.max()) < _DENSE_BINS_LIMIT:
+        counts = np.bincount(bins)
+        used = np.flatnonzero(counts)
+        return used, [np.bincount(bins, weights=column)[used] for column in weights]
+    distinct, index = dense_groups(bins)
+    return distinct, [np.bincount(index, weights=column) for column in weights]
+
+
+def _compare(entries: np.ndarray, segment: np.ndarray, median: np.ndarray, tokens: np.ndarray,
+             floor_ms: np.ndarray, config: DetectorConfig) -> _Comparison:
+    references = peer_references(segment, median, tokens, config.reference_quantile, config.work_tolerance)
+    reference = references.reference
+    slowdown = np.where(reference > 0, median / reference, np.where(median > 0, np.inf, 1.0))
+    gap = median - reference
+    usable = (references.peer_count + 1 >= config.min_cohort_size) & np.isfinite(reference) & ~np.isnan(slowdown)
+    over = usable & (slowdown > 1.0 + config.rel_threshold)
+    return _Comparison(median, references, entries, usable, slowdown, gap, over, over & (gap > floor_ms))
+
+
+def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfig, now: int) -> WindowJudgement:
+    state: CohortVerdictState = cohort.verdict_state
+    judgement = WindowJudgement()
+    count = entries.code.size
+    if count == 0:
+        return judgement
+    everyone = np.arange(count)
+    collective = (entries.code & 1) == 1
+    # a collective absorbs every peer's arrival jitter; waiting counts only when it is a sizeable
+    # part of the rank's step: over rel_threshold of its whole-step compute time as well as the floor
+    step_compute_ms = np.full(state.windows_seen.size, np.nan)
+    whole_step = entries.code == 0
+    step_compute_ms[entries.slot[whole_step]] = entries.host[whole_step]
+    floor_ms = np.where(collective, np.fmax(config.min_gap_ms, config.rel_threshold * step_compute_ms[entries.slot]),
+                        config.min_gap_ms)
+    host = _compare(everyone, entries.code, entries.host, entries.tokens, floor_ms, config)
+    with_device = np.flatnonzero(~np.isnan(entries.device))
+    device = _compare(with_device, entries.code[with_device], entries.device[with_device],
+                      entries.tokens[with_device], floor_ms[with_device], config)
+
+    # device comparisons scattered onto all entries
+    device_usable = np.zeros(count, dtype=bool)
+    device_usable[with_device] = device.usable
+    device_over = np.zeros(count, dtype=bool)
+    device_over[with_device] = device.over
+    device_slow = np.zeros(count, dtype=bool)
+    device_slow[with_device] = device.slow
+    device_slowdown = np.full(count, np.nan)
+    device_slowdown[with_device] = device.slowdown
+
+    usable = host.usable
+    slow = usable & (host.slow | device_slow)
+    over = usable & (host.over | device_over)
+    floor = over & ~slow
+    within = usable & ~over
+    # which duration the verdict reports: the one that convicted, else device where comparable
+    host_flag = np.where(slow, host.slow, host.over)
+    device_flag = np.where(slow, device_slow, device_over)
+    use_device = device_flag | (device_usable & ~host_flag)
+    slowdown = np.where(usable, np.where(use_device, device_slowdown, host.slowdown), np.nan)
+
+    flat = entries.code * state.alert.shape[1] + entries.slot
+    state.slowdown.reshape(-1)[flat] = slowdown  # gauges update every window, warmup included
+    judged = state.windows_seen[entries.slot] >= config.warmup_windows
+    compute = judged & ~collective
+    waiting = judged & collective
+
+    alert = state.alert.reshape(-1)[flat]
+    slow_streak = np.where(slow, state.slow_streak.reshape(-1)[flat] + 1, 0)
+    floor_streak = np.where(floor, state.floor_streak.reshape(-1)[flat] + 1, 0)
+    unusable_reason = np.where(host.references.segment_size < config.min_cohort_size, _SMALL, _INCOMPARABLE)
+    uncertain_reason = np.where(compute & ~usable, np.where(alert, _INSUFFICIENT, unusable_reason), 0)
+    floor_reason = np.where(compute & floor & ~alert & (floor_streak >= config.persist_windows), _FLOOR, 0)
+    last_notice = state.last_uncertain.reshape(-1)[flat]
+
+    onset = compute & slow & ~alert & (slow_streak >= config.persist_windows)
+    # recovery needs the rank back within the relative tolerance: a window under the floor but
+    # still over the ratio holds the alert, so a gap hovering at the floor does not flap
+    recovery = compute & alert & within
+    uncertain_notice = (uncertain_reason != 0) & (uncertain_reason != last_notice)
+    floor_notice = (floor_reason != 0) & (floor_reason != last_notice)
+    waiting_notice = waiting & slow & (slow_streak == config.persist_windows)
+    # an uncertain reason is noted once per pair, until its next straggler or recovered verdict
+    notice = np.where(uncertain_reason != 0, uncertain_reason, np.where(floor_reason != 0, floor_reason, last_notice))
+    notice = np.where(onset | recovery, 0, notice)
+
+    update = flat[judged]
+    state.alert.reshape(-1)[update] = ((alert | onset) & ~recovery)[judged]
+    state.slow_streak.reshape(-1)[update] = slow_streak[judged]
+    state.floor_streak.reshape(-1)[update] = floor_streak[judged]
+    state.last_uncertain.reshape(-1)[update] = notice[judged]
+
+    context = _VerdictContext(cohort, window, now, entries, host, device, use_device, slowdown)
+    for entry in np.flatnonzero(onset | recovery | uncertain_notice | floor_notice | waiting_notice).tolist():
+        if onset[entry]:
+            verdict, reason = contract.VERDICT_STRAGGLER, REASON_SLOW_VS_PEERS
+        elif recovery[entry]:
+            verdict, reason = contract.VERDICT_RECOVERED, REASON_WITHIN_TOLERANCE
+        elif waiting_notice[entry]:
+            verdict, reason = contract.VERDICT_UNCERTAIN, REASON_WAITING_ON_PEER
+        else:
+            notice_code = uncertain_reason[entry] or floor_reason[entry]
+            verdict, reason = contract.VERDICT_UNCERTAIN, _UNCERTAIN_REASONS[notice_code]
+        attribution = _attribution(reason, host_flag[entry], device_flag[entry], device_usable[entry])
+        judgement.verdicts.append(context.verdict(entry, verdict, reason, attribution))
+    return judgement
+
+
+def _attribution(reason: str, host_flag: bool, device_flag: bool, device_usable: bool) -> str:
+    if reason == REASON_WAITING_ON_PEER:
+        return contract.ATTRIBUTION_WAITING
+    if reason not in (REASON_SLOW_VS_PEERS, REASON_BELOW_ABSOLUTE_FLOOR) or not (host_flag or device_flag):
+        return contract.ATTRIBUTION_UNKNOWN
+    if device_flag:
+        return contract.ATTRIBUTION_GPU
+    return contract.ATTRIBUTION_HOST if device_usable else contract.ATTRIBUTION_UNKNOWN
+
+
+class _VerdictContext:
+    """Builds the few verdict records of one window from its comparison arrays."""
+
+    def __init__(self, cohort, window: int, now: int, entries: _Entries, host: _Comparison,
+                 device: _Comparison, use_device: np.ndarray, slowdown: np.ndarray) -> None:
+        self.cohort, self.window, self.now, self.entries = cohort, window, now, entries
+        self.host, self.device, self.use_device, self.slowdown = host, device, use_device, slowdown
+        self.device_row = np.full(entries.code.size, -1, dtype=np.int64)
+        self.device_row[device.entries] = np.arange(device.entries.size)
+
+    def verdict(self, entry: int, verdict: str, reason: str, attribution: str) -> Verdict:
+        uses_device = bool(self.use_device[entry])
+        comparison, row = (self.device, int(self.device_row[entry])) if uses_device else (self.host, entry)
+        peers = comparison.entries[comparison.references.peers(row)]
+        slot = int(self.entries.slot[entry])
+        code = int(self.entries.code[entry])
+        workload = int(comparison.references.workload[row])
+        if reason == REASON_WORKLOAD_INCOMPARABLE:
+            workload_comparable: Optional[bool] = False
+        elif workload == WORKLOAD_NOT_REPORTED:
+            workload_comparable = None
+        else:
+            workload_comparable = workload == WORKLOAD_COMPARABLE
+        reference = float(comparison.references.reference[row])
+        rank_ms = float(comparison.median[row])
+        return Verdict(
+            time_unix_nano=self.now,
+            job_id=self.cohort.job_id,
+            cohort=self.cohort.name,
+            stage=self.cohort.stage_names[code // 2],
+            rank=self.cohort.slot_entries[slot].rank,
+            window=self.window,
+            verdict=verdict,
+            reason=reason,
+            slowdown=_number(self.slowdown[entry]),
+            gap_ms=_number(rank_ms - reference),
+            rank_ms=_number(rank_ms),
+            reference_ms=_number(reference),
+            reference_ranks=tuple(self.cohort.slot_entries[int(s)].rank for s in self.entries.slot[peers]),
+            timing=TIMING_DEVICE if uses_device else TIMING_HOST,
+            attribution=attribution,
+            workload_comparable=workload_comparable,
+        )
+
+
+def _number(value) -> Optional[float]:
+    """Verdict numbers: rounded to 0.1 µs / 4 decimals (medians are float32-exact), null if not finite."""
+    value = float(value)
+    return round(value, 4) if math.isfinite(value) else None
+
+
+def _judge_presence(cohort, window: int, present: np.ndarray, config: DetectorConfig, now: int,
+                    judgement: WindowJudgement) -> None:
+    """Coverage gaps and `silent`: ranks of the cohort that had no rows in this window."""
+    state: CohortVerdictState = cohort.verdict_state
+    slot_count = present.size
+    roster = np.array([entry is not None for entry in cohort.slot_entries], dtype=bool)
+    silent = state.silent[:slot_count]
+    missed = state.missed_windows[:slot_count]
+    missing = roster & ~present
+    gaps = missing & ~silent
+    judgement.coverage_gaps = int(np.count_nonzero(gaps))
+    missed[missing] += 1
+    missed[present] = 0
+    fell_silent = gaps & (missed >= config.silent_windows)
+    came_back = present & silent
+    silent[fell_silent] = True
+    silent[came_back] = False
+    judgement.fell_silent = np.flatnonzero(fell_silent)
+    judgement.came_back = np.flatnonzero(came_back)
+    for slot in judgement.fell_silent.tolist():
+        judgement.verdicts.append(Verdict(
+            time_unix_nano=now, job_id=cohort.job_id, cohort=cohort.name, stage=contract.WHOLE_STEP_STAGE,
+            rank=cohort.slot_entries[slot].rank, window=window, verdict=contract.VERDICT_SILENT,
+            reason=REASON_NO_REPORT, slowdown=None, gap_ms=None, rank_ms=None, reference_ms=None,
+            reference_ranks=(), timing=TIMING_HOST, attribution=contract.ATTRIBUTION_UNKNOWN,
+            workload_comparable=None))

@@ -1,0 +1,340 @@
+"""Per-cohort window accumulation: which rows belong to which open window, and when a window closes.
+
+A cohort is one (job, topology epoch, cohort) triple: the ranks that are compared with each other.
+Window `w` holds steps [w*W, (w+1)*W). Its rows are four flat columns (packed key, host ms, device
+ms, tokens) appended on the ingest hot path; all grouping happens once, when the window is judged.
+
+A window closes, at the caller's `advance(now)`, when
+- every reporting rank of the cohort has reported a later window (the cohort moved past it), or
+- more than half of them have reported a window `window_close_lag` later (so one lagging rank, or
+  one lagging exporter, cannot hold it open, while a straggler's own late data still counts), or
+- it received no data for `window_grace_s` by the caller's clock, or
+- the cohort would exceed `max_open_windows` (the oldest is closed early, counted).
+"Reporting" ranks exclude `silent` ones, so a rank that stopped does not hold windows open for long.
+"""
+from __future__ import annotations
+
+import operator
+from array import array
+from collections import Counter
+from typing import Optional
+
+import numpy as np
+
+from otel_straggler.contract import WHOLE_STEP_STAGE
+from otel_straggler.detector.judge import CohortVerdictState
+
+NEVER_REPORTED = -(1 << 62)  # a rank's latest window before its first accepted row
+SEQ_UNSEEN = -(1 << 63)  # de-duplication slot never written
+OUT_OF_ORDER_JUDGED_KEPT = 64  # windows judged while an older one was still open, remembered for `late`
+
+
+class RowLayout:
+    """How one row's (stage code, slot, step) is packed into one int64 key, shared by the ingest hot
+    path and the judge. code = 2 * stage index + collective; stage index 0 is the whole step ("*").
+    key = code * (slot_stride * W) + slot * W + (step - window * W)."""
+
+    def __init__(self, window_steps: int, slot_stride: int) -> None:
+        self.window_steps = window_steps
+        self.slot_stride = slot_stride
+        self.code_stride = slot_stride * window_steps
+        self.collective_offset = self.code_stride
+
+    def stage_offset(self, stage_index: int) -> int:
+        return 2 * stage_index * self.code_stride
+
+    def unpack(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(group = code * slot_stride + slot, code, slot, step offset within the window)."""
+        group = keys // self.window_steps
+        step_offset = keys - group * self.window_steps
+        code = group // self.slot_stride
+        return group, code, group - code * self.slot_stride, step_offset
+
+
+class WindowRows:
+    """The rows of one open window, as flat columns."""
+
+    __slots__ = ("window", "keys", "host_ms", "device_ms", "tokens", "rows_noticed", "last_data_unix_nano")
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.keys = array("q")
+        self.host_ms = array("d")
+        self.device_ms = array("d")  # nan: no device duration
+        self.tokens = array("d")  # 0: not reported
+        self.rows_noticed = 0
+        self.last_data_unix_nano: Optional[int] = None
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def repair(self) -> None:
+        """After an append failed half way: cut every column to the common length."""
+        length = min(len(self.keys), len(self.host_ms), len(self.device_ms), len(self.tokens))
+        for column in (self.keys, self.host_ms, self.device_ms, self.tokens):
+            del column[length:]
+
+
+class RankEntry:
+    """One rank of one cohort: where its rows go and which of its sequence numbers were seen."""
+
+    __slots__ = ("job_id", "epoch", "rank", "cohort", "cohort_name", "slot", "key_slot",
+                 "recent_seqs", "latest_window")
+
+    def __init__(self, job_id: str, epoch: int, rank: int, cohort: "Cohort", slot: int,
+                 layout: RowLayout, dedup_horizon: int) -> None:
+        self.job_id = job_id
+        self.epoch = epoch
+        self.rank = rank
+        self.cohort = cohort
+        self.cohort_name = cohort.name
+        self.slot = slot
+        self.key_slot = slot * layout.window_steps
+        # ring indexed by seq mod horizon, holding the seq last seen there
+        self.recent_seqs = array("q", [SEQ_UNSEEN]) * dedup_horizon
+        self.latest_window = NEVER_REPORTED
+
+    def forget_seqs(self) -> None:
+        for index in range(len(self.recent_seqs)):
+            self.recent_seqs[index] = SEQ_UNSEEN
+
+
+class Cohort:
+    """Ranks, stage names and open windows of one cohort, all bounded, and its verdict state."""
+
+    def __init__(self, job_id: str, epoch: int, name: str, layout: RowLayout, max_ranks: int,
+                 max_stages: int, max_open_windows: int, counts: Counter, now_unix_nano: int) -> None:
+        self.job_id = job_id
+        self.epoch = epoch
+        self.name = name
+        self.layout = layout
+        self.last_active_unix_nano = now_unix_nano
+        self._counts = counts
+        self._max_ranks = max_ranks
+        self._max_stages = max_stages
+        self._max_open_windows = max_open_windows
+        self.verdict_state = CohortVerdictState()
+
+        self.slot_entries: list[Optional[RankEntry]] = []
+        self._free_slots: list[int] = []
+        self._latest_window_by_slot = np.zeros(0, dtype=np.int64)
+        # closing rule: how many reporting (not silent) ranks have each latest window
+        self._ranks_by_latest_window: Counter = Counter()
+        self._reporting_ranks = 0
+
+        self.stage_offsets: dict[str, int] = {}  # hot path: stage name -> key offset
+        self.stage_names: list[Optional[str]] = [WHOLE_STEP_STAGE]  # by stage index
+        self._stage_last_judged = [0]  # by stage index: last window it had rows in, for eviction
+        self._free_stage_indices: list[int] = []
+
+        self.open_windows: dict[int, WindowRows] = {}
+        self._closed_early: list[WindowRows] = []  # closed by the open-window bound, judged at next advance
+        self._judged_below: Optional[int] = None  # every window below this one has been judged
+        self._judged_out_of_order: set[int] = set()
+        self._windows_version = 0  # bumps whenever a window opens or closes: eviction scans cache on it
+        self._nothing_evictable_at = (-1, -1)  # (ranks, stages) versions where a scan found nothing
+
+    # ---- ranks ----
+    def add_rank(self, rank: int, dedup_horizon: int) -> tuple[Optional[RankEntry], Optional[RankEntry]]:
+        """(new entry or None when full and nothing is evictable, the entry evicted for it or None)."""
+        evicted = None
+        if not self._free_slots and len(self.slot_entries) >= self._max_ranks:
+            evicted = self._evict_idle_rank()
+            if evicted is None:
+                return None, None
+        if self._free_slots:
+            slot = self._free_slots.pop()
+        else:
+            slot = len(self.slot_entries)
+            self.slot_entries.append(None)
+            if slot >= self._latest_window_by_slot.size:
+                grown = np.full(max(16, 2 * self._latest_window_by_slot.size), NEVER_REPORTED, dtype=np.int64)
+                grown[:self._latest_window_by_slot.size] = self._latest_window_by_slot
+                self._latest_window_by_slot = grown
+            self.verdict_state.ensure(len(self.stage_names), slot + 1)
+        entry = RankEntry(self.job_id, self.epoch, rank, self, slot, self.layout, dedup_horizon)
+        self.slot_entries[slot] = entry
+        self._latest_window_by_slot[slot] = NEVER_REPORTED
+        self.verdict_state.reset_slot(slot)
+        return entry, evicted
+
+    def remove_rank(self, entry: RankEntry) -> None:
+        if self._is_reporting(entry):
+            self._stop_counting(entry.latest_window)
+        self.slot_entries[entry.slot] = None
+        self._latest_window_by_slot[entry.slot] = NEVER_REPORTED
+        self.verdict_state.reset_slot(entry.slot)
+        self._free_slots.append(entry.slot)
+
+    def rank_reached(self, entry: RankEntry, window: int) -> None:
+        """A rank's first row in a later window than any before (once per rank per window)."""
+        if self.verdict_state.silent[entry.slot]:
+            self.verdict_state.rejoin(entry.slot)
+        elif entry.latest_window != NEVER_REPORTED:
+            self._stop_counting(entry.latest_window)
+        entry.latest_window = window
+        self._latest_window_by_slot[entry.slot] = window
+        self._ranks_by_latest_window[window] += 1
+        self._reporting_ranks += 1
+
+    def rank_restarted(self, entry: RankEntry) -> None:
+        """Its sequence numbers started over: a new process, so its warmup starts over too."""
+        entry.forget_seqs()
+        self.verdict_state.windows_seen[entry.slot] = 0
+
+    def ranks_fell_silent(self, slots: np.ndarray) -> None:
+        for slot in slots.tolist():
+            entry = self.slot_entries[slot]
+            if entry is not None and entry.latest_window != NEVER_REPORTED:
+                self._stop_counting(entry.latest_window)
+
+    def ranks_came_back(self, slots: np.ndarray) -> None:
+        for slot in slots.tolist():
+            entry = self.slot_entries[slot]
+            if entry is not None and entry.latest_window != NEVER_REPORTED:
+                self._ranks_by_latest_window[entry.latest_window] += 1
+                self._reporting_ranks += 1
+
+    def rank_count(self) -> int:
+        return len(self.slot_entries) - len(self._free_slots)
+
+    def _is_reporting(self, entry: RankEntry) -> bool:
+        return entry.latest_window != NEVER_REPORTED and not self.verdict_state.silent[entry.slot]
+
+    def _stop_counting(self, latest_window: int) -> None:
+        self._ranks_by_latest_window[latest_window] -= 1
+        if not self._ranks_by_latest_window[latest_window]:
+            del self._ranks_by_latest_window[latest_window]
+        self._reporting_ranks -= 1
+
+    def _evict_idle_rank(self) -> Optional[RankEntry]:
+        """The rank whose latest row is oldest, if it has no rows in any window still to be judged."""
+        if self._nothing_evictable_at[0] == self._windows_version:
+            return None
+        latest = self._latest_window_by_slot[:len(self.slot_entries)]
+        slot = int(np.argmin(latest))
+        pending = self._pending_windows()
+        if pending and latest[slot] >= min(pending):
+            self._nothing_evictable_at = (self._windows_version, self._nothing_evictable_at[1])
+            return None
+        evicted = self.slot_entries[slot]
+        self.remove_rank(evicted)
+        self._counts["evictions_ranks"] += 1
+        return evicted
+
+    # ---- stages ----
+    def add_stage(self, stage: str) -> Optional[int]:
+        """Key offset of a new stage name; None when the table is full and nothing is evictable."""
+        if not self._free_stage_indices and len(self.stage_names) - 1 >= self._max_stages:
+            if not self._evict_idle_stage():
+                return None
+        if self._free_stage_indices:
+            index = self._free_stage_indices.pop()
+            self.stage_names[index] = stage
+        else:
+            index = len(self.stage_names)
+            self.stage_names.append(stage)
+            self._stage_last_judged.append(0)
+            self.verdict_state.ensure(len(self.stage_names), len(self.slot_entries))
+        self._stage_last_judged[index] = NEVER_REPORTED
+        offset = self.layout.stage_offset(index)
+        self.stage_offsets[stage] = offset
+        return offset
+
+    def stage_seen(self, stage_index: int, window: int) -> None:
+        self._stage_last_judged[stage_index] = window
+
+    def _evict_idle_stage(self) -> bool:
+        """Frees the least recently judged stage that has no rows in a window still to be judged."""
+        if self._nothing_evictable_at[1] == self._windows_version:
+            return False
+        in_use = set()
+        for rows in self._pending_rows():
+            if len(rows):
+                _, codes, _, _ = self.layout.unpack(np.frombuffer(rows.keys, dtype=np.int64))
+                in_use.update((np.unique(codes) // 2).tolist())
+        candidates = [index for index, name in enumerate(self.stage_names)
+                      if index and name is not None and index not in in_use]
+        if not candidates:
+            self._nothing_evictable_at = (self._nothing_evictable_at[0], self._windows_version)
+            return False
+        index = min(candidates, key=self._stage_last_judged.__getitem__)
+        del self.stage_offsets[self.stage_names[index]]
+        self.stage_names[index] = None
+        self._free_stage_indices.append(index)
+        self.verdict_state.reset_code(2 * index)
+        self.verdict_state.reset_code(2 * index + 1)
+        self._counts["evictions_stages"] += 1
+        return True
+
+    # ---- windows ----
+    def is_judged(self, window: int) -> bool:
+        return (self._judged_below is not None and window < self._judged_below) or window in self._judged_out_of_order
+
+    def open_window(self, window: int) -> Optional[WindowRows]:
+        """The rows of a window not open yet; None when it was already judged (the row is late)."""
+        window = operator.index(window)  # TypeError for a step that is not an integer
+        if self.is_judged(window):
+            return None
+        if len(self.open_windows) >= self._max_open_windows:
+            oldest = min(self.open_windows)
+            if window < oldest:  # it would be closed at once: the cohort is far past it
+                return None
+            self._closed_early.append(self._close(oldest))
+            self._counts["evictions_windows"] += 1
+            if len(self._closed_early) > self._max_open_windows:
+                self._closed_early.pop(0)
+                self._counts["windows_dropped"] += 1
+        rows = WindowRows(window)
+        self.open_windows[window] = rows
+        self._windows_version += 1
+        return rows
+
+    def windows_to_judge(self, now_unix_nano: int, grace_ns: int, close_lag: int) -> list[WindowRows]:
+        """Takes the windows that close now (see the module docstring), oldest first."""
+        closing, self._closed_early = self._closed_early, []
+        for rows in self.open_windows.values():
+            if rows.rows_noticed != len(rows) or rows.last_data_unix_nano is None:
+                rows.rows_noticed = len(rows)
+                rows.last_data_unix_nano = now_unix_nano
+                self.last_active_unix_nano = now_unix_nano
+        latest = sorted(self._ranks_by_latest_window.items())
+        reporting = self._reporting_ranks
+        for window in sorted(self.open_windows):
+            moved_past = sum(count for latest_window, count in latest if latest_window > window)
+            far_ahead = sum(count for latest_window, count in latest if latest_window >= window + close_lag)
+            cohort_moved_on = reporting > 0 and (moved_past >= reporting or 2 * far_ahead > reporting)
+            idle = now_unix_nano - self.open_windows[window].last_data_unix_nano >= grace_ns
+            if cohort_moved_on or idle:
+                closing.append(self._close(window))
+        return closing
+
+    def all_windows(self) -> list[WindowRows]:
+        """Takes every window still to be judged, oldest first (end of input)."""
+        closing, self._closed_early = self._closed_early, []
+        closing.extend(self._close(window) for window in sorted(self.open_windows))
+        return closing
+
+    def pending_window_count(self) -> int:
+        return len(self.open_windows) + len(self._closed_early)
+
+    def _pending_windows(self) -> list[int]:
+        return [rows.window for rows in self._pending_rows()]
+
+    def _pending_rows(self) -> list[WindowRows]:
+        return list(self.open_windows.values()) + self._closed_early
+
+    def _close(self, window: int) -> WindowRows:
+        rows = self.open_windows.pop(window)
+        self._windows_version += 1
+        if not self.open_windows or window < min(self.open_windows):
+            self._judged_below = window + 1 if self._judged_below is None else max(self._judged_below, window + 1)
+            while self._judged_below in self._judged_out_of_order:
+                self._judged_out_of_order.discard(self._judged_below)
+                self._judged_below += 1
+        else:
+            self._judged_out_of_order.add(window)
+            if len(self._judged_out_of_order) > OUT_OF_ORDER_JUDGED_KEPT:
+                # bounded memory: forgetting one means a stray row for it would open it again
+                self._judged_out_of_order.discard(min(self._judged_out_of_order))
+        return rows

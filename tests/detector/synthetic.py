@@ -1,0 +1,147 @@
+"""Seeded synthetic stage observations of a synchronous data-parallel training job, for the engine's
+tests and benchmarks.
+
+One `SyntheticJob` is one cohort: `ranks` ranks running the same `stages` every step. Each interval's
+host duration is the stage's base time times per-step jitter; its device duration (for stages timed
+on the device) is 97% of that. Slowdowns are added per rank with `slow(...)`. A collective stage
+lasts its own base time plus the wait for the slowest rank of the step, as a blocking all-reduce does.
+`observations()` returns them in an arrival order close to OTLP exports: step by step, each rank's
+spans together, optionally with ranks' exports delayed, clocks offset and starts skewed (which only
+move `end_unix_nano`, as on real hosts).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+from otel_straggler.detector.observation import Observation
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    base_ms: float
+    collective: bool = False
+    device: bool = True  # reports a device duration
+
+
+# a training step of a small data-parallel job: ~100 ms of compute, then the gradient all-reduce
+TRAINING_STAGES = (
+    Stage("data-load", 4.0, device=False),
+    Stage("forward-compute", 30.0),
+    Stage("backward-compute", 60.0),
+    Stage("all-grads-sync", 8.0, collective=True),
+    Stage("optimizer", 6.0),
+)
+
+# ten stages, for the throughput benchmark
+TEN_STAGES = tuple(Stage(f"stage-{index}", 2.0 + index) for index in range(9)) + (
+    Stage("all-grads-sync", 5.0, collective=True),)
+
+
+@dataclass
+class _Slowdown:
+    factor: float
+    stages: Optional[frozenset]
+    first_step: int
+    last_step: Optional[int]
+    on: str  # "both", "host" or "device"
+
+    def applies(self, stage: str, step: int) -> bool:
+        return ((self.stages is None or stage in self.stages) and step >= self.first_step
+                and (self.last_step is None or step <= self.last_step))
+
+
+@dataclass
+class SyntheticJob:
+    ranks: int = 64
+    stages: Sequence[Stage] = TRAINING_STAGES
+    seed: int = 0
+    jitter: tuple[float, float] = (0.02, 0.03)  # each rank's per-step noise (std dev), drawn in this range
+    job_id: str = "job-1"
+    cohort: str = "tp0-pp0"
+    epoch: int = 0
+    first_rank: int = 0
+    tokens: Optional[int] = None  # tokens per step reported on every span; None: not reported
+    _slowdowns: dict = field(default_factory=dict)
+    _tokens_by_rank: dict = field(default_factory=dict)
+    _stage_jitter: dict = field(default_factory=dict)
+
+    def slow(self, rank: int, factor: float, *, stages: Optional[Sequence[str]] = None, from_step: int = 0,
+             to_step: Optional[int] = None, on: str = "both") -> "SyntheticJob":
+        """Multiplies `rank`'s durations of `stages` (default: every non-collective stage) by
+        `factor` for steps [from_step, to_step]; `on` picks host, device or both durations."""
+        self._slowdowns.setdefault(rank, []).append(
+            _Slowdown(factor, frozenset(stages) if stages is not None else None, from_step, to_step, on))
+        return self
+
+    def workload(self, rank: int, tokens) -> "SyntheticJob":
+        """What `rank` reports as tokens per step (any value, to test bad ones too)."""
+        self._tokens_by_rank[rank] = tokens
+        return self
+
+    def stage_jitter(self, stage: str, noise: float) -> "SyntheticJob":
+        """Per-step noise of one stage, as a multiplicative log-normal sigma (10x jitter: ~1.0)."""
+        self._stage_jitter[stage] = noise
+        return self
+
+    def observations(self, steps: int, *, first_step: int = 0, export_delay_steps: Optional[dict] = None,
+                     clock_offset_ms: Optional[dict] = None, start_skew_s: Optional[dict] = None,
+                     seq_start: int = 0) -> list[Observation]:
+        """All spans of steps [first_step, first_step + steps), in arrival order."""
+        rng = np.random.default_rng(self.seed)
+        rank_ids = range(self.first_rank, self.first_rank + self.ranks)
+        noise_level = rng.uniform(self.jitter[0], self.jitter[1], size=self.ranks)
+        export_delay_steps = export_delay_steps or {}
+        arrivals: list[tuple[int, int, list[Observation]]] = []
+        seq = {rank: seq_start for rank in rank_ids}
+        clock_ns = {rank: int(1.7e18 + (start_skew_s or {}).get(rank, 0.0) * 1e9
+                              + (clock_offset_ms or {}).get(rank, 0.0) * 1e6) for rank in rank_ids}
+        for step in range(first_step, first_step + steps):
+            host, device = self._step_durations(rng, step, noise_level)
+            for index, rank in enumerate(rank_ids):
+                batch = []
+                for stage_index, stage in enumerate(self.stages):
+                    host_ms = float(host[index, stage_index])
+                    clock_ns[rank] += int(host_ms * 1e6)
+                    batch.append(Observation(
+                        job_id=self.job_id, epoch=self.epoch, cohort=self.cohort, rank=rank,
+                        stage=stage.name, step=step, seq=seq[rank], host_ms=host_ms,
+                        device_ms=float(device[index, stage_index]) if stage.device else None,
+                        collective=stage.collective, tokens=self._tokens_by_rank.get(rank, self.tokens),
+                        samples=None, end_unix_nano=clock_ns[rank]))
+                    seq[rank] += 1
+                arrivals.append((step + export_delay_steps.get(rank, 0), index, batch))
+        arrivals.sort(key=lambda arrival: (arrival[0], arrival[1]))
+        return [observation for _, _, batch in arrivals for observation in batch]
+
+    def _step_durations(self, rng: np.random.Generator, step: int, noise_level: np.ndarray):
+        """(host, device) durations, shape (ranks, stages), collectives including the wait."""
+        stage_count = len(self.stages)
+        base = np.array([stage.base_ms for stage in self.stages])
+        noise = rng.normal(0.0, 1.0, size=(self.ranks, stage_count)) * noise_level[:, None]
+        host = base * np.clip(1.0 + noise, 0.5, 1.5)
+        for stage_index, stage in enumerate(self.stages):
+            sigma = self._stage_jitter.get(stage.name)
+            if sigma is not None:
+                host[:, stage_index] = stage.base_ms * rng.lognormal(0.0, sigma, size=self.ranks)
+        device = host * 0.97
+        for index in range(self.ranks):
+            for slowdown in self._slowdowns.get(self.first_rank + index, ()):
+                for stage_index, stage in enumerate(self.stages):
+                    if not stage.collective and slowdown.applies(stage.name, step):
+                        if slowdown.on in ("both", "host"):
+                            host[index, stage_index] *= slowdown.factor
+                        if slowdown.on in ("both", "device"):
+                            device[index, stage_index] *= slowdown.factor
+        # a blocking collective ends when the last rank arrives: the others wait the difference
+        compute = [not stage.collective for stage in self.stages]
+        arrival = np.maximum(host[:, compute], device[:, compute]).sum(axis=1)
+        wait = arrival.max() - arrival
+        for stage_index, stage in enumerate(self.stages):
+            if stage.collective:
+                host[:, stage_index] += wait
+                device[:, stage_index] += wait
+        return host, device

@@ -1,0 +1,531 @@
+"""One regression test per detection rule of DESIGN §3, named after it, plus every case that must hold
+from issue 3. Where a rule is what keeps a verdict from happening, a control run with the rule
+switched off shows the test would catch its loss."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from otel_straggler import contract
+from otel_straggler.detector import judge
+from otel_straggler.detector.config import DetectorConfig
+from otel_straggler.detector.engine import Engine
+from otel_straggler.detector.observation import Observation
+from otel_straggler.detector.peer_reference import peer_references
+
+from .synthetic import TRAINING_STAGES, Stage, SyntheticJob
+
+START_NS = 1_700_000_000_000_000_000
+STEP_NS = 100_000_000  # the caller's clock moves 0.1 s per step fed
+# a ~1 s step of a larger model: the absolute floor (5 ms) is then far below 5% of every big stage
+LLM_STAGES = (
+    Stage("data-load", 20.0, device=False),
+    Stage("forward-compute", 300.0),
+    Stage("backward-compute", 600.0),
+    Stage("all-grads-sync", 80.0, collective=True),
+    Stage("optimizer", 40.0),
+)
+
+
+def feed(engine: Engine, observations: list[Observation], chunk: int) -> list:
+    """Ingests in arrival order, `chunk` observations at a time, advancing the caller's clock after
+    each chunk as the service does, then drains."""
+    verdicts = []
+    now = START_NS
+    for start in range(0, len(observations), chunk):
+        engine.ingest_many(observations[start:start + chunk])
+        now += STEP_NS
+        verdicts += engine.advance(now)
+    return verdicts + engine.drain(now + STEP_NS)
+
+
+def run(job: SyntheticJob, steps: int, config: DetectorConfig = DetectorConfig(), **options):
+    engine = Engine(config)
+    verdicts = feed(engine, job.observations(steps, **options), chunk=job.ranks * len(job.stages))
+    return verdicts, engine
+
+
+def select(verdicts, verdict=None, reason=None, rank=None, stage=None) -> list:
+    return [v for v in verdicts if (verdict is None or v.verdict == verdict) and (reason is None or v.reason == reason)
+            and (rank is None or v.rank == rank) and (stage is None or v.stage == stage)]
+
+
+def stragglers(verdicts) -> set[int]:
+    return {v.rank for v in select(verdicts, contract.VERDICT_STRAGGLER)}
+
+
+def alert_active(engine: Engine, rank: int, stage: str) -> bool:
+    return any(state.alert_active for state in engine.rank_state() if state.rank == rank and state.stage == stage)
+
+
+def observation(rank=0, step=0, seq=0, host_ms=10.0, *, stage="s", job_id="job", epoch=0, cohort="c",
+                device_ms=None, collective=False, tokens=None) -> Observation:
+    return Observation(job_id=job_id, epoch=epoch, cohort=cohort, rank=rank, stage=stage, step=step, seq=seq,
+                       host_ms=host_ms, device_ms=device_ms, collective=collective, tokens=tokens,
+                       samples=None, end_unix_nano=START_NS)
+
+
+def replaced(observations, when, changes) -> list[Observation]:
+    """`observations` with `changes(o)` (a dict of fields) applied where `when(o)`."""
+    return [dataclasses.replace(o, **changes(o)) if when(o) else o for o in observations]
+
+
+# ---------------------------------------------------------------- comparable set
+
+def test_comparable_set_is_job_epoch_cohort_and_stage():
+    fast = SyntheticJob(ranks=8, seed=1, cohort="tp0")
+    slow = SyntheticJob(ranks=8, seed=2, cohort="tp1", first_rank=8).slow(8, 1.0)
+    for rank in range(8, 16):
+        slow.slow(rank, 1.5)
+    other_epoch = dataclasses.replace(slow, cohort="tp0", epoch=1)
+    other_job = dataclasses.replace(slow, cohort="tp0", job_id="job-2")
+    for other in (slow, other_epoch, other_job):
+        observations = fast.observations(80) + other.observations(80)
+        observations.sort(key=lambda o: o.step)
+        verdicts = feed(Engine(DetectorConfig()), observations, chunk=16 * len(TRAINING_STAGES))
+        assert stragglers(verdicts) == set()
+    # control: the same ranks in one comparable set are flagged
+    mixed = fast.observations(80) + dataclasses.replace(slow, cohort="tp0").observations(80)
+    mixed.sort(key=lambda o: o.step)
+    assert stragglers(feed(Engine(DetectorConfig()), mixed, chunk=16 * len(TRAINING_STAGES))) == set(range(8, 16))
+
+
+def test_comparable_set_pairwise_workload_and_unreported_peers():
+    # a rank whose peers report no workload is still judged, with workload_comparable = null
+    job = SyntheticJob(ranks=12, seed=3).slow(5, 1.2).workload(5, 4096)
+    verdicts, _ = run(job, 60)
+    onset = select(verdicts, contract.VERDICT_STRAGGLER, rank=5, stage="backward-compute")
+    assert onset and onset[0].workload_comparable is None
+    # with workloads reported and within tolerance: compared, workload_comparable = true
+    job = SyntheticJob(ranks=12, seed=3, tokens=4096).slow(5, 1.2).workload(5, 4300)
+    verdicts, _ = run(job, 60)
+    onset = select(verdicts, contract.VERDICT_STRAGGLER, rank=5, stage="backward-compute")
+    assert onset and onset[0].workload_comparable is True
+    assert 5 not in onset[0].reference_ranks and len(onset[0].reference_ranks) == 11
+    # pairwise: beyond tolerance from everyone, the rank has no comparable peer
+    job = SyntheticJob(ranks=12, seed=3, tokens=4096).slow(5, 1.2).workload(5, 4096 * 1.2)
+    verdicts, _ = run(job, 60)
+    assert stragglers(verdicts) == set()
+    incomparable = select(verdicts, contract.VERDICT_UNCERTAIN, judge.REASON_WORKLOAD_INCOMPARABLE, rank=5)
+    assert incomparable and all(v.workload_comparable is False for v in incomparable)
+
+
+# ---------------------------------------------------------------- windows by step
+
+def test_windows_by_step_close_when_the_cohort_moved_past():
+    engine = Engine(DetectorConfig(window_close_lag=4))
+    seq = {rank: 0 for rank in range(5)}
+
+    def feed_steps(ranks, steps):
+        for step in steps:
+            for rank in ranks:
+                assert engine.ingest(observation(rank, step, seq[rank])) == "accepted"
+                seq[rank] += 1
+
+    feed_steps(range(5), range(0, 10))
+    assert engine.advance(START_NS) == [] and engine.stats()["windows_closed"] == 0
+    feed_steps(range(4), [10])  # four of five ranks reached window 1
+    engine.advance(START_NS + 1)
+    assert engine.stats()["windows_closed"] == 0
+    feed_steps([4], [10])  # the whole cohort moved past window 0
+    engine.advance(START_NS + 2)
+    assert engine.stats()["windows_closed"] == 1
+    # rank 4 lags: window 1 stays open for its data until most ranks are window_close_lag windows on
+    feed_steps(range(4), range(11, 50))
+    engine.advance(START_NS + 3)
+    assert engine.stats()["windows_closed"] == 1
+    feed_steps([4], [11])  # the lagging rank's data still counts while its window is open
+    feed_steps(range(4), [50])
+    engine.advance(START_NS + 4)
+    assert engine.stats()["windows_closed"] == 2
+    assert engine.ingest(observation(4, 12, seq[4])) == "late"
+
+
+def test_windows_by_step_close_after_grace_on_the_callers_clock():
+    config = DetectorConfig(window_grace_s=30.0)
+    engine = Engine(config)
+    for rank in range(3):
+        engine.ingest(observation(rank, 0, 0))
+    engine.advance(START_NS)  # first sight of the window's data
+    engine.advance(START_NS + 30 * 10**9 - 1)
+    assert engine.stats()["windows_closed"] == 0
+    engine.ingest(observation(0, 1, 1))  # new data restarts the grace time
+    engine.advance(START_NS + 30 * 10**9)
+    assert engine.stats()["windows_closed"] == 0
+    engine.advance(START_NS + 60 * 10**9)
+    assert engine.stats()["windows_closed"] == 1
+
+
+def test_windows_by_step_coverage_gaps_then_silent():
+    job = SyntheticJob(ranks=8, seed=4)
+    observations = [o for o in job.observations(160) if not (o.rank == 7 and o.step >= 50)]
+    engine = Engine(DetectorConfig(silent_windows=3))
+    verdicts = feed(engine, observations, chunk=8 * len(TRAINING_STAGES))
+    silent = select(verdicts, contract.VERDICT_SILENT)
+    assert [(v.rank, v.reason, v.stage, v.window) for v in silent] == [(7, judge.REASON_NO_REPORT, "*", 7)]
+    stats = engine.stats()
+    assert stats["coverage_gaps"] == 3  # windows 5, 6, 7; then it is silent, not a gap
+    assert stats["windows_closed"] == 16 and stats["late"] == 0
+
+
+# ---------------------------------------------------------------- reference
+
+def test_reference_is_the_peers_median_so_lucky_fast_peers_convict_nobody():
+    job = SyntheticJob(ranks=16, seed=5)
+    for rank in (0, 1, 2):
+        job.slow(rank, 0.75)  # three ranks 25% faster (lucky, or doing less)
+    verdicts, _ = run(job, 80)
+    assert stragglers(verdicts) == set()
+    # control: a reference from the single fastest peer convicts normal ranks
+    verdicts, _ = run(job, 80, DetectorConfig(reference_quantile=0.0))
+    assert len(stragglers(verdicts)) >= 10
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.sampled_from([1.0, 2.0, 2.0, 5.5, 9.25]),
+                          st.sampled_from([math.nan, 100.0, 104.0, 130.0, 70.0])), min_size=1, max_size=14),
+       st.sampled_from([0.0, 0.25, 0.5, 1.0]), st.sampled_from([0.0, 0.1, 0.5]))
+def test_reference_equals_the_quantile_of_each_ranks_comparable_peers(entries, quantile, tolerance):
+    entries.sort(key=lambda entry: entry[0])
+    segment = np.array([entry[0] for entry in entries])
+    values = np.array([entry[1] for entry in entries])
+    tokens = np.array([entry[2] for entry in entries])
+    references = peer_references(segment, values, tokens, quantile, tolerance)
+    for i in range(len(entries)):
+        def comparable(j):
+            if np.isnan(tokens[i]) or np.isnan(tokens[j]):
+                return True
+            return max(tokens[i], tokens[j]) <= min(tokens[i], tokens[j]) * (1 + tolerance)
+        peers = [j for j in range(len(entries)) if j != i and segment[j] == segment[i] and comparable(j)]
+        assert references.peers(i).tolist() == peers
+        expected = np.quantile(values[peers], quantile) if peers else math.nan
+        assert references.reference[i] == pytest.approx(expected, nan_ok=True)
+
+
+# ---------------------------------------------------------------- thresholds
+
+def test_threshold_and_floor_slow_needs_the_ratio_and_the_gap():
+    def single_stage(base_ms, factor):
+        job = SyntheticJob(ranks=10, stages=(Stage("work", base_ms),), seed=6, jitter=(0.004, 0.005))
+        return run(job.slow(3, factor), 80)[0]
+
+    assert stragglers(single_stage(100.0, 1.10)) == {3}  # 10% and 10 ms: slow
+    over_ratio_under_floor = single_stage(20.0, 1.10)  # 10% but 2 ms
+    assert stragglers(over_ratio_under_floor) == set()
+    assert select(over_ratio_under_floor, contract.VERDICT_UNCERTAIN, judge.REASON_BELOW_ABSOLUTE_FLOOR, rank=3)
+    assert single_stage(1000.0, 1.04) == []  # 40 ms but 4%: within tolerance
+
+
+# ---------------------------------------------------------------- warmup
+
+def test_warmup_skips_each_ranks_first_windows():
+    config = DetectorConfig(persist_windows=1, warmup_windows=2)
+    # a rank that joins late gets its own warmup: slow only in its first window
+    job = SyntheticJob(ranks=8, seed=7).slow(7, 2.0, from_step=50, to_step=59)
+    observations = [o for o in job.observations(120) if not (o.rank == 7 and o.step < 50)]
+    verdicts = feed(Engine(config), observations, chunk=8 * len(TRAINING_STAGES))
+    assert stragglers(verdicts) == set()
+    control = feed(Engine(config.replace(warmup_windows=0)), observations, chunk=8 * len(TRAINING_STAGES))
+    assert stragglers(control) == {7}
+
+
+# ---------------------------------------------------------------- persistence
+
+def test_persistence_needs_consecutive_slow_windows_and_unusable_windows_break_the_streak():
+    two_windows = SyntheticJob(ranks=8, seed=8).slow(2, 1.3, from_step=30, to_step=49)
+    assert stragglers(run(two_windows, 120)[0]) == set()
+    three_windows = SyntheticJob(ranks=8, seed=8).slow(2, 1.3, from_step=30, to_step=59)
+    onsets = select(run(three_windows, 120)[0], contract.VERDICT_STRAGGLER, stage="*")
+    assert [(v.rank, v.window) for v in onsets] == [(2, 5)]
+    # slow in windows 3, 4, 6, 7 with window 5 unusable (incomparable workload): no alert yet
+    broken = SyntheticJob(ranks=8, seed=8, tokens=4096).slow(2, 1.3, from_step=30, to_step=79)
+    observations = replaced(broken.observations(120), lambda o: o.rank == 2 and 50 <= o.step < 60,
+                            lambda o: {"tokens": 9000})
+    onsets = select(feed(Engine(DetectorConfig()), observations, chunk=8 * 5), contract.VERDICT_STRAGGLER, stage="*")
+    assert [v.window for v in onsets] == []
+    slower = SyntheticJob(ranks=8, seed=8, tokens=4096).slow(2, 1.3, from_step=30, to_step=89)
+    observations = replaced(slower.observations(120), lambda o: o.rank == 2 and 50 <= o.step < 60,
+                            lambda o: {"tokens": 9000})
+    onsets = select(feed(Engine(DetectorConfig()), observations, chunk=8 * 5), contract.VERDICT_STRAGGLER, stage="*")
+    assert [v.window for v in onsets] == [8]
+
+
+# ---------------------------------------------------------------- recovery
+
+def test_recovery_needs_positive_evidence():
+    job = SyntheticJob(ranks=8, seed=9, tokens=4096).slow(2, 1.3, to_step=79)
+    # windows 5-7: rank 2 back to normal speed but reporting an incomparable workload: no evidence
+    observations = replaced(job.observations(120), lambda o: o.rank == 2 and 50 <= o.step < 80,
+                            lambda o: {"tokens": 9000, "host_ms": o.host_ms / 1.3,
+                                       "device_ms": None if o.device_ms is None else o.device_ms / 1.3})
+    engine = Engine(DetectorConfig())
+    verdicts = feed(engine, observations[:8 * 5 * 80], chunk=8 * 5)[:-0 or None]
+    whole = select(verdicts, rank=2, stage="*")
+    assert [(v.verdict, v.reason, v.window) for v in whole] == [
+        (contract.VERDICT_STRAGGLER, judge.REASON_SLOW_VS_PEERS, 4),
+        (contract.VERDICT_UNCERTAIN, judge.REASON_RECOVERY_EVIDENCE_INSUFFICIENT, 5)]  # once, then held
+    assert alert_active(engine, 2, "*")
+    # comparable and within tolerance again: recovered
+    engine = Engine(DetectorConfig())
+    verdicts = feed(engine, observations, chunk=8 * 5)
+    whole = select(verdicts, rank=2, stage="*")
+    assert [(v.verdict, v.window) for v in whole][-1] == (contract.VERDICT_RECOVERED, 8)
+    assert whole[-1].reason == judge.REASON_WITHIN_TOLERANCE and not alert_active(engine, 2, "*")
+
+
+def test_recovery_needs_positive_evidence_a_silent_rank_keeps_its_alert():
+    job = SyntheticJob(ranks=8, seed=10).slow(4, 1.3)
+    observations = [o for o in job.observations(150) if not (o.rank == 4 and o.step >= 70)]
+    engine = Engine(DetectorConfig())
+    verdicts = feed(engine, observations, chunk=8 * 5)
+    assert select(verdicts, contract.VERDICT_STRAGGLER, rank=4)
+    assert select(verdicts, contract.VERDICT_SILENT, rank=4)
+    assert not select(verdicts, contract.VERDICT_RECOVERED, rank=4)
+    assert alert_active(engine, 4, "*")
+
+
+# ---------------------------------------------------------------- collectives
+
+def test_collectives_make_victims_never_judged_by_their_own_duration():
+    # ranks 0-3 wait 30 ms longer in the collective (on a slow peer of another cohort): not slow
+    job = SyntheticJob(ranks=16, seed=11)
+    observations = replaced(job.observations(100), lambda o: o.collective and o.rank < 4,
+                            lambda o: {"host_ms": o.host_ms + 30.0, "device_ms": o.device_ms + 30.0})
+    verdicts = feed(Engine(DetectorConfig()), observations, chunk=16 * 5)
+    assert stragglers(verdicts) == set()
+    waiting = select(verdicts, contract.VERDICT_UNCERTAIN, judge.REASON_WAITING_ON_PEER)
+    assert {v.rank for v in waiting} == {0, 1, 2, 3}
+    assert all(v.stage == "all-grads-sync" and v.attribution == contract.ATTRIBUTION_WAITING for v in waiting)
+    # control: the same intervals not marked collective are judged, and convict
+    observations = replaced(observations, lambda o: o.collective, lambda o: {"collective": False})
+    assert stragglers(feed(Engine(DetectorConfig()), observations, chunk=16 * 5)) == {0, 1, 2, 3}
+
+
+# ---------------------------------------------------------------- whole-step compute
+
+def test_whole_step_compute_catches_a_slowdown_spread_over_stages():
+    stages = tuple(Stage(f"layer-{index}", 10.0) for index in range(10))
+    job = SyntheticJob(ranks=16, stages=stages, seed=12, jitter=(0.01, 0.015)).slow(4, 1.08)
+    verdicts, _ = run(job, 100)
+    onsets = select(verdicts, contract.VERDICT_STRAGGLER)
+    assert [(v.rank, v.stage) for v in onsets] == [(4, "*")]  # each stage alone is under the floor
+    assert onsets[0].gap_ms > 5.0 and onsets[0].slowdown > 1.05
+
+
+# ---------------------------------------------------------------- attribution
+
+def test_attribution_device_host_and_unknown():
+    stages = (Stage("forward", 50.0), Stage("data", 40.0, device=False))
+    job = (SyntheticJob(ranks=12, stages=stages, seed=13, jitter=(0.005, 0.01))
+           .slow(1, 1.3, stages=["forward"], on="device")  # asynchronous launches: host interval unchanged
+           .slow(2, 1.3, stages=["forward"], on="host")
+           .slow(3, 1.3, stages=["data"]))
+    onsets = {(v.rank, v.stage): v for v in select(run(job, 80)[0], contract.VERDICT_STRAGGLER)}
+    assert (onsets[1, "forward"].timing, onsets[1, "forward"].attribution) == ("device", contract.ATTRIBUTION_GPU)
+    assert (onsets[2, "forward"].timing, onsets[2, "forward"].attribution) == ("host", contract.ATTRIBUTION_HOST)
+    assert (onsets[3, "data"].timing, onsets[3, "data"].attribution) == ("host", contract.ATTRIBUTION_UNKNOWN)
+    assert onsets[1, "forward"].slowdown == pytest.approx(1.3, abs=0.03)
+
+
+# ---------------------------------------------------------------- bounded state
+
+def test_bounded_state_caps_everything_and_counts_evictions():
+    config = DetectorConfig(max_jobs=2, max_cohorts=3, max_ranks=4, max_stages=2, max_open_windows=2)
+    engine = Engine(config)
+    for job in range(3):  # three jobs, room for two
+        engine.ingest(observation(job_id=f"job-{job}"))
+        engine.advance(START_NS + job)  # each job active at a later time: the first is the oldest
+    stats = engine.stats()
+    assert (stats["jobs"], stats["evictions_jobs"]) == (2, 1)
+    for cohort in range(3):  # a third and a fourth cohort in all: the oldest goes
+        engine.ingest(observation(job_id="job-2", cohort=f"c{cohort}"))
+    assert engine.stats()["cohorts"] == 3 and engine.stats()["evictions_cohorts"] >= 1
+
+    engine = Engine(config)
+    outcomes = [engine.ingest(observation(rank, 0, 0)) for rank in range(6)]
+    assert outcomes == ["accepted"] * 4 + ["dropped"] * 2  # four ranks with rows in an open window
+    outcomes = [engine.ingest(observation(0, 0, seq, stage=name)) for seq, name in ((1, "s2"), (2, "s3"))]
+    assert outcomes == ["accepted", "dropped"]  # two stage names, both with rows waiting
+    for step in (10, 20, 30):  # a third and fourth open window: the oldest closes early
+        engine.ingest(observation(0, step, step, stage="s2"))
+    assert engine.stats()["evictions_windows"] == 2 and engine.stats()["open_windows"] <= 2 + 2
+    engine.drain(START_NS)
+    assert engine.ingest(observation(9, 40, 0, stage="s9")) == "accepted"  # idle rank and stage evicted
+    stats = engine.stats()
+    assert stats["evictions_ranks"] == 1 and stats["evictions_stages"] == 1 and stats["ranks"] == 4
+
+
+# ---------------------------------------------------------------- de-duplication and late spans
+
+def test_dedup_and_late_spans_are_counted_never_judged_twice():
+    engine = Engine(DetectorConfig())
+    assert engine.ingest(observation(0, 0, 7)) == "accepted"
+    assert engine.ingest(observation(0, 0, 7)) == "duplicate"
+    assert engine.ingest(observation(0, 0, 7, epoch=1)) == "accepted"  # key is (job, epoch, rank, seq)
+    assert engine.ingest(observation(0, 0, 7, job_id="other")) == "accepted"
+    assert engine.ingest(observation(1, 0, 7)) == "accepted"
+
+    job = SyntheticJob(ranks=8, seed=14).slow(3, 1.3)
+    observations = job.observations(100)
+    retried = []  # every batch delivered twice, the second time one step later (an exporter retry)
+    for start in range(0, len(observations), 40):
+        retried += observations[start:start + 40] + observations[max(0, start - 40):start]
+    once = feed(Engine(DetectorConfig()), observations, chunk=40)
+    engine = Engine(DetectorConfig())
+    twice = feed(engine, retried, chunk=80)
+    assert [v.to_dict() | {"time_unix_nano": 0} for v in twice] == [v.to_dict() | {"time_unix_nano": 0} for v in once]
+    assert engine.stats()["duplicate"] == len(observations) - 40
+
+    closed = engine.stats()["windows_closed"]
+    late = dataclasses.replace(observations[0], seq=10**6)
+    assert engine.ingest(late) == "late" and engine.drain(START_NS) == []
+    assert engine.stats()["windows_closed"] == closed and engine.stats()["late"] == 1
+
+
+def test_dedup_memory_is_bounded_and_a_restarted_rank_is_accepted():
+    engine = Engine(DetectorConfig(dedup_horizon=16))
+    for seq in range(200):
+        engine.ingest(observation(0, seq // 5, seq))
+    assert engine.ingest(observation(0, 39, 150)) == "duplicate"  # older than the horizon: not counted twice
+    assert engine.ingest(observation(0, 39, 0)) == "accepted"  # far below everything seen: a new process
+    assert engine.stats()["seq_restarts"] == 1
+
+
+# ---------------------------------------------------------------- cases that must hold (issue 3)
+
+def test_case_lazy_first_use_allocation_in_the_second_window_is_not_a_straggler():
+    config = DetectorConfig(persist_windows=1)  # one slow window would be enough to alert
+    job = SyntheticJob(ranks=16, seed=15).slow(6, 3.0, from_step=10, to_step=19)
+    assert stragglers(run(job, 80, config)[0]) == set()
+    assert stragglers(run(job, 80, config.replace(warmup_windows=0))[0]) == {6}
+
+
+def test_case_start_skew_of_seconds_and_100_ms_clock_offsets_line_up():
+    job = SyntheticJob(ranks=16, seed=16).slow(11, 1.1)
+    skew_s = {rank: 0.7 * rank for rank in range(16)}  # processes started up to 10 s apart
+    offset_ms = {rank: 100.0 * (-1) ** rank for rank in range(16)}
+    observations = job.observations(100, start_skew_s=skew_s, clock_offset_ms=offset_ms,
+                                    export_delay_steps={rank: rank % 4 for rank in range(16)})
+    # the early starters wait for the last one in step 0's all-reduce
+    observations = replaced(observations, lambda o: o.collective and o.step == 0,
+                            lambda o: {"host_ms": o.host_ms + 1000 * (skew_s[15] - skew_s[o.rank])})
+    engine = Engine(DetectorConfig())
+    verdicts = feed(engine, observations, chunk=16 * 5)
+    assert stragglers(verdicts) == {11}
+    assert engine.stats()["late"] == 0 and engine.stats()["coverage_gaps"] == 0
+
+
+def test_case_plus_10_percent_rank_caught_among_63_healthy_ranks_with_jitter():
+    job = SyntheticJob(ranks=64, seed=17, jitter=(0.02, 0.03)).slow(40, 1.10)
+    verdicts, engine = run(job, 300)
+    assert stragglers(verdicts) == {40}
+    assert not select(verdicts, contract.VERDICT_UNCERTAIN, judge.REASON_WORKLOAD_INCOMPARABLE)
+    healthy = [s.slowdown for s in engine.rank_state() if s.rank != 40 and s.stage == "*"]
+    assert len(healthy) == 63 and max(healthy) < 1.05
+
+
+@pytest.mark.parametrize("seed", [18, 19, 20])
+def test_case_plus_5_percent_rank_caught_at_64_ranks_without_false_positives(seed):
+    job = SyntheticJob(ranks=64, stages=LLM_STAGES, seed=seed, jitter=(0.02, 0.03)).slow(21, 1.05)
+    verdicts, _ = run(job, 600)
+    assert stragglers(verdicts) == {21}
+
+
+def test_case_more_tokens_and_longer_is_incomparable_and_an_underworked_peer_is_never_the_reference():
+    job = SyntheticJob(ranks=12, seed=21, tokens=4096)
+    job.workload(3, int(4096 * 1.3)).slow(3, 1.3)  # 30% more tokens, 30% longer
+    for rank in (0, 1, 2, 4, 5):  # five under-worked, fast ranks: 30% fewer tokens, 30% faster
+        job.workload(rank, int(4096 * 0.7)).slow(rank, 0.7)
+    verdicts, _ = run(job, 80)
+    assert stragglers(verdicts) == set()
+    incomparable = select(verdicts, contract.VERDICT_UNCERTAIN, judge.REASON_WORKLOAD_INCOMPARABLE)
+    assert {v.rank for v in incomparable} == {3}
+    # control: without the workload check, the under-worked ranks pull the reference down
+    verdicts, _ = run(job, 80, DetectorConfig(work_tolerance=10.0))
+    assert 3 in stragglers(verdicts)
+
+
+def test_case_tiny_metadata_stage_with_10x_jitter_never_alerts():
+    stages = TRAINING_STAGES + (Stage("metadata", 0.2, device=False),)
+    job = SyntheticJob(ranks=32, stages=stages, seed=22).stage_jitter("metadata", 1.2).slow(9, 5.0, stages=["metadata"])
+    verdicts, _ = run(job, 300)
+    assert stragglers(verdicts) == set()
+    assert select(verdicts, contract.VERDICT_UNCERTAIN, judge.REASON_BELOW_ABSOLUTE_FLOOR, stage="metadata")
+    # control: without the floor the jitter alone raises alerts
+    assert stragglers(run(job, 300, DetectorConfig(min_gap_ms=0.0))[0])
+
+
+@pytest.mark.parametrize("bad", [0, -5, math.nan, None, math.inf, -math.inf])
+def test_case_zero_negative_nan_or_missing_workload_is_not_reported(bad):
+    job = SyntheticJob(ranks=8, seed=23, tokens=4096).slow(5, 1.3)
+    observations = replaced(job.observations(80), lambda o: o.rank in (5, 6), lambda o: {"tokens": bad})
+    engine = Engine(DetectorConfig())
+    verdicts = feed(engine, observations, chunk=8 * 5)
+    onsets = select(verdicts, contract.VERDICT_STRAGGLER, rank=5)
+    assert onsets and all(v.workload_comparable is None for v in onsets)
+    assert stragglers(verdicts) == {5}
+    assert engine.stats()["malformed"] == 0
+
+
+def test_case_slow_rank_in_an_all_reduce_job_only_the_slow_rank_is_a_straggler():
+    job = SyntheticJob(ranks=32, seed=24).slow(9, 1.3, stages=["backward-compute"])
+    verdicts, engine = run(job, 100)
+    assert stragglers(verdicts) == {9}
+    assert not select(verdicts, stage="all-grads-sync")  # the others wait, as a majority: not flagged
+    sync = {s.rank: s.slowdown for s in engine.rank_state() if s.stage == "all-grads-sync"}
+    assert sync[9] < 0.7 and min(v for r, v in sync.items() if r != 9) > 0.9  # everyone else waits on 9
+
+
+# ---------------------------------------------------------------- robustness (property)
+
+_BOUNDS = DetectorConfig(max_jobs=2, max_cohorts=3, max_ranks=4, max_stages=3, max_open_windows=2, dedup_horizon=16,
+                         window_steps=2, window_close_lag=1, min_cohort_size=2, persist_windows=1, warmup_windows=0)
+_numbers = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-10**20, 10**400),
+                     st.sampled_from([0, 1, 5.0, 10.0, 12.5]))
+_observations = st.builds(
+    Observation,
+    job_id=st.sampled_from(["a", "b", "c", ""]),
+    epoch=st.one_of(st.integers(0, 2), st.just(-1)),
+    cohort=st.sampled_from(["x", "y", "z"]),
+    rank=st.one_of(st.integers(0, 6), st.integers(-2**70, 2**70)),
+    stage=st.sampled_from(["f", "b", "sync", "m", "*"]),
+    step=st.one_of(st.integers(-3, 20), st.integers(-2**64, 2**64), st.floats(), st.just("7")),
+    seq=st.one_of(st.integers(0, 50), st.integers(-2**65, 2**65), st.just(1.5)),
+    host_ms=_numbers,
+    device_ms=st.one_of(st.none(), _numbers),
+    collective=st.booleans(),
+    tokens=st.one_of(st.none(), _numbers),
+    samples=st.none(),
+    end_unix_nano=st.just(0),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.lists(_observations, max_size=30), st.integers(0, 40 * 10**9)), max_size=8))
+def test_property_ingest_and_advance_never_raise_and_stay_bounded(batches):
+    engine = Engine(_BOUNDS)
+    now = START_NS
+    for observations, elapsed_ns in batches:
+        counts = engine.ingest_many(observations)
+        assert sum(counts.values()) == len(observations)
+        now += elapsed_ns
+        for verdict in engine.advance(now):
+            assert set(verdict.to_dict()) == set(contract.VERDICT_FIELDS)
+        _assert_bounded(engine)
+        engine.rank_state()
+    engine.drain(now)
+    assert engine.stats()["open_windows"] == 0
+
+
+def _assert_bounded(engine: Engine) -> None:
+    stats = engine.stats()
+    assert stats["jobs"] <= _BOUNDS.max_jobs and stats["cohorts"] <= _BOUNDS.max_cohorts
+    for cohort in engine._cohorts.values():
+        assert cohort.rank_count() <= _BOUNDS.max_ranks
+        assert len(cohort.stage_offsets) <= _BOUNDS.max_stages
+        assert len(cohort.open_windows) <= _BOUNDS.max_open_windows
+        assert cohort.pending_window_count() <= 2 * _BOUNDS.max_open_windows

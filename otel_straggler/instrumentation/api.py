@@ -163,8 +163,10 @@ def configure(
             return _instrumentation
         explicit = {"job_id": job_id, "cohort": cohort, "topology_epoch": topology_epoch,
                     "device_timing": device_timing, **settings}
-        options = {**DEFAULTS, **resolve(SETTINGS, explicit, environ)}
-        attributes = identity.discover({**options, "rank": rank, "world_size": world_size, "local_rank": local_rank},
+        given = resolve(SETTINGS, explicit, environ)
+        options = {**DEFAULTS, **given}
+        # Only values given count as explicit: a default must not hide OTEL_RESOURCE_ATTRIBUTES.
+        attributes = identity.discover({**given, "rank": rank, "world_size": world_size, "local_rank": local_rank},
                                        environ)
         if _sdk_disabled(environ):
             return Instrumentation(False, options, attributes)

@@ -85,6 +85,16 @@ def _megatron_parallel() -> dict[str, int]:
     return found
 
 
+def _parallel_from_resource_attributes(from_env: Mapping[str, str]) -> dict[str, int]:
+    found: dict[str, int] = {}
+    for dim in contract.PARALLEL_DIMS:
+        for key in (contract.parallel_rank_key(dim), contract.parallel_size_key(dim)):
+            value = _int(from_env.get(key))
+            if value is not None:
+                found[key] = value
+    return found
+
+
 def cohort_from_parallel(parallel: Mapping[str, int]) -> Optional[str]:
     """Ranks with equal non-data-parallel coordinates play the same role."""
     parts = []
@@ -104,7 +114,9 @@ def discover(
     environ = os.environ if environ is None else environ
     from_env = parse_resource_attributes(environ.get("OTEL_RESOURCE_ATTRIBUTES", ""))
     dist_rank, dist_world = _torch_distributed()
-    parallel = _megatron_parallel()
+    # Dimensions given in OTEL_RESOURCE_ATTRIBUTES override Megatron's (as ints, like the
+    # contract says) and so shape the cohort too.
+    parallel = {**_megatron_parallel(), **_parallel_from_resource_attributes(from_env)}
 
     def pick(key: str, explicit_name: str, *fallbacks: Any) -> Any:
         value = explicit.get(explicit_name)
@@ -129,8 +141,7 @@ def discover(
         contract.COHORT: pick(contract.COHORT, "cohort", cohort_from_parallel(parallel)),
         contract.TOPOLOGY_EPOCH: _int(pick(contract.TOPOLOGY_EPOCH, "topology_epoch", 0)),
     }
-    for key, value in parallel.items():
-        attributes[key] = _int(from_env.get(key, value))
+    attributes.update(parallel)
     return {key: value for key, value in attributes.items() if value is not None}
 
 

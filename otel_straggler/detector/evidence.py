@@ -62,7 +62,7 @@ class EvidenceFiles:
         os.makedirs(directory, exist_ok=True)
         self.verdicts_path = os.path.join(directory, VERDICTS_FILE)
         self.status_path = os.path.join(directory, STATUS_FILE)
-        self._fd: Optional[int] = os.open(self.verdicts_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd: Optional[int] = os.open(self.verdicts_path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         self.torn_bytes_repaired = _cut_torn_tail(self._fd)
         self.size = os.fstat(self._fd).st_size
         self.lines_written = 0

@@ -60,8 +60,9 @@ VerdictSink = Callable[[list[Verdict]], None]
 
 class EngineDriver:
     """Feeds decoded batches to an engine and passes its verdicts to `deliver`. Every engine call
-    holds one lock, so other threads may read `rank_state()` and `stats()` at any time. An engine
-    exception is counted and logged, and intake goes on: fail open."""
+    holds one lock, so other threads may call `rank_state()` at any time; `stats()` is a copy taken
+    after each advance, so status and metrics never wait for the engine. An engine exception is
+    counted and logged, and intake goes on: fail open."""
 
     def __init__(self, engine, counters: IntakeCounters, deliver: VerdictSink,
                  on_ingest_lag: Optional[Callable[[float], None]] = None) -> None:
@@ -71,6 +72,7 @@ class EngineDriver:
         self._on_ingest_lag = on_ingest_lag
         self._engine_lock = threading.RLock()
         self._logged_engine_error = False
+        self._stats: dict[str, int] = dict(engine.stats())
 
     def count_decoded(self, batch: DecodedBatch) -> None:
         self.counters.add(malformed=batch.malformed, ignored=batch.ignored)
@@ -101,6 +103,7 @@ class EngineDriver:
         try:
             with self._engine_lock:
                 verdicts = getattr(self.engine, method)(now_unix_nano)
+                self._stats = dict(self.engine.stats())
         except Exception:  # noqa: BLE001
             self._engine_failed(method)
             return
@@ -112,8 +115,8 @@ class EngineDriver:
             return self.engine.rank_state()
 
     def stats(self) -> dict[str, int]:
-        with self._engine_lock:
-            return dict(self.engine.stats())
+        """The engine's stats() as of the latest advance or drain."""
+        return self._stats
 
     def _engine_failed(self, method: str) -> None:
         self.counters.add_error("engine")

@@ -1,0 +1,134 @@
+"""Stage spans as the rank side sends them, built from Observations, for the service's tests: as the
+OTel SDK's ReadableSpans (for the SDK's own OTLP exporters), as serialized OTLP requests, and as the
+JSON lines the collector's file exporter writes (hex ids, int64 as strings)."""
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import itertools
+import json
+from typing import Iterable, Iterator, Optional
+
+from google.protobuf import json_format
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, TraceFlags
+
+from otel_straggler import contract
+from otel_straggler.detector.config import DetectorConfig
+from otel_straggler.detector.observation import Observation
+
+SCOPE = InstrumentationScope("otel_straggler.instrumentation", "0.1.0")
+_span_ids = itertools.count(1)
+
+
+def rank_resource(job_id: str, rank: int, cohort: Optional[str] = None, epoch: Optional[int] = None) -> Resource:
+    attributes = {contract.SERVICE_NAME: "training", contract.JOB_ID: job_id, contract.RANK: rank,
+                  contract.HOST_NAME: f"node-{rank // 8}"}
+    if cohort is not None:
+        attributes[contract.COHORT] = cohort
+    if epoch is not None:
+        attributes[contract.TOPOLOGY_EPOCH] = epoch
+    return Resource(attributes)
+
+
+def stage_attributes(observation: Observation) -> dict:
+    attributes = {
+        contract.STAGE: observation.stage, contract.STEP: observation.step, contract.SEQ: observation.seq,
+        contract.TIMING: contract.TIMING_DEVICE if observation.device_ms is not None else contract.TIMING_HOST_ONLY,
+        contract.COLLECTIVE: observation.collective,
+    }
+    if observation.device_ms is not None:
+        attributes[contract.DEVICE_DURATION_MS] = observation.device_ms
+    if observation.tokens is not None:
+        attributes[contract.WORKLOAD_TOKENS] = observation.tokens
+    if observation.samples is not None:
+        attributes[contract.WORKLOAD_SAMPLES] = observation.samples
+    return attributes
+
+
+def readable_span(observation: Observation, resource: Resource, name: Optional[str] = None,
+                  attributes: Optional[dict] = None) -> ReadableSpan:
+    # one trace per (job, step), as the rank side derives it
+    trace_id = int.from_bytes(hashlib.sha256(f"{observation.job_id}/{observation.step}".encode()).digest()[:16], "big")
+    context = SpanContext(trace_id, next(_span_ids), is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    return ReadableSpan(
+        name=name or observation.stage, context=context, resource=resource,
+        attributes=stage_attributes(observation) if attributes is None else attributes,
+        start_time=observation.end_unix_nano - int(observation.host_ms * 1e6), end_time=observation.end_unix_nano,
+        instrumentation_scope=SCOPE,
+    )
+
+
+def export_batches(observations: Iterable[Observation]) -> list[list[ReadableSpan]]:
+    """Consecutive observations of one rank become one export batch, as one rank's SDK sends them."""
+    batches = []
+    for (job_id, epoch, cohort, rank), group in itertools.groupby(
+            observations, key=lambda o: (o.job_id, o.epoch, o.cohort, o.rank)):
+        resource = rank_resource(job_id, rank, cohort, epoch)
+        batches.append([readable_span(observation, resource) for observation in group])
+    return batches
+
+
+def stage_spans(rank: int = 0, count: int = 4, job_id: str = "job-1", first_seq: int = 0,
+                end_unix_nano: int = 1_700_000_000_000_000_000) -> list[ReadableSpan]:
+    """`count` consecutive stage spans of one rank, 10 ms each, one step per span."""
+    resource = rank_resource(job_id, rank, "tp0")
+    return [readable_span(Observation(job_id, 0, "tp0", rank, "forward-compute", first_seq + index, first_seq + index,
+                                      10.0, 9.5, False, 2048, 4, end_unix_nano + index * 20_000_000), resource)
+            for index in range(count)]
+
+
+def request_bytes(spans: list[ReadableSpan]) -> bytes:
+    return encode_spans(spans).SerializeToString()
+
+
+def otlp_json(spans: list[ReadableSpan]) -> dict:
+    """OTLP/JSON as the spec and the collector write it: ids as hex, int64 as strings."""
+    request = json_format.MessageToDict(encode_spans(spans))
+    for resource_spans in request.get("resourceSpans", []):
+        for scope_spans in resource_spans.get("scopeSpans", []):
+            for span in scope_spans.get("spans", []):
+                for key in ("traceId", "spanId", "parentSpanId"):
+                    if key in span:
+                        span[key] = base64.b64decode(span[key]).hex()
+    return request
+
+
+def json_line(spans: list[ReadableSpan]) -> str:
+    return json.dumps(otlp_json(spans), separators=(",", ":")) + "\n"
+
+
+def service_config(tmp_path, **changes) -> DetectorConfig:
+    """Free ports, no OTLP export, quick flushes; windows close by the cohort moving on, never by
+    wall-clock grace, so live runs give the same verdicts as replay."""
+    values = dict(grpc_port=0, http_port=0, evidence_dir=str(tmp_path / "evidence"), export_metrics=False,
+                  flush_interval_s=0.05, window_grace_s=3600.0)
+    values.update(changes)
+    return DetectorConfig(**values)
+
+
+@contextlib.contextmanager
+def running_service(config: DetectorConfig, engine=None) -> Iterator:
+    from otel_straggler.detector.service import DetectorService
+
+    service = DetectorService(config, engine=engine)
+    service.start()
+    try:
+        yield service
+    finally:
+        service.stop(timeout_s=10.0)
+
+
+def verdict_records(path) -> list[dict]:
+    with open(path, encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle]
+
+
+def without_time(records: Iterable[dict]) -> list[tuple]:
+    """Verdicts comparable across live and replay: everything but when they were made."""
+    return sorted(tuple((key, json.dumps(value)) for key, value in record.items() if key != "time_unix_nano")
+                  for record in records)

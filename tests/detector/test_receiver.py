@@ -1,0 +1,296 @@
+"""The OTLP receivers over real sockets, with the OTel SDK's own exporters as clients where they can
+say what is being tested, and raw requests where the SDK would never send such a thing."""
+from __future__ import annotations
+
+import gzip
+import http.client
+import json
+import socket
+import threading
+import time
+
+import grpc
+import pytest
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpanExporter
+from opentelemetry.exporter.otlp.proto.http import Compression as HttpCompression
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpanExporter
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExportResult
+
+from otel_straggler import contract
+from otel_straggler.detector.engine import Engine
+
+from .otlp_spans import otlp_json, request_bytes, running_service, service_config, stage_spans
+
+EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+
+
+def grpc_exporter(port: int, **options) -> GrpcSpanExporter:
+    options.setdefault("insecure", True)
+    return GrpcSpanExporter(endpoint=f"127.0.0.1:{port}", timeout=10, **options)
+
+
+def http_exporter(port: int, scheme: str = "http", **options) -> HttpSpanExporter:
+    return HttpSpanExporter(endpoint=f"{scheme}://127.0.0.1:{port}/v1/traces", timeout=10, **options)
+
+
+def post(port: int, body: bytes, content_type: str = "application/x-protobuf", path: str = "/v1/traces",
+         method: str = "POST", headers: dict | None = None) -> tuple[int, dict, bytes]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        connection.request(method, path, body=body, headers={"Content-Type": content_type, **(headers or {})})
+        response = connection.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        connection.close()
+
+
+def raw_grpc_export(port: int, payload: bytes, metadata=()) -> ExportTraceServiceResponse:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        export = channel.unary_unary(EXPORT_METHOD, request_serializer=None,
+                                     response_deserializer=ExportTraceServiceResponse.FromString)
+        return export(payload, timeout=10, metadata=metadata)
+
+
+def accepted(service) -> int:
+    deadline = time.monotonic() + 5
+    while service.status()["queue"]["pending_spans"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return service.status()["spans"]["accepted"]
+
+
+def with_one_malformed(spans):
+    """The spans plus one stage span without training.seq."""
+    model = spans[0]
+    attributes = {key: value for key, value in model.attributes.items() if key != contract.SEQ}
+    return spans + [ReadableSpan(name=model.name, context=model.context, resource=model.resource,
+                                 attributes=attributes, start_time=model.start_time, end_time=model.end_time)]
+
+
+# ---------------------------------------------------------------- accepted traffic
+
+def test_the_sdk_exporters_deliver_over_grpc_and_http_with_and_without_gzip(tmp_path):
+    with running_service(service_config(tmp_path)) as service:
+        grpc_port, http_port = service.bound_ports
+        assert grpc_exporter(grpc_port).export(stage_spans(0, 4)) is SpanExportResult.SUCCESS
+        assert grpc_exporter(grpc_port, compression=grpc.Compression.Gzip).export(stage_spans(1, 4)) is SpanExportResult.SUCCESS
+        assert http_exporter(http_port).export(stage_spans(2, 4)) is SpanExportResult.SUCCESS
+        assert http_exporter(http_port, compression=HttpCompression.Gzip).export(stage_spans(3, 4)) is SpanExportResult.SUCCESS
+        assert http_exporter(http_port, compression=HttpCompression.Deflate).export(stage_spans(4, 4)) is SpanExportResult.SUCCESS
+        assert accepted(service) == 20
+        assert service.status()["requests"] == {"ok": 5}
+
+
+def test_http_json_with_gzip_is_accepted_and_answered_in_json(tmp_path):
+    with running_service(service_config(tmp_path)) as service:
+        body = gzip.compress(json.dumps(otlp_json(stage_spans(0, 3))).encode())
+        status, headers, answer = post(service.bound_ports[1], body, "application/json", headers={"Content-Encoding": "gzip"})
+        assert (status, headers["content-type"], json.loads(answer)) == (200, "application/json", {})
+        assert accepted(service) == 3
+
+
+def test_duplicates_are_counted_not_accepted_twice(tmp_path):
+    with running_service(service_config(tmp_path)) as service:
+        spans = stage_spans(0, 4)
+        exporter = grpc_exporter(service.bound_ports[0])
+        assert exporter.export(spans) is SpanExportResult.SUCCESS
+        assert exporter.export(spans) is SpanExportResult.SUCCESS
+        accepted(service)
+        assert (service.status()["spans"]["accepted"], service.status()["spans"]["duplicate"]) == (4, 4)
+
+
+# ---------------------------------------------------------------- malformed and partial
+
+def test_a_malformed_protobuf_is_400_with_a_status_over_http_and_invalid_argument_over_grpc(tmp_path):
+    with running_service(service_config(tmp_path)) as service:
+        grpc_port, http_port = service.bound_ports
+        status, headers, answer = post(http_port, b"\xff\xff\xff")
+        assert status == 400 and headers["content-type"] == "application/x-protobuf"
+        rpc_status = status_pb2.Status.FromString(answer)
+        assert rpc_status.code == code_pb2.INVALID_ARGUMENT and "ExportTraceServiceRequest" in rpc_status.message
+        status, _, answer = post(http_port, b"{not json", "application/json")
+        assert status == 400 and json.loads(answer)["code"] == code_pb2.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as refused:
+            raw_grpc_export(grpc_port, b"\xff\xff\xff")
+        assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert service.status()["requests"] == {"malformed": 3}
+
+
+def test_rejected_spans_are_reported_as_partial_success(tmp_path):
+    with running_service(service_config(tmp_path)) as service:
+        grpc_port, http_port = service.bound_ports
+        response = raw_grpc_export(grpc_port, request_bytes(with_one_malformed(stage_spans(0, 2))))
+        assert response.partial_success.rejected_spans == 1 and contract.SEQ in response.partial_success.error_message
+        status, _, answer = post(http_port, request_bytes(with_one_malformed(stage_spans(1, 2))))
+        assert status == 200 and ExportTraceServiceResponse.FromString(answer).partial_success.rejected_spans == 1
+        body = json.dumps(otlp_json(with_one_malformed(stage_spans(2, 2)))).encode()
+        status, _, answer = post(http_port, body, "application/json")
+        assert status == 200 and json.loads(answer)["partialSuccess"]["rejectedSpans"] == "1"
+        assert accepted(service) == 6
+        assert service.status()["spans"]["malformed"] == 3
+
+
+# ---------------------------------------------------------------- bounds and refusals
+
+def test_requests_over_the_size_bound_are_refused(tmp_path):
+    with running_service(service_config(tmp_path, max_request_bytes=4096)) as service:
+        grpc_port, http_port = service.bound_ports
+        big = request_bytes(stage_spans(0, 40))
+        assert len(big) > 4096
+        assert post(http_port, big)[0] == 413
+        bomb = gzip.compress(b"\x00" * 100_000)  # 100 kB of zeros in a few hundred bytes
+        assert len(bomb) < 4096
+        assert post(http_port, bomb, headers={"Content-Encoding": "gzip"})[0] == 413
+        with pytest.raises(grpc.RpcError) as refused:
+            raw_grpc_export(grpc_port, big)
+        assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert service.status()["requests"] == {"too_large": 2}
+
+
+def test_wrong_paths_methods_types_and_encodings_get_their_http_codes(tmp_path):
+    with running_service(service_config(tmp_path)) as service:
+        port = service.bound_ports[1]
+        body = request_bytes(stage_spans(0, 1))
+        assert post(port, body, path="/v1/metrics")[0] == 404
+        assert post(port, b"", method="GET")[0] == 405
+        assert post(port, body, content_type="text/plain")[0] == 415
+        assert post(port, body, headers={"Content-Encoding": "br"})[0] == 415
+        assert post(port, b"\x1f\x8b\x08\x00garbage", headers={"Content-Encoding": "gzip"})[0] == 415
+        assert post(port, body)[0] == 200
+
+
+class GatedEngine:
+    """The real engine behind a gate: ingest_many waits until the test opens it."""
+
+    def __init__(self, config) -> None:
+        self.engine = Engine(config)
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def ingest_many(self, observations):
+        self.entered.set()
+        self.gate.wait(30)
+        return self.engine.ingest_many(observations)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def _fill_the_queue(service, engine) -> None:
+    http_port = service.bound_ports[1]
+    # first request: taken by the engine thread, which then waits at the gate
+    assert post(http_port, request_bytes(stage_spans(0, 2)))[0] == 200
+    assert engine.entered.wait(5)
+    # second request: waits in the queue, which holds one
+    assert post(http_port, request_bytes(stage_spans(1, 2)))[0] == 200
+
+
+def test_a_full_queue_answers_retry_later_and_counts_the_spans_dropped(tmp_path):
+    config = service_config(tmp_path, max_pending_requests=1)
+    engine = GatedEngine(config)
+    with running_service(config, engine=engine) as service:
+        grpc_port, http_port = service.bound_ports
+        _fill_the_queue(service, engine)
+        status, headers, answer = post(http_port, request_bytes(stage_spans(2, 2)))
+        assert (status, headers["retry-after"]) == (503, "1")
+        assert status_pb2.Status.FromString(answer).code == code_pb2.UNAVAILABLE
+        with pytest.raises(grpc.RpcError) as refused:
+            raw_grpc_export(grpc_port, request_bytes(stage_spans(3, 2)))
+        assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        trailers = dict(refused.value.trailing_metadata())
+        retry = error_details_pb2.RetryInfo.FromString(trailers["google.rpc.retryinfo-bin"])
+        assert retry.retry_delay.seconds == 1
+        detail = status_pb2.Status.FromString(trailers["grpc-status-details-bin"]).details[0]
+        assert detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR)
+        engine.gate.set()
+        assert accepted(service) == 4
+        assert service.status()["requests"]["overloaded"] == 2
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_sdk_exporters_retry_an_overloaded_detector_and_get_through(tmp_path, protocol):
+    config = service_config(tmp_path, max_pending_requests=1)
+    engine = GatedEngine(config)
+    with running_service(config, engine=engine) as service:
+        _fill_the_queue(service, engine)
+        exporter = grpc_exporter(service.bound_ports[0]) if protocol == "grpc" else http_exporter(service.bound_ports[1])
+        results = []
+        client = threading.Thread(target=lambda: results.append(exporter.export(stage_spans(5, 3))))
+        client.start()
+        deadline = time.monotonic() + 5
+        while not service.status()["requests"].get("overloaded") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        engine.gate.set()  # the detector recovers; the exporter's retry after Retry-After/RetryInfo succeeds
+        client.join(20)
+        assert results == [SpanExportResult.SUCCESS]
+        assert service.status()["requests"]["overloaded"] >= 1
+        assert accepted(service) == 7
+
+
+def test_connections_beyond_the_bound_get_503_at_once(tmp_path):
+    with running_service(service_config(tmp_path, receiver_threads=1)) as service:
+        port = service.bound_ports[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as idle:
+            time.sleep(0.2)  # the idle connection holds the only HTTP thread
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as refused:
+                # answered before it sends anything: no thread is spent on it
+                reply = refused.recv(4096)
+            assert reply.startswith(b"HTTP/1.1 503 ") and b"Retry-After: 1" in reply
+            assert idle.fileno() >= 0
+        deadline = time.monotonic() + 5
+        while not _posted(port, request_bytes(stage_spans(0, 1))):  # the thread is free again
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert service.status()["requests"]["overloaded"] >= 1
+
+
+def _posted(port: int, body: bytes) -> bool:
+    try:
+        return post(port, body)[0] == 200
+    except (OSError, http.client.HTTPException):  # refused while the thread was still finishing
+        return False
+
+
+# ---------------------------------------------------------------- auth and TLS
+
+def test_a_wrong_or_missing_bearer_token_is_refused_and_the_right_one_accepted(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    with running_service(service_config(tmp_path, auth_token_file=str(token_file))) as service:
+        grpc_port, http_port = service.bound_ports
+        body = request_bytes(stage_spans(0, 2))
+        assert post(http_port, body)[0] == 401
+        status, headers, _ = post(http_port, body, headers={"Authorization": "Bearer wrong"})
+        assert (status, headers["www-authenticate"]) == (401, "Bearer")
+        assert post(http_port, body, headers={"Authorization": "Basic s3cret-token"})[0] == 401
+        assert grpc_exporter(grpc_port, headers={"authorization": "Bearer wrong"}).export(
+            stage_spans(1, 2)) is SpanExportResult.FAILURE
+        assert accepted(service) == 0
+        assert http_exporter(http_port, headers={"Authorization": "Bearer s3cret-token"}).export(
+            stage_spans(2, 2)) is SpanExportResult.SUCCESS
+        assert grpc_exporter(grpc_port, headers={"authorization": "bearer s3cret-token"}).export(
+            stage_spans(3, 2)) is SpanExportResult.SUCCESS
+        assert accepted(service) == 4
+        assert service.status()["requests"] == {"unauthenticated": 4, "ok": 2}
+
+
+def test_tls_serves_both_protocols(tmp_path, monkeypatch):
+    from pipeline.otlp_sink import make_self_signed_certificate
+
+    # requests lets these env vars override the exporter's own certificate_file
+    monkeypatch.delenv("REQUESTS_CA_BUNDLE", raising=False)
+    monkeypatch.delenv("CURL_CA_BUNDLE", raising=False)
+
+    cert, key = make_self_signed_certificate(tmp_path / "tls", name="detector")
+    with running_service(service_config(tmp_path, tls_cert_file=str(cert), tls_key_file=str(key))) as service:
+        grpc_port, http_port = service.bound_ports
+        credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+        assert grpc_exporter(grpc_port, insecure=False, credentials=credentials).export(
+            stage_spans(0, 2)) is SpanExportResult.SUCCESS
+        assert http_exporter(http_port, scheme="https", certificate_file=str(cert)).export(
+            stage_spans(1, 2)) is SpanExportResult.SUCCESS
+        with pytest.raises((http.client.HTTPException, ConnectionError, OSError)):
+            post(http_port, request_bytes(stage_spans(2, 2)))  # plain HTTP to a TLS port
+        assert accepted(service) == 4

@@ -105,6 +105,25 @@ def wait_until(condition: Callable[[], object], timeout: float, interval: float 
         time.sleep(interval)
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the test process dies, even by SIGKILL, so a
+    killed test run leaves no program behind (Linux; elsewhere a no-op). The kernel ties this to
+    the starting thread: start programs from the main thread, not from a short-lived worker."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def port_open(port: int, host: str = LOOPBACK) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
 class ManagedProcess:
     """One program: started with a log file, ready when `is_ready()` says so, always stopped."""
 
@@ -132,7 +151,8 @@ class ManagedProcess:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 self.argv(), env=env, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=detach)
+                stdin=subprocess.DEVNULL, start_new_session=detach,
+                preexec_fn=None if detach else _die_with_parent)
         deadline = time.monotonic() + timeout
         while not self.is_ready():
             if self.process.poll() is not None:
@@ -277,6 +297,39 @@ class Jaeger(ManagedProcess):
     @property
     def otlp_grpc_endpoint(self) -> str:
         return f"{LOOPBACK}:{self.otlp_grpc_port}"
+
+
+class Detector(ManagedProcess):
+    """`otel-straggler detect` from this checkout, exporting its metrics and events to `otlp_endpoint`.
+
+    Ready when its OTLP/gRPC port accepts connections. `args` adds detector flags.
+    """
+
+    def __init__(self, workdir: Path, grpc_port: int, http_port: int, otlp_endpoint: Optional[str] = None,
+                 args: tuple[str, ...] = (), env: Optional[Mapping[str, str]] = None, name: str = "detector",
+                 python: str = sys.executable) -> None:
+        self.name = name
+        super().__init__(workdir)
+        self.grpc_port, self.http_port = grpc_port, http_port
+        self.evidence_dir = self.workdir / f"{name}-evidence"
+        self.python = python
+        self.args = tuple(args)
+        self.env = {"OTEL_TRACES_EXPORTER": "none",
+                    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        if otlp_endpoint:
+            self.env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{otlp_endpoint}", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
+        self.env.update(env or {})
+
+    def argv(self) -> list[str]:
+        return [self.python, "-m", "otel_straggler", "detect", f"--listen-address={LOOPBACK}",
+                f"--grpc-port={self.grpc_port}", f"--http-port={self.http_port}",
+                f"--evidence-dir={self.evidence_dir}", *self.args]
+
+    def environment(self) -> dict[str, str]:
+        return self.env
+
+    def is_ready(self) -> bool:
+        return port_open(self.grpc_port)
 
 
 def jaeger_traces(query_url: str, service: str, tags: Optional[Mapping[str, str]] = None,

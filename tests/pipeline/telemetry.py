@@ -80,7 +80,8 @@ def send_rank_steps(endpoint: str, rank: Rank, steps: range, stage_ms: float = 2
         for step in steps:
             ids.trace_id = step_trace_id(rank.job_id, step)
             t = time.time_ns()
-            with tracer.start_as_current_span("train.step", start_time=t, attributes={"training.step": step}) as step_span:
+            with tracer.start_as_current_span("train.step", start_time=t, attributes={"training.step": step},
+                                              end_on_exit=False) as step_span:
                 for name, group, collective in STAGES:
                     end = t + int(stage_ms * 1e6)
                     span = tracer.start_span(name, start_time=t, attributes={
@@ -108,7 +109,7 @@ def send_detector_metrics(endpoint: str, job_id: str, slow_rank: int, ranks: ran
         OTLPMetricExporter(endpoint=endpoint, insecure=True, timeout=EXPORT_TIMEOUT_S),
         export_interval_millis=3_600_000)
     provider = MeterProvider(metric_readers=[reader], resource=Resource.create(
-        {"service.name": "straggler-detector", "service.instance.id": instance}))
+        {"service.name": "otel-straggler-detector", "service.instance.id": instance}))
     meter = provider.get_meter("otel_straggler.detector")
     slowdown = meter.create_gauge("straggler.rank.slowdown", description="window median over reference")
     alert = meter.create_gauge("straggler.alert.active", description="1 while a straggler alert is active")
@@ -137,7 +138,7 @@ def send_detector_metrics(endpoint: str, job_id: str, slow_rank: int, ranks: ran
 
 def send_verdict_event(endpoint: str, job_id: str, rank: int) -> None:
     """One `straggler.verdict` log event with evidence-file fields as attributes (CONTRACT §3c)."""
-    provider = LoggerProvider(resource=Resource.create({"service.name": "straggler-detector"}))
+    provider = LoggerProvider(resource=Resource.create({"service.name": "otel-straggler-detector"}))
     provider.add_log_record_processor(SimpleLogRecordProcessor(
         OTLPLogExporter(endpoint=endpoint, insecure=True, timeout=EXPORT_TIMEOUT_S)))
     logger = provider.get_logger("otel_straggler.detector")

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -167,3 +169,15 @@ def test_docker_compose_mounts_only_configs_the_tests_run():
     assert mounted == {p.resolve() for p in tested}
     assert {"gateway.yaml", "compose-gateway.yaml"} <= {
         Path(arg.split("=", 1)[1]).name for arg in config["services"]["collector"]["command"]}
+
+
+@pytest.mark.parametrize("service", ["detector", "trainer"])
+def test_docker_compose_commands_use_existing_flags(service):
+    command = _compose_config()["services"][service]["command"]
+    subcommand, flags = command[0], [arg.split("=", 1)[0] for arg in command[1:] if arg.startswith("--")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    result = subprocess.run([sys.executable, "-m", "otel_straggler", subcommand, "--help"], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    missing = [flag for flag in flags if flag not in result.stdout]
+    assert not missing, f"`otel-straggler {subcommand}` has no {missing}"

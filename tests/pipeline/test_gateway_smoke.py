@@ -83,7 +83,7 @@ def test_detector_metrics_reach_prometheus_and_every_panel_has_data(pipeline):
     active = {s["metric"]["training_rank"] for s in series if float(s["value"][1]) == 1}
     assert active == {"2"}
     labels = series[0]["metric"]
-    assert labels["job"] == "straggler-detector" and labels["instance"] == "shard-test"
+    assert labels["job"] == "otel-straggler-detector" and labels["instance"] == "shard-test"
     assert {"training_job_id", "training_cohort", "training_stage", "training_rank"} <= set(labels)
 
     for name in ("straggler_rank_slowdown", "straggler_verdicts_total", "straggler_detector_spans_total"):

@@ -1,0 +1,42 @@
+"""The real detector behind the real gateway: its own metrics come back through the collector to
+Prometheus under the names the rules and dashboards use (the full demo run is an end-to-end test
+of its own)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from . import services
+from .telemetry import Rank, send_rank_steps
+
+pytestmark = pytest.mark.services
+
+DEADLINE_S = 60
+
+
+@pytest.fixture
+def detector(pipeline, tmp_path):
+    process = services.Detector(tmp_path, pipeline.detector_grpc_port, pipeline.detector_http_port,
+                                otlp_endpoint=pipeline.collector_grpc, args=("--metric-export-interval-s=1",))
+    with process:
+        yield process
+
+
+def test_detector_intake_counter_reaches_prometheus(pipeline, detector):
+    job_id = f"detector-{uuid.uuid4().hex[:8]}"
+    for rank in range(3):
+        send_rank_steps(pipeline.collector_grpc, Rank(job_id, rank, 3, "tp0-pp0"), range(3))
+    # The detector's resource names it: job="otel-straggler-detector", instance="<host>:<grpc port>".
+    query = 'sum(straggler_detector_spans_total{job="otel-straggler-detector", outcome="accepted"})'
+    stage_spans = 3 * 3 * 3  # ranks x steps x stages; train.step spans carry no stage and are not counted
+
+    def accepted():
+        result = services.prometheus_query(pipeline.prometheus_url, query)
+        return result and float(result[0]["value"][1]) >= stage_spans
+
+    try:
+        services.wait_until(accepted, DEADLINE_S, what=query)
+    except TimeoutError:
+        pytest.fail(f"{query} stayed below the spans sent\n--- detector log ---\n{detector.log_tail()}")

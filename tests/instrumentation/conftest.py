@@ -294,7 +294,8 @@ def http_receiver():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OtlpHttpHandler)
     server.daemon_threads = True
     server.sink = sink = OtlpSink()
-    thread = threading.Thread(target=server.serve_forever, name="otlp-http-receiver", daemon=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="otlp-http-receiver",
+                              daemon=True)
     thread.start()
     sink.endpoint = f"http://127.0.0.1:{server.server_address[1]}"
     sink.protocol = "http/protobuf"

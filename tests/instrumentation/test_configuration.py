@@ -1,0 +1,100 @@
+"""Configuration from env vars: a bad value fails configure() with one line naming the
+variable; under `opentelemetry-instrument` the env alone turns the instrumentation on, and a
+bad value there says so once while training goes on."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import otel_straggler
+from otel_straggler.settings import ConfigError
+
+
+@pytest.mark.parametrize("variable, value, complaint", [
+    ("OTEL_STRAGGLER_QUEUE_SIZE", "lots", "expected int"),
+    ("OTEL_STRAGGLER_QUEUE_SIZE", "8", ">= 16"),
+    ("OTEL_STRAGGLER_EVENT_POOL_SIZE", "1", ">= 2"),
+    ("OTEL_STRAGGLER_READOUT_TIMEOUT_MS", "nan", "finite"),
+    ("OTEL_STRAGGLER_DEVICE_TIMING", "gpu", "must be one of auto, cuda, fake, off"),
+    ("OTEL_STRAGGLER_EXPORT_METRICS", "sometimes", "expected bool"),
+    ("OTEL_STRAGGLER_INJECT_SLOWDOWN", "-0.5", ">= 0"),
+    ("OTEL_SDK_DISABLED", "perhaps", "expected true or false"),
+    ("OTEL_EXPORTER_OTLP_PROTOCOL", "carrier-pigeon", "must be one of grpc, http/protobuf"),
+])
+def test_a_bad_env_var_fails_configure_with_one_line_naming_it(configure, monkeypatch, variable, value, complaint):
+    monkeypatch.setenv("OTEL_STRAGGLER_DEVICE_TIMING", "off")  # no torch import to wait for
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError) as raised:
+        configure(job_id="bad-config")
+    message = str(raised.value)
+    assert message.startswith(f"{variable}: ") and complaint in message
+    assert "\n" not in message
+    assert otel_straggler.current() is None
+
+
+def test_a_good_configure_works_after_a_bad_one(configure, monkeypatch, in_memory):
+    monkeypatch.setenv("OTEL_STRAGGLER_QUEUE_SIZE", "0")
+    with pytest.raises(ConfigError):
+        configure()
+    monkeypatch.setenv("OTEL_STRAGGLER_QUEUE_SIZE", "32")
+    assert in_memory.configure().recorder.capacity == 32
+
+
+TRAIN_SCRIPT = textwrap.dedent("""
+    import json
+    import otel_straggler
+    handle = otel_straggler.current()
+    for number in range(3):
+        otel_straggler.step(number)
+        with otel_straggler.stage("forward-compute"):
+            pass
+    report = {"configured": handle is not None and handle.enabled, "trained": True}
+    if report["configured"]:
+        report["job_id"] = handle.resource_attributes.get("training.job.id")
+        handle.shutdown(timeout_s=5.0)
+        report["exported"] = handle.status()["exported"]
+    print(json.dumps(report))
+""")
+
+
+def run_under_opentelemetry_instrument(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN_SCRIPT)
+    bin_dir = str(Path(sys.executable).parent)
+    environ = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
+               "OTEL_STRAGGLER_DEVICE_TIMING": "off", **env}
+    return subprocess.run(["opentelemetry-instrument", "python", str(script)], env=environ, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_opentelemetry_instrument_turns_it_on_from_env_alone(tmp_path, grpc_receiver):
+    finished = run_under_opentelemetry_instrument(
+        tmp_path, OTEL_STRAGGLER_ENABLED="true", OTEL_STRAGGLER_JOB_ID="auto-job",
+        OTEL_EXPORTER_OTLP_ENDPOINT=f"http://{grpc_receiver.endpoint}", OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+        OTEL_STRAGGLER_EXPORT_METRICS="false")
+    assert finished.returncode == 0, finished.stderr
+    report = json.loads(finished.stdout.strip().splitlines()[-1])
+    assert report == {"configured": True, "trained": True, "job_id": "auto-job", "exported": 6}
+    assert {item.resource["training.job.id"] for item in grpc_receiver.spans()} == {"auto-job"}
+
+
+def test_without_enabling_it_stays_off(tmp_path):
+    finished = run_under_opentelemetry_instrument(tmp_path)
+    assert finished.returncode == 0, finished.stderr
+    assert json.loads(finished.stdout.strip().splitlines()[-1]) == {"configured": False, "trained": True}
+
+
+@pytest.mark.parametrize("bad", [{"OTEL_STRAGGLER_QUEUE_SIZE": "lots"}, {"OTEL_STRAGGLER_ENABLED": "yes please"}])
+def test_a_bad_value_under_opentelemetry_instrument_says_so_once_and_training_goes_on(tmp_path, bad):
+    finished = run_under_opentelemetry_instrument(tmp_path, **{"OTEL_STRAGGLER_ENABLED": "true", **bad})
+    assert finished.returncode == 0, finished.stderr
+    assert json.loads(finished.stdout.strip().splitlines()[-1]) == {"configured": False, "trained": True}
+    complaints = [line for line in finished.stderr.splitlines() if "otel-straggler" in line]
+    (variable,) = bad
+    assert len(complaints) == 1 and variable in complaints[0], finished.stderr

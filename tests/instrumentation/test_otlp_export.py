@@ -1,0 +1,181 @@
+"""Real OTLP export (gRPC and HTTP) to an in-test receiver: every CONTRACT §1 resource
+attribute and every §2 span field as it arrives on the wire, the trace id two ranks share,
+and the rank's own straggler.instrumentation.* metrics."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import otel_straggler
+from otel_straggler import contract
+from otel_straggler.instrumentation.span_builder import trace_id_for_step
+
+JOB = "job-otlp"
+STEPS = 3
+# (stage, group, collective, device ms with the fake backend's 1 ms per recorded event), in the
+# order the stages complete within a step
+COMPLETION_ORDER = [
+    ("forward-compute", "forward", False, 1.0),
+    ("backward-compute", "backward", False, 1.0),
+    ("forward-backward", "other", False, 5.0),  # its two events enclose the children's four
+    ("all-grads-sync", "communication", True, 1.0),
+    ("optimizer", "optimizer", False, 1.0),
+]
+PARALLEL = {"tp": (1, 2), "pp": (0, 2), "cp": (0, 1), "ep": (0, 1), "dp": (1, 2)}
+
+
+def train(steps: int = STEPS) -> None:
+    for number in range(steps):
+        otel_straggler.step(number, tokens=1000 + number, samples=8)
+        with otel_straggler.stage("forward-backward"):
+            with otel_straggler.stage("forward-compute"):
+                pass
+            with otel_straggler.stage("backward-compute"):
+                pass
+        with otel_straggler.stage("all-grads-sync"):
+            pass
+        with otel_straggler.stage("optimizer"):
+            pass
+
+
+def trace_id_bytes(step: int, job: str = JOB) -> bytes:
+    return trace_id_for_step(job, step).to_bytes(16, "big")
+
+
+@pytest.fixture(params=["megatron", "resource_attributes"])
+def parallel_layout(request, monkeypatch, megatron_state) -> None:
+    """The parallel layout, known either from Megatron's parallel state or given as resource attributes."""
+    given = ["training.topology.epoch=2"]
+    if request.param == "megatron":
+        megatron_state(**PARALLEL, vpp=None)
+    else:
+        given += [f"{key}={value}" for dim, (rank, size) in PARALLEL.items()
+                  for key, value in ((contract.parallel_rank_key(dim), rank), (contract.parallel_size_key(dim), size))]
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", ",".join(given))
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "trainer")
+
+
+def test_every_contract_field_arrives(otlp_receiver, parallel_layout, configure):
+    started_ns = time.time_ns()
+    handle = configure(job_id=JOB, rank=3, world_size=4, local_rank=1, endpoint=otlp_receiver.endpoint,
+                       protocol=otlp_receiver.protocol, device_timing="fake")
+    train()
+    handle.shutdown(timeout_s=5.0)  # ends the last step's span and exports everything
+    finished_ns = time.time_ns()
+    received = otlp_receiver.spans()
+    assert len(received) == STEPS * (len(COMPLETION_ORDER) + 1)
+    assert handle.status()["exported"] == len(received)
+
+    expected_resource = {
+        contract.SERVICE_NAME: "trainer", contract.JOB_ID: JOB, contract.RANK: 3, contract.WORLD_SIZE: 4,
+        contract.LOCAL_RANK: 1, contract.HOST_NAME: socket.gethostname(), contract.COHORT: "tp1.pp0.cp0.ep0",
+        contract.TOPOLOGY_EPOCH: 2,
+        **{key: value for dim, (rank, size) in PARALLEL.items()
+           for key, value in ((contract.parallel_rank_key(dim), rank), (contract.parallel_size_key(dim), size))},
+    }
+    for item in received:
+        shown = {key: item.resource.get(key) for key in expected_resource}
+        assert shown == expected_resource
+        assert all(type(shown[key]) is type(value) for key, value in expected_resource.items())  # 3, not "3"
+        assert not any(key.startswith("training.parallel.vpp") for key in item.resource)
+
+    steps = {item.attributes[contract.STEP]: item for item in received if item.span.name == contract.STEP_SPAN_NAME}
+    assert sorted(steps) == list(range(STEPS))
+    for number, item in steps.items():
+        assert item.span.trace_id == trace_id_bytes(number)
+        assert item.span.parent_span_id == b""  # each rank's step is the root of its part of the trace
+        assert item.attributes[contract.WORKLOAD_TOKENS] == 1000 + number
+        assert item.attributes[contract.WORKLOAD_SAMPLES] == 8
+
+    stages = {(item.attributes[contract.STEP], item.span.name): item for item in received
+              if item.span.name != contract.STEP_SPAN_NAME}
+    assert len(stages) == STEPS * len(COMPLETION_ORDER)
+    completion_order = []
+    for number in range(STEPS):
+        step_span = steps[number].span
+        for name, group, collective, device_ms in COMPLETION_ORDER:
+            item = stages[number, name]
+            span, attributes = item.span, item.attributes
+            completion_order.append(attributes[contract.SEQ])
+            assert attributes[contract.STAGE] == name
+            assert attributes[contract.STAGE_GROUP] == group
+            assert attributes[contract.COLLECTIVE] is collective
+            assert attributes[contract.STEP] == number
+            assert attributes[contract.WORKLOAD_TOKENS] == 1000 + number and attributes[contract.WORKLOAD_SAMPLES] == 8
+            assert attributes[contract.TIMING] == contract.TIMING_DEVICE
+            assert attributes[contract.DEVICE_DURATION_MS] == device_ms
+            assert contract.TIMING_REASON not in attributes
+            assert span.trace_id == trace_id_bytes(number)
+            assert started_ns <= span.start_time_unix_nano <= span.end_time_unix_nano <= finished_ns
+            assert step_span.start_time_unix_nano <= span.start_time_unix_nano
+            parent = stages[number, "forward-backward"].span if name.endswith("-compute") else step_span
+            assert span.parent_span_id == parent.span_id, name
+            assert parent.start_time_unix_nano <= span.start_time_unix_nano <= span.end_time_unix_nano \
+                <= parent.end_time_unix_nano
+    assert completion_order == list(range(len(completion_order)))  # unique, in completion order
+    assert len({item.span.span_id for item in received}) == len(received)
+
+
+def test_the_ranks_own_counters_arrive_as_metrics(otlp_receiver, configure):
+    handle = configure(job_id=JOB, rank=0, endpoint=otlp_receiver.endpoint, protocol=otlp_receiver.protocol,
+                       device_timing="fake")
+    train()
+    handle.shutdown(timeout_s=5.0)  # the metric reader's last collection goes out at shutdown
+    status = handle.status()
+    points = otlp_receiver.metrics()
+
+    lost = {attributes_of(point)["reason"]: point.as_int for point in points["straggler.instrumentation.lost"]}
+    assert set(lost) == set(status["lost"]) and not any(lost.values())
+    spans = {attributes_of(point)["outcome"]: point.as_int for point in points["straggler.instrumentation.spans"]}
+    assert spans["intervals"] == spans["spans_built"] == STEPS * len(COMPLETION_ORDER)
+
+
+def attributes_of(point) -> dict:
+    return {item.key: item.value.string_value for item in point.attributes}
+
+
+RANK_SCRIPT = textwrap.dedent("""
+    import sys
+    import otel_straggler
+    handle = otel_straggler.configure(endpoint=sys.argv[1], protocol="grpc", device_timing="off", export_metrics=False)
+    for number in range(int(sys.argv[2])):
+        otel_straggler.step(number)
+        with otel_straggler.stage("forward-compute"):
+            pass
+    handle.shutdown(timeout_s=5.0)
+    sys.exit(0 if handle.status()["exported"] == 2 * int(sys.argv[2]) else 1)
+""")
+
+
+def test_two_ranks_put_a_step_in_one_trace(grpc_receiver, configure, monkeypatch):
+    torchrun = {"TORCHELASTIC_RUN_ID": JOB, "WORLD_SIZE": "2"}
+    other_rank = subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, grpc_receiver.endpoint, str(STEPS)],
+                                  env={**os.environ, **torchrun, "RANK": "1", "LOCAL_RANK": "1"})
+    for name, value in {**torchrun, "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    handle = configure(endpoint=grpc_receiver.endpoint, protocol="grpc", device_timing="off", export_metrics=False)
+    for number in range(STEPS):
+        otel_straggler.step(number)
+        with otel_straggler.stage("forward-compute"):
+            pass
+    handle.shutdown(timeout_s=5.0)
+    assert other_rank.wait(timeout=30) == 0
+
+    received = grpc_receiver.wait_for_spans(4 * STEPS)
+    by_rank_and_step = {(item.resource[contract.RANK], item.attributes[contract.STEP], item.span.name): item.span
+                        for item in received}
+    assert len(by_rank_and_step) == 4 * STEPS
+    for number in range(STEPS):
+        rank0, rank1 = (by_rank_and_step[rank, number, contract.STEP_SPAN_NAME] for rank in (0, 1))
+        assert rank0.trace_id == rank1.trace_id == trace_id_bytes(number)
+        assert rank0.span_id != rank1.span_id
+        for rank, step_span in ((0, rank0), (1, rank1)):
+            assert by_rank_and_step[rank, number, "forward-compute"].parent_span_id == step_span.span_id
+    assert {item.resource[contract.JOB_ID] for item in received} == {JOB}
+    assert {item.resource[contract.WORLD_SIZE] for item in received} == {2}

@@ -104,7 +104,9 @@ class DetectorTelemetry:
             "service.instance.id": f"{socket.gethostname()}:{config.grpc_port}",
         })
         readers: list[MetricReader] = []
-        if export_otlp and otlp_endpoint_configured("metrics", environ):
+        self.exporting_metrics = export_otlp and otlp_endpoint_configured("metrics", environ)
+        self.exporting_events = export_otlp and otlp_endpoint_configured("logs", environ)
+        if self.exporting_metrics:
             exporter = _counting_failures(_otlp_exporter_class("metrics", environ), lambda: self._failed("metrics"))()
             readers.append(PeriodicExportingMetricReader(exporter, export_interval_millis=config.metric_export_interval_s * 1000))
         self.scrape_reader: Optional[InMemoryMetricReader] = None
@@ -118,7 +120,7 @@ class DetectorTelemetry:
         )
         self._logger_provider: Optional[LoggerProvider] = None
         self._event_logger = None
-        if export_otlp and otlp_endpoint_configured("logs", environ):
+        if self.exporting_events:
             exporter = _counting_failures(_otlp_exporter_class("logs", environ), lambda: self._failed("logs"))()
             self._logger_provider = LoggerProvider(resource=resource)
             self._logger_provider.add_log_record_processor(BatchLogRecordProcessor(exporter))

@@ -82,6 +82,30 @@ def stage_spans(rank: int = 0, count: int = 4, job_id: str = "job-1", first_seq:
             for index in range(count)]
 
 
+def slow_rank_observations(ranks: int = 8, steps: int = 40, slow_rank: int = 3, job_id: str = "job-1") -> list[Observation]:
+    """A data-parallel job in which `slow_rank` is 30% slower from step 10 on: with window_steps=5 it
+    becomes a straggler after warmup and persistence."""
+    from .synthetic import SyntheticJob
+
+    return SyntheticJob(ranks=ranks, job_id=job_id).slow(slow_rank, 1.3, from_step=10).observations(steps)
+
+
+def eventful_observations(ranks: int = 8) -> list[Observation]:
+    """Every kind of verdict with window_steps=5: rank 3 is 30% slower in steps 10-34 (straggler,
+    then recovered; its small stages are below the floor: uncertain) and rank 5 stops reporting
+    after step 44 (silent)."""
+    from .synthetic import SyntheticJob
+
+    observations = SyntheticJob(ranks=ranks).slow(3, 1.3, from_step=10, to_step=34).observations(70)
+    return [o for o in observations if not (o.rank == 5 and o.step >= 45)]
+
+
+def per_step_requests(observations: list[Observation]) -> list[list[ReadableSpan]]:
+    """Every rank's spans of one step in one export, as a collector in front of the detector batches."""
+    return [sum(group, []) for _, group in itertools.groupby(
+        export_batches(observations), key=lambda spans: spans[0].attributes[contract.STEP])]
+
+
 def request_bytes(spans: list[ReadableSpan]) -> bytes:
     return encode_spans(spans).SerializeToString()
 
@@ -106,7 +130,7 @@ def service_config(tmp_path, **changes) -> DetectorConfig:
     """Free ports, no OTLP export, quick flushes; windows close by the cohort moving on, never by
     wall-clock grace, so live runs give the same verdicts as replay."""
     values = dict(grpc_port=0, http_port=0, evidence_dir=str(tmp_path / "evidence"), export_metrics=False,
-                  flush_interval_s=0.05, window_grace_s=3600.0)
+                  flush_interval_s=0.05, window_grace_s=3600.0, window_steps=5)
     values.update(changes)
     return DetectorConfig(**values)
 

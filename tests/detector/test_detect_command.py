@@ -1,0 +1,140 @@
+"""`otel-straggler detect` as a process: start-up line, one-line errors, and what SIGTERM and SIGKILL
+leave in the evidence directory."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.trace.export import SpanExportResult
+
+from otel_straggler.detector.config import DetectorConfig
+from otel_straggler.detector.decode import ProtobufDecoder
+from otel_straggler.detector.engine import Engine
+
+from .otlp_spans import eventful_observations, per_step_requests, request_bytes, verdict_records, without_time
+
+FLUSH_INTERVAL_S = 0.5
+ENGINE_FLAGS = ("--window-steps", "5", "--window-grace-s", "3600")
+STARTED = re.compile(r"OTLP/gRPC 127\.0\.0\.1:(\d+), OTLP/HTTP 127\.0\.0\.1:(\d+)")
+
+
+def start_detect(evidence: Path, *flags: str) -> tuple[subprocess.Popen, int]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("OTEL_EXPORTER_OTLP")}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "otel_straggler", "detect", "--grpc-port", "0", "--http-port", "0",
+         "--evidence-dir", str(evidence), "--flush-interval-s", str(FLUSH_INTERVAL_S), *ENGINE_FLAGS, *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    line = process.stdout.readline()
+    started = STARTED.search(line)
+    assert started, (line, process.stderr.read() if process.poll() is not None else "")
+    return process, int(started.group(1))
+
+
+def send(grpc_port: int, requests) -> int:
+    exporter = OTLPSpanExporter(endpoint=f"127.0.0.1:{grpc_port}", insecure=True, timeout=10)
+    for spans in requests:
+        assert exporter.export(spans) is SpanExportResult.SUCCESS
+    exporter.shutdown()
+    return sum(len(spans) for spans in requests)
+
+
+def engine_verdicts(requests, drain: bool) -> list[dict]:
+    """What the engine makes of the same spans in-process, with or without the final drain."""
+    engine = Engine(DetectorConfig(window_steps=5, window_grace_s=3600))
+    decoder = ProtobufDecoder()
+    verdicts = []
+    for spans in requests:
+        engine.ingest_many(decoder.decode(request_bytes(spans)).observations)
+        verdicts += engine.advance(0)
+    if drain:
+        verdicts += engine.drain(0)
+    return [verdict.to_dict() for verdict in verdicts]
+
+
+def wait_for_status(evidence: Path, accepted: int, timeout_s: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            status = json.loads((evidence / "status.json").read_text())
+            if status["spans"]["accepted"] == accepted:
+                return status
+        except (OSError, ValueError, KeyError):
+            pass  # not written yet; a half-written one would be a failure, caught by json below
+        time.sleep(0.05)
+    raise AssertionError(f"status.json never showed {accepted} accepted spans")
+
+
+def test_sigterm_judges_every_open_window_and_flushes_all_evidence(tmp_path):
+    evidence = tmp_path / "evidence"
+    requests = per_step_requests(eventful_observations())
+    process, grpc_port = start_detect(evidence)
+    send(grpc_port, requests)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(60) == 0, process.stderr.read()
+    written = verdict_records(evidence / "verdicts.jsonl")
+    assert without_time(written) == without_time(engine_verdicts(requests, drain=True))
+    status = json.loads((evidence / "status.json").read_text())
+    assert status["spans"]["accepted"] == sum(len(spans) for spans in requests)
+    assert status["evidence"]["lines_written"] == len(written)
+
+
+def test_sigkill_loses_at_most_the_last_flush_interval_and_never_tears_a_line(tmp_path):
+    evidence = tmp_path / "evidence"
+    requests = per_step_requests(eventful_observations())
+    process, grpc_port = start_detect(evidence)
+    total = send(grpc_port, requests)
+    wait_for_status(evidence, total)
+    # the engine thread closes windows within 0.1 s of ingest; one flush interval later they are on disk
+    time.sleep(0.1 + FLUSH_INTERVAL_S + 0.5)  # + scheduling slack on a busy machine
+    process.kill()
+    process.wait(30)
+    raw = (evidence / "verdicts.jsonl").read_bytes()
+    assert raw.endswith(b"\n")
+    written = [json.loads(line) for line in raw.splitlines()]
+    expected = engine_verdicts(requests, drain=False)
+    assert expected and without_time(written) == without_time(expected)
+
+    # a torn tail (as a kill in mid-write could leave) is cut when the next detector starts
+    with open(evidence / "verdicts.jsonl", "ab") as handle:
+        handle.write(b'{"time_unix_nano": 17')
+    process, _ = start_detect(evidence)
+    try:
+        deadline = time.monotonic() + 20
+        while (evidence / "verdicts.jsonl").read_bytes() != raw:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        status = wait_for_status(evidence, 0)
+        assert status["evidence"]["torn_bytes_repaired"] == len(b'{"time_unix_nano": 17')
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
+
+
+def test_bad_settings_are_one_line_and_exit_2(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "otel_straggler", "detect", "--min-gap-ms", "-1"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "otel-straggler detect: --min-gap-ms: must be >= 0, got -1"
+    done = subprocess.run([sys.executable, "-m", "otel_straggler", "detect", "--grpc-port", "0", "--http-port", "0",
+                           "--evidence-dir", str(tmp_path), "--auth-token-file", str(tmp_path / "missing")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "--auth-token-file" in done.stderr
+
+
+def test_a_port_in_use_is_one_line_and_exit_1(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        done = subprocess.run(
+            [sys.executable, "-m", "otel_straggler", "detect", "--grpc-port", "0",
+             "--http-port", str(taken.getsockname()[1]), "--evidence-dir", str(tmp_path)],
+            capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1 and "Address already in use" in done.stderr

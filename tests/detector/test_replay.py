@@ -1,0 +1,92 @@
+"""replay.py and `otel-straggler replay`: collector file-exporter lines through the same decode and
+engine as the live service, with the same verdicts."""
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.trace.export import SpanExportResult
+
+from otel_straggler import contract
+from otel_straggler.detector.replay import replay
+
+from .otlp_spans import (eventful_observations, json_line, otlp_json, per_step_requests, running_service,
+                         service_config, slow_rank_observations, verdict_records, without_time)
+from .test_receiver import post
+
+RANKS = 8
+
+
+def write_lines(path: Path, requests, extra_lines=()) -> Path:
+    text = "".join(json_line(spans) for spans in requests) + "".join(extra_lines)
+    if path.suffix == ".gz":
+        path.write_bytes(gzip.compress(text.encode()))
+    else:
+        path.write_text(text)
+    return path
+
+
+def test_the_same_spans_live_and_replayed_give_the_same_verdicts(tmp_path):
+    requests = per_step_requests(eventful_observations(ranks=RANKS))
+    live_config = service_config(tmp_path / "live")
+    with running_service(live_config) as service:
+        exporter = OTLPSpanExporter(endpoint=f"127.0.0.1:{service.bound_ports[0]}", insecure=True, timeout=10)
+        for index, spans in enumerate(requests):
+            if index % 2:  # every other request as OTLP/HTTP JSON, the rest as OTLP/gRPC protobuf
+                body = json.dumps(otlp_json(spans)).encode()
+                assert post(service.bound_ports[1], body, "application/json")[0] == 200
+            else:
+                assert exporter.export(spans) is SpanExportResult.SUCCESS
+    live = verdict_records(Path(live_config.evidence_dir) / "verdicts.jsonl")
+
+    files = [write_lines(tmp_path / "part-1.jsonl", requests[:20]), write_lines(tmp_path / "part-2.jsonl.gz", requests[20:])]
+    replay_config = service_config(tmp_path / "replayed")
+    summary = replay([str(path) for path in files], replay_config)
+    replayed = verdict_records(Path(replay_config.evidence_dir) / "verdicts.jsonl")
+
+    kinds = {(record["verdict"], record["rank"]) for record in live}
+    assert {("straggler", 3), ("recovered", 3), ("uncertain", 3), ("silent", 5)} <= kinds
+    assert without_time(live) == without_time(replayed)
+    assert summary.lines == len(requests)
+    assert summary.status["spans"]["accepted"] == sum(len(spans) for spans in requests)
+
+
+def test_replay_skips_lines_that_are_not_trace_requests_and_counts_them(tmp_path):
+    requests = per_step_requests(slow_rank_observations(ranks=RANKS))
+    path = write_lines(tmp_path / "mixed.jsonl", requests, extra_lines=[
+        '{"resourceMetrics": []}\n', "\n", "not json\n", "[1, 2]\n", '{"resourceSpans": 5}\n'])
+    summary = replay([str(path)], service_config(tmp_path))
+    assert summary.status["requests"] == {"ok": len(requests), "not_traces": 2, "malformed": 2}
+    records = verdict_records(Path(service_config(tmp_path).evidence_dir) / "verdicts.jsonl")
+    assert {record["rank"] for record in records if record["verdict"] == contract.VERDICT_STRAGGLER} == {3}
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run([sys.executable, "-m", "otel_straggler", *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_the_replay_command_writes_evidence_and_exits_0(tmp_path):
+    path = write_lines(tmp_path / "spans.jsonl.gz", per_step_requests(slow_rank_observations(ranks=RANKS)))
+    evidence = tmp_path / "evidence"
+    done = cli("replay", str(path), "--evidence-dir", str(evidence), "--window-steps", "5")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("\n") == 1 and "straggler" in done.stdout
+    records = verdict_records(evidence / "verdicts.jsonl")
+    assert tuple(records[0]) == contract.VERDICT_FIELDS
+    assert json.loads((evidence / "status.json").read_text())["mode"] == "replay"
+
+
+def test_replay_command_errors_are_one_line_with_the_right_exit_code(tmp_path):
+    missing = cli("replay", str(tmp_path / "missing.jsonl"), "--evidence-dir", str(tmp_path / "e"))
+    assert missing.returncode == 1 and missing.stderr.strip().count("\n") == 0 and "no such file" in missing.stderr
+    bad_flag = cli("replay", str(tmp_path / "x.jsonl"), "--window-steps", "0")
+    assert bad_flag.returncode == 2 and bad_flag.stderr.strip().count("\n") == 0 and "--window-steps" in bad_flag.stderr
+    bad_env = cli("replay", str(tmp_path / "x.jsonl"), env={"OTEL_STRAGGLER_REL_THRESHOLD": "fast"})
+    assert bad_env.returncode == 2 and "OTEL_STRAGGLER_REL_THRESHOLD" in bad_env.stderr

@@ -174,95 +174,71 @@ class ReceivedSpan:
         self.attributes = attributes(span.attributes)
 
 
-class OtlpSink:
-    """What a receiver got: decoded ExportTraceServiceRequest / ExportMetricsServiceRequest."""
+class OtlpReceiver:
+    """What an in-test receiver got: decoded trace and metric export requests (list.append is
+    atomic, readers take a copy). `endpoint` and `protocol` are what configure() takes."""
 
-    def __init__(self) -> None:
+    def __init__(self, protocol: str) -> None:
+        self.protocol = protocol
+        self.endpoint = ""
         self.trace_requests: list = []
         self.metric_requests: list = []
-        self._arrived = threading.Condition()
-
-    def add_traces(self, request) -> None:
-        with self._arrived:
-            self.trace_requests.append(request)
-            self._arrived.notify_all()
-
-    def add_metrics(self, request) -> None:
-        with self._arrived:
-            self.metric_requests.append(request)
-            self._arrived.notify_all()
 
     def spans(self) -> list[ReceivedSpan]:
-        with self._arrived:
-            requests = list(self.trace_requests)
         return [ReceivedSpan(attributes(resource_spans.resource.attributes), span)
-                for request in requests for resource_spans in request.resource_spans
+                for request in list(self.trace_requests) for resource_spans in request.resource_spans
                 for scope_spans in resource_spans.scope_spans for span in scope_spans.spans]
 
-    def metrics(self) -> dict[str, list]:
-        """Metric name -> its data points, from every request received."""
-        with self._arrived:
-            requests = list(self.metric_requests)
+    def metric_points(self) -> dict[str, list[tuple[dict, Any]]]:
+        """Metric name -> (attributes, value) of each of its data points."""
         points: dict[str, list] = {}
-        for request in requests:
+        for request in list(self.metric_requests):
             for resource_metrics in request.resource_metrics:
                 for scope_metrics in resource_metrics.scope_metrics:
                     for metric in scope_metrics.metrics:
-                        data = getattr(metric, metric.WhichOneof("data"))
-                        points.setdefault(metric.name, []).extend(data.data_points)
+                        for point in getattr(metric, metric.WhichOneof("data")).data_points:
+                            value = getattr(point, point.WhichOneof("value"))
+                            points.setdefault(metric.name, []).append((attributes(point.attributes), value))
         return points
-
-    def wait_for_spans(self, count: int, timeout_s: float = 10.0) -> list[ReceivedSpan]:
-        deadline = time.monotonic() + timeout_s
-        with self._arrived:
-            while sum(len(s.spans) for r in self.trace_requests for rs in r.resource_spans
-                      for s in rs.scope_spans) < count:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._arrived.wait(left)
-        return self.spans()
 
 
 class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self, sink: OtlpSink) -> None:
-        self.sink = sink
+    def __init__(self, receiver: OtlpReceiver) -> None:
+        self.receiver = receiver
 
     def Export(self, request, context):
-        self.sink.add_traces(request)
+        self.receiver.trace_requests.append(request)
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
 class _MetricsService(metrics_service_pb2_grpc.MetricsServiceServicer):
-    def __init__(self, sink: OtlpSink) -> None:
-        self.sink = sink
+    def __init__(self, receiver: OtlpReceiver) -> None:
+        self.receiver = receiver
 
     def Export(self, request, context):
-        self.sink.add_metrics(request)
+        self.receiver.metric_requests.append(request)
         return metrics_service_pb2.ExportMetricsServiceResponse()
 
 
 @pytest.fixture
-def grpc_receiver():
-    """An OTLP/gRPC receiver; `.endpoint` is what configure(endpoint=...) takes."""
-    sink = OtlpSink()
+def grpc_receiver() -> OtlpReceiver:
+    """An OTLP/gRPC receiver for traces and metrics."""
+    receiver = OtlpReceiver("grpc")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_TraceService(sink), server)
-    metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_MetricsService(sink), server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_TraceService(receiver), server)
+    metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_MetricsService(receiver), server)
+    receiver.endpoint = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     server.start()
-    sink.endpoint = f"127.0.0.1:{port}"
-    sink.protocol = "grpc"
-    yield sink
+    yield receiver
     server.stop(grace=None)
 
 
 class _OtlpHttpHandler(http.server.BaseHTTPRequestHandler):
-    routes = {
+    routes = {  # path -> (request type, response type, where the receiver keeps requests)
         "/v1/traces": (trace_service_pb2.ExportTraceServiceRequest, trace_service_pb2.ExportTraceServiceResponse,
-                       OtlpSink.add_traces),
+                       "trace_requests"),
         "/v1/metrics": (metrics_service_pb2.ExportMetricsServiceRequest,
-                        metrics_service_pb2.ExportMetricsServiceResponse, OtlpSink.add_metrics),
+                        metrics_service_pb2.ExportMetricsServiceResponse, "metric_requests"),
     }
 
     def do_POST(self) -> None:
@@ -273,10 +249,10 @@ class _OtlpHttpHandler(http.server.BaseHTTPRequestHandler):
             return
         if self.headers.get("Content-Encoding") == "gzip":
             body = gzip.decompress(body)
-        request_type, response_type, add = route
+        request_type, response_type, kept_in = route
         request = request_type()
         request.ParseFromString(body)
-        add(self.server.sink, request)
+        getattr(self.server.receiver, kept_in).append(request)
         payload = response_type().SerializeToString()
         self.send_response(200)
         self.send_header("Content-Type", "application/x-protobuf")
@@ -289,22 +265,21 @@ class _OtlpHttpHandler(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def http_receiver():
+def http_receiver() -> OtlpReceiver:
     """An OTLP/HTTP (protobuf) receiver for POST /v1/traces and /v1/metrics."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _OtlpHttpHandler)
     server.daemon_threads = True
-    server.sink = sink = OtlpSink()
+    server.receiver = receiver = OtlpReceiver("http/protobuf")
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="otlp-http-receiver",
                               daemon=True)
     thread.start()
-    sink.endpoint = f"http://127.0.0.1:{server.server_address[1]}"
-    sink.protocol = "http/protobuf"
-    yield sink
+    receiver.endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    yield receiver
     server.shutdown()
     server.server_close()
 
 
 @pytest.fixture(params=["grpc", "http"])
-def otlp_receiver(request):
+def otlp_receiver(request) -> OtlpReceiver:
     """Each test using it runs once per OTLP transport."""
     return request.getfixturevalue(f"{request.param}_receiver")

@@ -101,9 +101,10 @@ class CudaEventSpanProcessor(SpanProcessor):
                 return
             if self._shutdown or len(self._held) >= self.max_pending:
                 if events is not None:
-                    self.counters["processor_full"] += 1
+                    reason = "processor_shut_down" if self._shutdown else "processor_full"
+                    self.counters[reason] += 1
                     self._give_back(events)
-                    span = with_attributes(span, _unavailable("processor_full"))
+                    span = with_attributes(span, _unavailable(reason))
                 self._forward(span)
                 return
             start_event, end_event = events if events is not None else (None, None)

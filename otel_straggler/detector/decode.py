@@ -79,22 +79,13 @@ def _positive_count(value: Any) -> Optional[int]:
     return None
 
 
-def _observation(
-    job_id: Any, epoch: Any, cohort: Any, rank: Any, stage: Any, step: Any, seq: Any, timing: Any,
-    device_ms: Any, collective: Any, tokens: Any, samples: Any, start: int, end: int,
-) -> Observation | str:
-    """One stage span's typed values -> its Observation, or why it is rejected.
-    `type(x) is int` on purpose: a bool is an int subclass and is not a valid rank or step."""
+def _identity(job_id: Any, epoch: Any, cohort: Any, rank: Any) -> tuple | str:
+    """A rank's identity (CONTRACT §1) validated, defaults applied, or why it is rejected.
+    `type(x) is int` on purpose: a bool is an int subclass and is not a valid rank."""
     if type(job_id) is not str or not job_id:
         return f"{contract.JOB_ID} missing or not a string"
     if type(rank) is not int or rank < 0:
         return f"{contract.RANK} missing or not a non-negative int"
-    if type(stage) is not str or not stage:
-        return f"{contract.STAGE} is not a non-empty string"
-    if type(step) is not int or step < 0:
-        return f"{contract.STEP} missing or not a non-negative int"
-    if type(seq) is not int or seq < 0:
-        return f"{contract.SEQ} missing or not a non-negative int"
     if epoch is None:
         epoch = 0
     elif type(epoch) is not int or epoch < 0:
@@ -103,12 +94,29 @@ def _observation(
         cohort = DEFAULT_COHORT
     elif type(cohort) is not str:
         return f"{contract.COHORT} is not a string"
+    return job_id, epoch, cohort, rank
+
+
+def _observation(
+    identity: tuple | str, stage: Any, step: Any, seq: Any, timing: Any, device_ms: Any, collective: Any,
+    tokens: Any, samples: Any, start: int, end: int,
+) -> Observation | str:
+    """One stage span's typed values -> its Observation, or why it is rejected."""
+    if type(identity) is str:
+        return identity
+    if type(stage) is not str or not stage:
+        return f"{contract.STAGE} is not a non-empty string"
+    if type(step) is not int or step < 0:
+        return f"{contract.STEP} missing or not a non-negative int"
+    if type(seq) is not int or seq < 0:
+        return f"{contract.SEQ} missing or not a non-negative int"
     if type(start) is not int or type(end) is not int or start <= 0 or end < start:
         return "start/end time missing or end before start"
     if timing == contract.TIMING_DEVICE and type(device_ms) in (float, int) and 0 <= device_ms < math.inf:
         device_ms = float(device_ms)
     else:
         device_ms = None
+    job_id, epoch, cohort, rank = identity
     return Observation(
         job_id, epoch, cohort, rank, stage, step, seq, (end - start) / 1e6, device_ms,
         collective is True, _positive_count(tokens), _positive_count(samples), end,
@@ -224,8 +232,10 @@ class ProtobufDecoder:
         value_of = self._value
         for resource_spans in request.resource_spans:
             resource = resource_spans.resource.attributes
-            job_id, epoch, cohort, rank = (value_of(resource.get(key)) for key in _IDENTITY_KEYS)
-            complete_resource = None not in (job_id, epoch, cohort, rank)
+            resource_identity = [value_of(resource.get(key)) for key in _IDENTITY_KEYS]
+            # keys the resource lacks are looked up on each span (see the module doc)
+            from_span = [index for index, value in enumerate(resource_identity) if value is None]
+            identity = _identity(*resource_identity)
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
                     get = span.attributes.get
@@ -261,15 +271,13 @@ class ProtobufDecoder:
                     seq = _int_any_value(get(contract.SEQ))
                     device_ms = (_double_any_value(get(contract.DEVICE_DURATION_MS))
                                  if timing == contract.TIMING_DEVICE else None)
-                    if complete_resource:
-                        result = _observation(job_id, epoch, cohort, rank, stage, step, seq, timing, device_ms,
-                                              collective, tokens, samples,
-                                              span.start_time_unix_nano, span.end_time_unix_nano)
-                    else:
-                        own = [value_of(get(key)) if value is None else value
-                               for key, value in zip(_IDENTITY_KEYS, (job_id, epoch, cohort, rank))]
-                        result = _observation(*own, stage, step, seq, timing, device_ms, collective, tokens,
-                                              samples, span.start_time_unix_nano, span.end_time_unix_nano)
+                    if from_span:
+                        merged = list(resource_identity)
+                        for index in from_span:
+                            merged[index] = value_of(get(_IDENTITY_KEYS[index]))
+                        identity = _identity(*merged)
+                    result = _observation(identity, stage, step, seq, timing, device_ms, collective, tokens,
+                                          samples, span.start_time_unix_nano, span.end_time_unix_nano)
                     if type(result) is str:
                         batch.reject(span.name, result)
                     else:
@@ -357,9 +365,10 @@ def decode_json_request(request: Any) -> DecodedBatch:
                 if contract.STAGE not in attributes:
                     batch.ignored += 1
                     continue
-                identity = [attributes.get(key) if resource.get(key) is None else resource[key] for key in _IDENTITY_KEYS]
+                identity = _identity(*(attributes.get(key) if resource.get(key) is None else resource[key]
+                                       for key in _IDENTITY_KEYS))
                 result = _observation(
-                    *identity, attributes[contract.STAGE], attributes.get(contract.STEP), attributes.get(contract.SEQ),
+                    identity, attributes[contract.STAGE], attributes.get(contract.STEP), attributes.get(contract.SEQ),
                     attributes.get(contract.TIMING), attributes.get(contract.DEVICE_DURATION_MS),
                     attributes.get(contract.COLLECTIVE), attributes.get(contract.WORKLOAD_TOKENS),
                     attributes.get(contract.WORKLOAD_SAMPLES),

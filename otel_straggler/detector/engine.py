@@ -47,6 +47,8 @@ class RankState(NamedTuple):
 
 
 class Engine:
+    """Not thread-safe: one thread calls everything (or the caller holds a lock around each call)."""
+
     def __init__(self, config: DetectorConfig) -> None:
         self._config = config
         self._layout = RowLayout(config.window_steps, config.max_ranks)
@@ -227,12 +229,12 @@ class Engine:
     # ---- views ----
     def stats(self) -> dict[str, int]:
         """Running counters plus the current sizes of everything bounded."""
-        counters = ("accepted", "duplicate", "late", "malformed", "dropped", "windows_closed",
-                    "coverage_gaps", "evictions_jobs", "evictions_cohorts", "evictions_ranks",
-                    "evictions_stages", "evictions_windows", "windows_dropped", "seq_restarts",
-                    "invalid_device_durations", "verdicts")
+        counters = ("accepted", "late", "malformed", "dropped", "windows_closed", "coverage_gaps",
+                    "evictions_jobs", "evictions_cohorts", "evictions_ranks", "evictions_stages",
+                    "evictions_windows", "windows_dropped", "seq_restarts", "invalid_device_durations",
+                    "verdicts")
         stats = {name: int(self._counts[name]) for name in counters}
-        stats["duplicates"] = stats["duplicate"]
+        stats["duplicates"] = int(self._counts["duplicate"])
         stats["jobs"] = len(self._cohorts_by_job)
         stats["cohorts"] = len(self._cohorts)
         stats["ranks"] = sum(cohort.rank_count() for cohort in self._cohorts.values())

@@ -220,10 +220,11 @@ class RankPipeline:
         device = dict(self.device_processor.counters) if self.device_processor is not None else {}
         lost = {
             "queue_full": recorder.dropped_queue_full,
+            "step_queue_full": recorder.dropped_step_records,
             "pool_exhausted": built["pool_exhausted"],
             "readout_timeout": device.get("readout_timeout", 0),
             "event_error": device.get("event_error", 0),
-            "processor_full": device.get("processor_full", 0),
+            "processor_full": device.get("processor_full", 0) + device.get("processor_shut_down", 0),
             "exporter_queue_full": self.batch_processor.dropped_queue_full if self.batch_processor else 0,
             "export_failed": self.exporter.export_failed if self.exporter else 0,
             "unexported_at_shutdown": self.batch_processor.unexported_at_shutdown if self.batch_processor else 0,

@@ -55,7 +55,8 @@ class IntervalRecorder:
         self.open_intervals: list[OpenInterval] = []  # innermost last: the timers' nesting
         self.binding: tuple = (None, None, None)  # (step, tokens, samples), replaced whole
         self.on_first_step = None  # called once, at the first step(): the pipeline makes the event pool
-        self.dropped_queue_full = 0
+        self.dropped_queue_full = 0  # intervals
+        self.dropped_step_records = 0  # step begin/end marks: their train.step spans are lost
         self.internal_errors = 0
         self._next_interval_id = itertools.count(1).__next__
         self._next_seq = itertools.count().__next__
@@ -117,7 +118,7 @@ class IntervalRecorder:
             if len(self.completed) < self.capacity:
                 self.completed.append((STEP_BEGIN, step, now, tokens, samples))
             else:
-                self.dropped_queue_full += 1
+                self.dropped_step_records += 1
         except Exception:
             self.internal_errors += 1
 
@@ -126,7 +127,7 @@ class IntervalRecorder:
             if len(self.completed) < self.capacity:
                 self.completed.append((STEP_END, step, _time_ns()))
             else:
-                self.dropped_queue_full += 1
+                self.dropped_step_records += 1
         except Exception:
             self.internal_errors += 1
 

@@ -165,7 +165,11 @@ def test_a_full_queue_drops_and_counts_and_the_seq_gap_shows_it(in_memory):
                 pass
             assert len(recorder.completed) <= 16  # bounded while nothing drains it
         records += 1 + len(stages)
-    assert handle.status()["lost"]["queue_full"] == records - 16
+    lost = handle.status()["lost"]
+    # the first 4 steps fill the queue; the other 6 lose their step marks and their intervals
+    assert lost["queue_full"] == 6 * len(stages)
+    assert lost["step_queue_full"] == 6
+    assert lost["queue_full"] + lost["step_queue_full"] == records - 16
 
     seqs = [span.attributes[contract.SEQ] for span in in_memory.stage_spans()]
     intervals_kept = 16 - 4  # the first 4 steps fill the queue: 4 step records + 12 intervals

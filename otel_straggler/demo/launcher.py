@@ -100,9 +100,6 @@ class RankGroup:
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
             )
             self._processes.append(process)
-            if os.environ.get("XPIN"):
-                cores = sorted(os.sched_getaffinity(0))
-                os.sched_setaffinity(process.pid, {cores[rank % len(cores)]})
             reader = threading.Thread(target=self._copy_output, args=(rank, process), daemon=True,
                                       name=f"rank-{rank}-output")
             reader.start()

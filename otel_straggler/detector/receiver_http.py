@@ -80,7 +80,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802 - http.server's naming
         self.body_read = False
         if self.path.split("?", 1)[0] != TRACES_PATH:
-            self._not_post()
+            self._no_such_endpoint()
             return
         intake = self.server.intake
         content_type = self.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
@@ -132,11 +132,11 @@ class _Handler(BaseHTTPRequestHandler):
             self._fail(outcome, is_json, extra)
 
     def do_GET(self) -> None:  # noqa: N802
-        self._not_post()
+        self._no_such_endpoint()
 
     do_PUT = do_DELETE = do_PATCH = do_HEAD = do_GET
 
-    def _not_post(self) -> None:
+    def _no_such_endpoint(self) -> None:
         self.close_connection = True  # whatever body came with it is not read
         if self.path.split("?", 1)[0] == TRACES_PATH:
             self._reply(405, b"", "text/plain", {"Allow": "POST"})

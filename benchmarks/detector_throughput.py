@@ -1,0 +1,234 @@
+"""Detector throughput from serialized OTLP requests to verdicts (spans per second, one core), against
+the protobuf parse-only rate of the same payloads, and the detector's peak memory at 10,000 ranks.
+
+    python benchmarks/detector_throughput.py [--ranks 1024] [--steps 60] [--steps-per-request 5]
+                                             [--rounds 5] [--memory-ranks 10000] [--memory-steps 30]
+
+Payloads are what the rank side sends: each rank's stage spans encoded by the OTel SDK's own OTLP
+encoder (trace/span/parent ids, kind, status, scope, resource and every contract attribute), one
+request per rank per `--steps-per-request` steps (a BatchSpanProcessor flush). Durations come from
+the engine's synthetic job (tests/detector/synthetic.py) with one rank 10% slow, 10 stages.
+
+Arms, interleaved round by round because the machine is shared, timed in CPU seconds of this
+(single-threaded) process, so the rate is per core:
+  parse only      ExportTraceServiceRequest.FromString: the ceiling for Python (the reference)
+  decode          decode.py: the view-schema parse plus one Observation per stage span
+  end to end      decode, engine.ingest_many, engine.advance after each round of every rank's
+                  request (the service advances every 0.1 s), drain at the end: verdicts out
+Memory: a fresh child process streams --memory-ranks ranks x 10 stages through decode and the engine
+(one step of requests in flight at a time) and reports its peak RSS over its RSS before the run.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans  # noqa: E402
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest  # noqa: E402
+
+from otel_straggler import contract  # noqa: E402
+from otel_straggler.detector.config import DetectorConfig  # noqa: E402
+from otel_straggler.detector.decode import ProtobufDecoder  # noqa: E402
+from otel_straggler.detector.engine import Engine  # noqa: E402
+from tests.detector.otlp_spans import rank_resource, readable_span  # noqa: E402
+from tests.detector.synthetic import TEN_STAGES, SyntheticJob  # noqa: E402
+
+STEP_NS = 100_000_000
+
+
+class RequestFactory:
+    """One SDK-encoded request per rank as a template; each later request re-uses it with the step's
+    values (times, step, seq, device duration) written in, which keeps the exact wire layout of the
+    SDK's encoder at a small fraction of its cost."""
+
+    def __init__(self, job: SyntheticJob, spans_per_request: int) -> None:
+        self._templates: dict[int, ExportTraceServiceRequest] = {}
+        self._value_slots: dict[int, list[tuple]] = {}
+        first = job.observations(spans_per_request // len(job.stages))
+        by_rank: dict[int, list] = defaultdict(list)
+        for observation in first:
+            by_rank[observation.rank].append(observation)
+        for rank, observations in by_rank.items():
+            resource = rank_resource(job.job_id, rank, job.cohort, job.epoch)
+            request = encode_spans([readable_span(observation, resource) for observation in observations])
+            spans = request.resource_spans[0].scope_spans[0].spans
+            slots = []
+            for span in spans:
+                values = {kv.key: kv.value for kv in span.attributes}
+                slots.append((span, values[contract.STEP], values[contract.SEQ], values.get(contract.DEVICE_DURATION_MS)))
+            self._templates[rank] = request
+            self._value_slots[rank] = slots
+
+    def request(self, rank: int, observations: list) -> bytes:
+        for (span, step, seq, device), observation in zip(self._value_slots[rank], observations, strict=True):
+            span.end_time_unix_nano = observation.end_unix_nano
+            span.start_time_unix_nano = observation.end_unix_nano - int(observation.host_ms * 1e6)
+            step.int_value = observation.step
+            seq.int_value = observation.seq
+            if device is not None:
+                device.double_value = observation.device_ms
+        return self._templates[rank].SerializeToString()
+
+
+def rounds_of_requests(job: SyntheticJob, steps: int, steps_per_request: int, factory: RequestFactory):
+    """Yields, per `steps_per_request` steps, every rank's request (rank order, as they arrive)."""
+    stage_count = len(job.stages)
+    for first_step in range(0, steps, steps_per_request):
+        observations = job.observations(steps_per_request, first_step=first_step, seq_start=first_step * stage_count)
+        by_rank: dict[int, list] = defaultdict(list)
+        for observation in observations:
+            by_rank[observation.rank].append(observation)
+        yield [factory.request(rank, by_rank[rank]) for rank in sorted(by_rank)]
+
+
+def workload(ranks: int, steps: int, steps_per_request: int) -> tuple[list[list[bytes]], int]:
+    job = SyntheticJob(ranks=ranks, stages=TEN_STAGES, seed=3).slow(7, 1.1)
+    factory = RequestFactory(job, steps_per_request * len(TEN_STAGES))
+    rounds = list(rounds_of_requests(job, steps, steps_per_request, factory))
+    return rounds, ranks * len(TEN_STAGES) * steps
+
+
+def parse_only(rounds: list[list[bytes]]) -> int:
+    parse = ExportTraceServiceRequest.FromString
+    for requests in rounds:
+        for payload in requests:
+            parse(payload)
+    return 0
+
+
+def decode_only(rounds: list[list[bytes]]) -> int:
+    decode = ProtobufDecoder().decode
+    for requests in rounds:
+        for payload in requests:
+            decode(payload)
+    return 0
+
+
+def end_to_end(rounds: list[list[bytes]], spans: int | None = None) -> int:
+    decode = ProtobufDecoder().decode
+    engine = Engine(DetectorConfig())
+    verdicts = 0
+    now = 0
+    for requests in rounds:
+        for payload in requests:
+            engine.ingest_many(decode(payload).observations)
+        now += STEP_NS
+        verdicts += len(engine.advance(now))
+    verdicts += len(engine.drain(now + STEP_NS))
+    if spans is not None:
+        assert engine.stats()["accepted"] == spans, engine.stats()
+    return verdicts
+
+
+def throughput(args) -> None:
+    started = time.perf_counter()
+    rounds, spans = workload(args.ranks, args.steps, args.steps_per_request)
+    payload_bytes = sum(len(payload) for requests in rounds for payload in requests)
+    requests = sum(len(requests) for requests in rounds)
+    print(f"detector throughput: {args.ranks:,} ranks x {len(TEN_STAGES)} stages x {args.steps} steps = "
+          f"{spans:,} spans in {requests:,} requests of {spans // requests} spans "
+          f"({payload_bytes / spans:.0f} B/span; built in {time.perf_counter() - started:.1f} s)")
+    arms = {"parse only (FromString)": parse_only, "decode (view + Observation)": decode_only,
+            "decode -> engine -> verdicts": lambda r: end_to_end(r, spans)}
+    cpu_seconds = {name: [] for name in arms}
+    verdicts = 0
+    for _ in range(args.rounds):
+        for name, arm in arms.items():
+            gc.collect()
+            start = time.process_time()
+            verdicts = arm(rounds) or verdicts
+            cpu_seconds[name].append(time.process_time() - start)
+    reference = spans / statistics.median(cpu_seconds["parse only (FromString)"])
+    print(f"median (best) of {args.rounds} interleaved rounds, CPU time of one thread; "
+          f"end to end made {verdicts} verdicts per round")
+    print(f"{'arm':<32}{'spans/s/core':>14}{'best':>14}{'us/span':>10}{'vs parse only':>16}")
+    for name, seconds in cpu_seconds.items():
+        median_rate, best_rate = spans / statistics.median(seconds), spans / min(seconds)
+        print(f"{name:<32}{median_rate:>14,.0f}{best_rate:>14,.0f}{1e6 / median_rate:>10.2f}"
+              f"{median_rate / reference:>15.2f}x")
+    end_to_end_rate = spans / statistics.median(cpu_seconds["decode -> engine -> verdicts"])
+    print(f"target: >= 500,000 spans/s/core and >= 0.33x parse only -> "
+          f"{'met' if end_to_end_rate >= 500_000 and end_to_end_rate >= reference / 3 else 'NOT met'}")
+
+
+def _proc_status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def memory_child(ranks: int, steps: int) -> None:
+    """Runs in a fresh process (Linux): streams one step of requests at a time, prints JSON. The
+    peak-RSS mark is reset after set-up (/proc/self/clear_refs), so it covers the run alone."""
+    job = SyntheticJob(ranks=ranks, stages=TEN_STAGES, seed=5).slow(7, 1.1)
+    factory = RequestFactory(job, len(TEN_STAGES))
+    decode = ProtobufDecoder().decode
+    engine = Engine(DetectorConfig())
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")  # resets VmHWM to the current RSS
+    before_kib = _proc_status_kib("VmRSS")
+    now = verdicts = in_flight = 0
+    for requests in rounds_of_requests(job, steps, 1, factory):
+        in_flight = max(in_flight, sum(len(payload) for payload in requests))
+        for payload in requests:
+            engine.ingest_many(decode(payload).observations)
+        del requests
+        now += STEP_NS
+        verdicts += len(engine.advance(now))
+    verdicts += len(engine.drain(now + STEP_NS))
+    stats = engine.stats()
+    print(json.dumps({"before_mib": before_kib / 1024, "peak_mib": _proc_status_kib("VmHWM") / 1024,
+                      "in_flight_mib": in_flight / 2**20, "verdicts": verdicts, "accepted": stats["accepted"],
+                      "windows_closed": stats["windows_closed"]}))
+
+
+def peak_memory(args) -> None:
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--memory-child",
+                           "--memory-ranks", str(args.memory_ranks), "--memory-steps", str(args.memory_steps)],
+                          capture_output=True, text=True, check=True)
+    result = json.loads(done.stdout)
+    print(f"\npeak memory: {args.memory_ranks:,} ranks x {len(TEN_STAGES)} stages x {args.memory_steps} steps "
+          f"through decode and the engine, one request per rank per step ({result['accepted']:,} spans accepted, "
+          f"{result['windows_closed']} windows judged, {result['verdicts']} verdicts)")
+    print(f"{'RSS before the run (interpreter, libraries, request templates)':<68}{result['before_mib']:>9.1f} MiB")
+    print(f"{'peak RSS during the run':<68}{result['peak_mib']:>9.1f} MiB")
+    print(f"{'growth: engine state, decoder, requests and observations in flight':<68}"
+          f"{result['peak_mib'] - result['before_mib']:>9.1f} MiB")
+    print(f"{'of which one step of serialized requests':<68}{result['in_flight_mib']:>9.1f} MiB")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps-per-request", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--memory-ranks", type=int, default=10_000)
+    parser.add_argument("--memory-steps", type=int, default=30)
+    parser.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.memory_child:
+        memory_child(args.memory_ranks, args.memory_steps)
+        return 0
+    if args.steps % args.steps_per_request:
+        parser.error("--steps must be a multiple of --steps-per-request")
+    throughput(args)
+    if args.memory_ranks:
+        peak_memory(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -39,9 +39,9 @@ class VerdictEmitter:
         self._stopping = False
         self._thread: Optional[threading.Thread] = None
         self._counts_lock = threading.Lock()
-        self.dropped: Counter[str] = Counter()  # verdicts not written to verdicts.jsonl, by reason
-        self.errors: Counter[str] = Counter()
-        self.verdicts: Counter[str] = Counter()  # emitted, by verdict kind
+        self._dropped: Counter[str] = Counter()  # verdicts not written to verdicts.jsonl, by reason
+        self._errors: Counter[str] = Counter()
+        self._verdicts: Counter[str] = Counter()  # emitted, by verdict kind
         self._logged: set[str] = set()
 
     def submit(self, verdicts: list[Verdict]) -> None:
@@ -50,7 +50,7 @@ class VerdictEmitter:
             room = MAX_PENDING_VERDICTS - len(self._pending)
             self._pending.extend(verdicts[:max(0, room)])
         if len(verdicts) > room:
-            self._count(self.dropped, "queue_full", len(verdicts) - max(0, room))
+            self._count(self._dropped, "queue_full", len(verdicts) - max(0, room))
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="straggler-emitter", daemon=True)
@@ -72,7 +72,7 @@ class VerdictEmitter:
 
     def counts(self) -> dict:
         with self._counts_lock:
-            return {"verdicts": dict(self.verdicts), "verdicts_dropped": dict(self.dropped), "errors": dict(self.errors)}
+            return {"verdicts": dict(self._verdicts), "verdicts_dropped": dict(self._dropped), "errors": dict(self._errors)}
 
     def evidence_counts(self) -> dict:
         return {"path": self._evidence.verdicts_path, "bytes": self._evidence.size,
@@ -94,13 +94,13 @@ class VerdictEmitter:
             verdicts, self._pending = self._pending, []
         if verdicts:
             with self._counts_lock:
-                self.verdicts.update(verdict.verdict for verdict in verdicts)
+                self._verdicts.update(verdict.verdict for verdict in verdicts)
             before = self._evidence.lines_dropped_file_full
             try:
                 self._evidence.append(verdict_line(verdict) for verdict in verdicts)
             except OSError:
                 self._failed("write_failed", len(verdicts), "cannot append to verdicts.jsonl")
-            self._count(self.dropped, "file_full", self._evidence.lines_dropped_file_full - before)
+            self._count(self._dropped, "file_full", self._evidence.lines_dropped_file_full - before)
             if self._telemetry is not None:
                 try:
                     self._telemetry.record_verdicts(verdicts)
@@ -112,7 +112,7 @@ class VerdictEmitter:
             self._failed("status_file", 1, "cannot write status.json")
 
     def _failed(self, reason: str, count: int, message: str) -> None:
-        self._count(self.dropped if reason == "write_failed" else self.errors, reason, count)
+        self._count(self._dropped if reason == "write_failed" else self._errors, reason, count)
         if reason not in self._logged:  # once per reason: a full disk would otherwise flood the log
             self._logged.add(reason)
             _log.exception("%s (counted, logged once)", message)

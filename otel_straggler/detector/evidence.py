@@ -55,10 +55,9 @@ def _cut_torn_tail(fd: int) -> int:
 class EvidenceFiles:
     """Owns the evidence directory. Not thread-safe: one writer thread calls it."""
 
-    def __init__(self, directory: str, max_bytes: int, fsync: bool = True) -> None:
+    def __init__(self, directory: str, max_bytes: int) -> None:
         self.directory = directory
         self.max_bytes = max_bytes
-        self._fsync = fsync
         os.makedirs(directory, exist_ok=True)
         self.verdicts_path = os.path.join(directory, VERDICTS_FILE)
         self.status_path = os.path.join(directory, STATUS_FILE)
@@ -74,20 +73,21 @@ class EvidenceFiles:
         if self._fd is None:
             raise ValueError("evidence files are closed")
         accepted = []
+        size = self.size
         for line in lines:
-            if self.size + len(line) > self.max_bytes:
+            if size + len(line) > self.max_bytes:
                 self.lines_dropped_file_full += 1
                 continue
             accepted.append(line)
-            self.size += len(line)
+            size += len(line)
         if not accepted:
             return
         view = memoryview(b"".join(accepted))
         while view:
             written = os.write(self._fd, view)
+            self.size += written
             view = view[written:]
-        if self._fsync:
-            os.fsync(self._fd)
+        os.fsync(self._fd)  # once per flush interval (emit.py)
         self.lines_written += len(accepted)
 
     def write_status(self, status: dict) -> None:

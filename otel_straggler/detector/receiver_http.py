@@ -134,7 +134,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802
         self._no_such_endpoint()
 
-    do_PUT = do_DELETE = do_PATCH = do_HEAD = do_GET
+    do_PUT = do_DELETE = do_PATCH = do_GET
 
     def _no_such_endpoint(self) -> None:
         self.close_connection = True  # whatever body came with it is not read

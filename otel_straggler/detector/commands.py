@@ -21,7 +21,7 @@ SHUTDOWN_TIMEOUT_S = 30.0  # for the engine to judge open windows and the eviden
 # Settings that only the live service uses; replay takes every other one (engine rules, evidence).
 _SERVICE_ONLY = {
     "listen_address", "grpc_port", "http_port", "max_request_bytes", "max_pending_requests", "max_pending_spans",
-    "receiver_threads", "auth_token_file", "auth_token", "tls_cert_file", "tls_key_file", "prometheus_port",
+    "receiver_threads", "max_http_connections", "auth_token_file", "auth_token", "tls_cert_file", "tls_key_file", "prometheus_port",
 }
 
 

@@ -42,7 +42,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_request_bytes", int, 16 * 1024 * 1024, "largest OTLP request accepted (after decompression)", 1024, 1 << 31),
     Setting("max_pending_requests", int, 256, "requests queued for the engine before intake answers 'retry later'", 1, 1_000_000),
     Setting("max_pending_spans", int, 1_000_000, "spans queued for the engine before intake answers 'retry later'", 1, 100_000_000),
-    Setting("receiver_threads", int, 4, "threads decoding OTLP requests per protocol (gRPC workers; HTTP connections served at once)", 1, 256),
+    Setting("receiver_threads", int, 4, "OTLP/gRPC worker threads; calls beyond 4x this many at once are refused (RESOURCE_EXHAUSTED)", 1, 256),
+    Setting("max_http_connections", int, 256, "OTLP/HTTP connections served at once (a thread each); one more gets 503 at once", 1, 10_000),
     Setting("auth_token_file", str, "", "file holding the bearer token clients must send (empty: no auth)"),
     Setting("auth_token", str, "", "bearer token clients must send (prefer --auth-token-file)"),
     Setting("tls_cert_file", str, "", "PEM certificate; with --tls-key-file serves TLS on both ports"),
@@ -86,6 +87,7 @@ class DetectorConfig:
     max_pending_requests: int = 256
     max_pending_spans: int = 1_000_000
     receiver_threads: int = 4
+    max_http_connections: int = 256
     auth_token_file: str = ""
     auth_token: str = ""
     tls_cert_file: str = ""

@@ -3,8 +3,9 @@
 Status codes follow the OTLP/HTTP spec: 200 (with partial success when spans were rejected), 400
 malformed (a google.rpc.Status body in the request's encoding), 401 without the right bearer token,
 413 over the size bound, 415 unknown content type or encoding, 503 with Retry-After when the queue is
-full (exporters retry 503), 404 for any other path. Connections are served on at most
-`receiver_threads` threads; one more gets a 503 at once rather than a thread.
+full (exporters retry 503), 404 for any other path. At most `max_http_connections` connections are
+served at once, a thread each; one more gets a 503 at once rather than a thread. An idle keep-alive
+connection holds its thread for IDLE_CONNECTION_TIMEOUT_S at most.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from otel_straggler.detector.receiver import RETRY_AFTER_S, ExportOutcome, OtlpI
 TRACES_PATH = "/v1/traces"
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
-IDLE_CONNECTION_TIMEOUT_S = 30  # a keep-alive connection (or a slow client) holds a thread at most this long
+IDLE_CONNECTION_TIMEOUT_S = 15  # longer than an SDK exporter's 5 s between exports, so its connection is reused
 
 _HTTP_STATUS = {
     Result.OK: 200, Result.PARTIAL: 200, Result.MALFORMED: 400, Result.OVERLOADED: 503,

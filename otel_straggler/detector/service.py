@@ -141,7 +141,7 @@ class DetectorService:
         intake = OtlpIntake(self._pipeline, token, config.max_request_bytes)
         self._grpc = OtlpGrpcReceiver(intake, config.listen_address, config.grpc_port, config.receiver_threads,
                                       key_and_cert)
-        self._http = OtlpHttpReceiver(intake, config.listen_address, config.http_port, config.receiver_threads,
+        self._http = OtlpHttpReceiver(intake, config.listen_address, config.http_port, config.max_http_connections,
                                       ssl_context)
         if self._telemetry.scrape_reader is not None:
             self._prometheus = PrometheusEndpoint(self._telemetry.scrape_reader, config.listen_address,

@@ -230,7 +230,7 @@ def test_sdk_exporters_retry_an_overloaded_detector_and_get_through(tmp_path, pr
 
 
 def test_connections_beyond_the_bound_get_503_at_once(tmp_path):
-    with running_service(service_config(tmp_path, receiver_threads=1)) as service:
+    with running_service(service_config(tmp_path, max_http_connections=1)) as service:
         port = service.bound_ports[1]
         with socket.create_connection(("127.0.0.1", port), timeout=5) as idle:
             time.sleep(0.2)  # the idle connection holds the only HTTP thread

@@ -40,17 +40,19 @@ class PeerReferences:
         self.segment_size = segment_end - segment_start
         self._segment_start = segment_start
         self._segment_end = segment_end
-        # entry -> explicit peer list, for entries whose peers are a workload-filtered subset
-        self._filtered_peers: dict[int, tuple[np.ndarray, np.ndarray, int, int]] = {}
+        # entries whose peers are a workload-filtered subset: their segment's (peers without
+        # workload, reporting entries by workload) and their range in the latter
+        self._filtered_segments: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._filtered_low = np.full(size, -1, dtype=np.int64)
+        self._filtered_high = np.full(size, -1, dtype=np.int64)
 
     def peers(self, entry: int) -> np.ndarray:
         """Indices of the entries that `entry` was compared with."""
-        filtered = self._filtered_peers.get(entry)
-        if filtered is None:
+        if self._filtered_low[entry] < 0:
             everyone = np.arange(self._segment_start[entry], self._segment_end[entry])
         else:
-            unreported, by_workload, low, high = filtered
-            everyone = np.concatenate((unreported, by_workload[low:high]))
+            unreported, by_workload = self._filtered_segments[int(self._segment_start[entry])]
+            everyone = np.concatenate((unreported, by_workload[self._filtered_low[entry]:self._filtered_high[entry]]))
         return np.sort(everyone[everyone != entry])
 
 
@@ -145,5 +147,6 @@ def _filter_by_workload(result: PeerReferences, start: int, end: int, values: np
     result.workload[by_workload] = np.where(
         other_reporting > 0, WORKLOAD_COMPARABLE,
         WORKLOAD_NOT_REPORTED if unreported.size else WORKLOAD_INCOMPARABLE)
-    for k, entry in enumerate(by_workload.tolist()):
-        result._filtered_peers[entry] = (unreported, by_workload, int(low_bound[k]), int(high_bound[k]))
+    result._filtered_segments[start] = (unreported, by_workload)
+    result._filtered_low[by_workload] = low_bound
+    result._filtered_high[by_workload] = high_bound

@@ -572,6 +572,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         _stop_recorded(services_dir)
         return 0
     _stop_recorded(services_dir)
+    # A fresh stack each time: old Prometheus data would keep series of processes long gone
+    # (and fire StragglerDetectorDown for them), old logs would mix runs.
+    for stale in ("prometheus-data", "prometheus-config"):
+        shutil.rmtree(services_dir / stale, ignore_errors=True)
+    for stale in list(services_dir.glob("*.log")) + list(services_dir.glob("*-events.jsonl")):
+        stale.unlink()
     missing = binaries().missing()
     if missing:
         print("missing programs, run scripts/services.sh build: " + ", ".join(missing), file=sys.stderr)

@@ -3,7 +3,7 @@
 - `pipeline_binaries`: the built programs; skips (with the reason) when they are not built.
 - `pipeline`: a running stack's StackEndpoints. With OTEL_STRAGGLER_SERVICES_ENV naming an env
   file (written by `scripts/services.sh start`), the tests use that stack; otherwise one stack is
-  started for the session on free ports and stopped at its end.
+  started once per test run on free ports and stopped at its end.
 - `start_collector`: starts extra collectors with any of our configs; all stopped after the test.
 - `otlp_sink_factory`: fake detector shards (OTLP/gRPC receivers that record what they get).
 """

@@ -55,7 +55,7 @@ def test_wrong_token_is_refused(certificate, start_collector, otlp_sink_factory)
 
 
 def test_compose_overlay_logs_events_and_keeps_every_step(pipeline, start_collector, otlp_sink_factory):
-    """compose-gateway.yaml as docker-compose.yml runs it, with Jaeger from the session stack."""
+    """compose-gateway.yaml as docker-compose.yml runs it, with the Jaeger of the shared test stack."""
     shard = otlp_sink_factory()
     gateway = start_collector([services.CONFIG_DIR / "gateway.yaml", services.CONFIG_DIR / "compose-gateway.yaml"],
                               name="gateway-compose", env={

@@ -11,6 +11,12 @@ replayed.
   per cohort. What does not fit evicts the least recently active entry that has nothing waiting to
   be judged, or, when there is none, is dropped; both are counted in `stats()`.
 
+Verdicts (judge.py has the rules): `straggler` at an alert's onset, `recovered` at its end,
+`uncertain` once per reason and (stage, rank), `silent` when a rank stops reporting. Healthy windows
+emit no `within_tolerance` lines, to keep the evidence file about changes; `rank_state()`, which
+feeds the slowdown and alert gauges, updates every window. The reference is chosen in
+peer_reference.py (the median of the comparable peers, the rank itself left out).
+
 Outcomes of `ingest`: `accepted`; `duplicate` (seq seen before, or older than the rank's
 de-duplication horizon); `late` (its window was already judged: counted, never judged again);
 `malformed` (a value of the wrong type, or a host duration that is negative or not finite);

@@ -16,16 +16,16 @@ are built only for the few pairs whose state changes. Per pair and window:
   `cohort_below_min_size` (the stage has too few ranks) or `workload_incomparable`.
 
 Verdicts emitted (healthy windows emit nothing; the live slowdown gauge updates every window):
-- `straggler`/`slow_vs_peers` when a pair becomes slow for persist_windows consecutive usable
-  windows (a rank's first warmup_windows windows are not judged at all);
-- `recovered`/`within_tolerance` (or `below_absolute_floor`) at the first usable, not-slow window
-  while an alert is active;
-- `uncertain`/`recovery_evidence_insufficient` when an active alert meets an unusable window (the
-  alert is held); `uncertain`/`cohort_below_min_size` or `workload_incomparable` when a pair enters
-  that state; both once per stretch, not every window. An unusable window breaks an onset streak;
-- `uncertain`/`below_absolute_floor` once a pair has been over the relative threshold but under
-  the floor for persist_windows consecutive windows;
-- collective stages are never slow by their own duration: a pair that would be slow there for
+- `straggler`/`slow_vs_peers` when a pair is slow for persist_windows consecutive usable windows
+  (a rank's first warmup_windows windows are not judged at all; an unusable window breaks a streak);
+- `recovered`/`within_tolerance` at the first usable window back within the relative threshold
+  while an alert is active; an unusable window, or one over the ratio but under the floor, holds it;
+- `uncertain`/`recovery_evidence_insufficient` when an active alert meets an unusable window;
+  `uncertain`/`cohort_below_min_size` or `workload_incomparable` for an unusable pair without alert;
+  `uncertain`/`below_absolute_floor` once a pair has been over the ratio but under the floor for
+  persist_windows consecutive windows. Each of these is noted once per pair until its next
+  straggler or recovered verdict, so a jittery stage does not repeat itself every window;
+- collective stages are never slow by their own duration: a pair whose wait is long for
   persist_windows windows gets one `uncertain`/`waiting_on_peer` (attribution `waiting_on_peer`);
 - `silent`/`no_report` (stage "*") when a rank misses silent_windows consecutive closed windows.
 """
@@ -61,7 +61,6 @@ _SMALL, _INCOMPARABLE, _INSUFFICIENT, _FLOOR = 1, 2, 3, 4
 TIMING_HOST = "host"
 TIMING_DEVICE = "device"
 
-_DENSE_BINS_LIMIT = 1 << 24  # (slot, step) bins counted with bincount up to this many, else compacted first
 
 
 class CohortVerdictState:
@@ -78,11 +77,12 @@ class CohortVerdictState:
         self.slowdown = np.zeros((0, 0))  # latest window's slowdown; nan: none yet
 
     def ensure(self, stage_count: int, slot_count: int) -> None:
+        """Room for `stage_count` stage indices (two codes each) and `slot_count` slots, grown by doubling."""
         codes, slots = self.alert.shape
         if 2 * stage_count <= codes and slot_count <= slots:
             return
-        codes = max(codes, 2 * stage_count, 4) if 2 * stage_count <= codes else max(2 * codes, 2 * stage_count)
-        slots = max(slots, slot_count, 16) if slot_count <= slots else max(2 * slots, slot_count)
+        codes = codes if 2 * stage_count <= codes else max(2 * codes, 2 * stage_count, 4)
+        slots = slots if slot_count <= slots else max(2 * slots, slot_count, 16)
         for name in ("windows_seen", "missed_windows", "silent"):
             old = getattr(self, name)
             new = np.zeros(slots, dtype=old.dtype)
@@ -132,7 +132,6 @@ class _Comparison:
     entries: np.ndarray  # which entries these rows are (device: only those with device durations)
     usable: np.ndarray
     slowdown: np.ndarray
-    gap: np.ndarray
     over: np.ndarray  # slowdown over the relative threshold
     slow: np.ndarray  # ... and gap over the floor
 
@@ -219,7 +218,7 @@ def _sums_by_bin(bins: np.ndarray, *weights: np.ndarray) -> tuple[np.ndarray, li
     """(the distinct bins, each weight column summed per bin)."""
     if bins.size == 0:
         return bins, [np.zeros(0) for _ in weights]
-    if int(bins.max()) < _DENSE_BINS_LIMIT:
+    if int(bins.max()) < max(4 * bins.size, 1 << 16):  # dense enough to count directly
         counts = np.bincount(bins)
         used = np.flatnonzero(counts)
         return used, [np.bincount(bins, weights=column)[used] for column in weights]
@@ -235,7 +234,7 @@ def _compare(entries: np.ndarray, segment: np.ndarray, median: np.ndarray, token
     gap = median - reference
     usable = (references.peer_count + 1 >= config.min_cohort_size) & np.isfinite(reference) & ~np.isnan(slowdown)
     over = usable & (slowdown > 1.0 + config.rel_threshold)
-    return _Comparison(median, references, entries, usable, slowdown, gap, over, over & (gap > floor_ms))
+    return _Comparison(median, references, entries, usable, slowdown, over, over & (gap > floor_ms))
 
 
 def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfig, now: int) -> WindowJudgement:
@@ -382,7 +381,7 @@ class _VerdictContext:
 
 
 def _number(value) -> Optional[float]:
-    """Verdict numbers: rounded to 0.1 µs / 4 decimals (medians are float32-exact), null if not finite."""
+    """Verdict numbers: 4 decimals (the medians carry float32 precision); null when not finite."""
     value = float(value)
     return round(value, 4) if math.isfinite(value) else None
 

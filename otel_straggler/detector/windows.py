@@ -95,8 +95,8 @@ class RankEntry:
         self.latest_window = NEVER_REPORTED
 
     def forget_seqs(self) -> None:
-        for index in range(len(self.recent_seqs)):
-            self.recent_seqs[index] = SEQ_UNSEEN
+        # in place: the ingest loop holds a reference to this array
+        self.recent_seqs[:] = array("q", [SEQ_UNSEEN]) * len(self.recent_seqs)
 
 
 class Cohort:

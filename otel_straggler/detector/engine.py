@@ -252,18 +252,18 @@ class Engine:
         states = []
         for cohort in self._cohorts.values():
             verdict_state = cohort.verdict_state
-            slots = len(cohort.slot_entries)
-            codes = min(2 * len(cohort.stage_names), verdict_state.alert.shape[0])
-            slowdown = verdict_state.slowdown[:codes, :slots]
-            alert = verdict_state.alert[:codes, :slots]
-            for code, slot in zip(*np.nonzero(~np.isnan(slowdown) | alert)):
+            slot_count = len(cohort.slot_entries)
+            code_count = min(2 * len(cohort.stage_names), verdict_state.alert.shape[0])
+            slowdown = verdict_state.slowdown[:code_count, :slot_count]
+            alert = verdict_state.alert[:code_count, :slot_count]
+            codes, slots = np.nonzero(~np.isnan(slowdown) | alert)
+            for code, slot, value, active in zip(codes.tolist(), slots.tolist(),
+                                                 slowdown[codes, slots].tolist(), alert[codes, slots].tolist()):
                 entry = cohort.slot_entries[slot]
                 stage = cohort.stage_names[code // 2]
-                if entry is None or stage is None:
-                    continue
-                value = float(slowdown[code, slot])
-                states.append(RankState(cohort.job_id, cohort.epoch, cohort.name, stage, entry.rank,
-                                        value if math.isfinite(value) else None, bool(alert[code, slot])))
+                if entry is not None and stage is not None:
+                    states.append(RankState(cohort.job_id, cohort.epoch, cohort.name, stage, entry.rank,
+                                            value if math.isfinite(value) else None, active))
         return states
 
 

@@ -10,4 +10,6 @@ export PATH="$venv/bin:$PATH"
 
 scripts/services.sh start || { echo "services failed to start"; scripts/services.sh stop; exit 1; }
 trap 'scripts/services.sh stop' EXIT
+# the pipeline tests reuse this stack instead of starting their own
+export OTEL_STRAGGLER_SERVICES_ENV="${OTEL_STRAGGLER_SERVICES_DIR:-$repo/.services}/env"
 python -m pytest -q -p no:cacheprovider "$@"

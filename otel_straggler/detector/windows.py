@@ -116,6 +116,7 @@ class Cohort:
         self.verdict_state = CohortVerdictState()
 
         self.slot_entries: list[Optional[RankEntry]] = []
+        self._entries_by_rank: dict[int, RankEntry] = {}
         self._free_slots: list[int] = []
         self._latest_window_by_slot = np.zeros(0, dtype=np.int64)
         # closing rule: how many reporting (not silent) ranks have each latest window
@@ -136,7 +137,10 @@ class Cohort:
 
     # ---- ranks ----
     def add_rank(self, rank: int, dedup_horizon: int) -> tuple[Optional[RankEntry], Optional[RankEntry]]:
-        """(new entry or None when full and nothing is evictable, the entry evicted for it or None)."""
+        """(its entry, or None when full and nothing is evictable; the entry evicted for it or None).
+        A rank that comes back from another cohort gets its old entry back."""
+        if rank in self._entries_by_rank:
+            return self._entries_by_rank[rank], None
         evicted = None
         if not self._free_slots and len(self.slot_entries) >= self._max_ranks:
             evicted = self._evict_idle_rank()
@@ -154,6 +158,7 @@ class Cohort:
             self.verdict_state.ensure(len(self.stage_names), slot + 1)
         entry = RankEntry(self.job_id, self.epoch, rank, self, slot, self.layout, dedup_horizon)
         self.slot_entries[slot] = entry
+        self._entries_by_rank[rank] = entry
         self._latest_window_by_slot[slot] = NEVER_REPORTED
         self.verdict_state.reset_slot(slot)
         return entry, evicted
@@ -162,6 +167,7 @@ class Cohort:
         if self._is_reporting(entry):
             self._stop_counting(entry.latest_window)
         self.slot_entries[entry.slot] = None
+        del self._entries_by_rank[entry.rank]
         self._latest_window_by_slot[entry.slot] = NEVER_REPORTED
         self.verdict_state.reset_slot(entry.slot)
         self._free_slots.append(entry.slot)

@@ -28,7 +28,7 @@ CLASSES = 10
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--batch-size", type=int, default=128, help="samples per rank per step")
+    parser.add_argument("--batch-size", type=int, default=256, help="samples per rank per step")
     parser.add_argument("--hidden", type=int, default=1024, help="width of the MLP's hidden layers")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=10, help="rank 0 prints the loss every this many steps")

@@ -1,0 +1,191 @@
+"""`otel-straggler demo` and `otel-straggler report`: flags, the checks that fail in one line,
+and the run itself (detector, ranks, live view, summary, report) wired together."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import os
+import socket
+import sys
+import uuid
+from pathlib import Path
+from typing import Optional
+
+from otel_straggler.cli import UsageError
+from otel_straggler.demo import evidence as evidence_files
+from otel_straggler.demo.summary import summarize
+
+DEMO_STAGES = ("batch-generator", "forward-compute", "backward-compute", "optimizer")  # the trainer's non-collective stages
+RANKS_PER_CORE = 4  # beyond this, CPU contention drowns a 30% slowdown in noise
+RANK_MEMORY_BYTES = 600 * 1024 * 1024  # one rank: torch, the model, the OTel SDK
+MIN_RANKS = 3  # a rank is judged against at least two peers (the detector's min_cohort_size)
+EXIT_RANK_FAILED = 1
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ranks", type=int, default=4, help="training processes to start (default 4)")
+    parser.add_argument("--steps", type=int, default=70, help="optimizer steps to train (default 70)")
+    parser.add_argument("--window-steps", type=int, default=10, help="steps per detector window (default 10)")
+    parser.add_argument("--slow-rank", type=int, default=2, help="the rank to slow down (default 2)")
+    parser.add_argument("--stage", default="forward-compute", choices=DEMO_STAGES,
+                        help="the stage to slow down (default forward-compute)")
+    parser.add_argument("--slowdown", type=float, default=0.3,
+                        help="extra time in that stage, as a fraction of its own (default 0.3: +30%%)")
+    parser.add_argument("--from-step", type=int, default=20, help="first slowed step (default 20)")
+    parser.add_argument("--healthy", action="store_true", help="inject nothing: no rank should be flagged")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for the report and evidence (default: a new straggler-demo-<time> folder here)")
+    parser.add_argument("--grpc-port", type=int, default=0,
+                        help="OTLP/gRPC port of the embedded detector (default: any free port)")
+
+
+def add_report_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("evidence_dir", type=Path, metavar="EVIDENCE_DIR",
+                        help="a detector's evidence directory (holding verdicts.jsonl)")
+    parser.add_argument("--out", type=Path, default=None, help="folder for the report (default: EVIDENCE_DIR/report)")
+
+
+def run_report(args: argparse.Namespace) -> int:
+    if not matplotlib_installed():
+        raise UsageError("matplotlib is not installed; install it with: pip install matplotlib")
+    from otel_straggler.demo import report
+
+    out_dir = args.out if args.out is not None else args.evidence_dir / "report"
+    try:
+        built = report.build(args.evidence_dir, out_dir)
+    except evidence_files.EvidenceError as error:
+        raise UsageError(str(error)) from None
+    print(built.summary)
+    print(f"report: {built.html_path}")
+    return 0
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    _check_demo_arguments(args)
+    if not torch_installed():
+        raise UsageError("torch is not installed; install it with: pip install torch")
+    if args.grpc_port:
+        _check_port_free(args.grpc_port)
+    out_dir = _fresh_out_dir(args.out)
+
+    from otel_straggler.demo.run import DemoSettings, run  # torch-free; imports the detector service
+
+    settings = DemoSettings(
+        ranks=args.ranks, steps=args.steps, window_steps=args.window_steps,
+        injection=None if args.healthy else evidence_files.Injection(args.slow_rank, args.stage, args.from_step,
+                                                                     args.slowdown),
+        out_dir=out_dir, grpc_port=args.grpc_port, job_id=f"demo-{uuid.uuid4().hex[:8]}",
+        external_endpoint=_external_endpoint(),
+    )
+    result = run(settings, sys.stdout)
+    if not result.embedded_detector:
+        print(f"Spans went to {result.endpoint}; the verdicts are that detector's. Build the report from its "
+              "evidence directory with: otel-straggler report EVIDENCE_DIR")
+    elif matplotlib_installed():
+        from otel_straggler.demo import report
+
+        built = report.build(result.evidence_dir, out_dir)
+        print(f"\n{built.summary}\nreport: {built.html_path}")
+    else:
+        print(f"\n{summarize(result.record, evidence_files.load(result.evidence_dir).verdicts)}\n"
+              f"No report: matplotlib is not installed (pip install matplotlib). Evidence: {result.evidence_dir}")
+    if result.failure is not None:
+        print(f"otel-straggler demo: {result.failure}", file=sys.stderr)
+        return EXIT_RANK_FAILED
+    return 0
+
+
+def _check_demo_arguments(args: argparse.Namespace) -> None:
+    limit = machine_rank_limit()
+    if args.ranks < MIN_RANKS:
+        raise UsageError(f"--ranks {args.ranks}: at least {MIN_RANKS} ranks are needed, a rank is judged against its peers")
+    if args.ranks > limit:
+        raise UsageError(f"--ranks {args.ranks}: this machine can run at most {limit} ranks "
+                         f"({_usable_cores()} cores, {RANKS_PER_CORE} ranks per core, ~600 MiB each)")
+    if args.window_steps < 1:
+        raise UsageError(f"--window-steps {args.window_steps}: must be at least 1")
+    if args.steps < 5 * args.window_steps:
+        raise UsageError(f"--steps {args.steps}: needs at least 5 windows of --window-steps {args.window_steps} "
+                         "(2 warm-up windows, then 3 slow ones before an alert)")
+    if not 0 <= args.grpc_port <= 65535:
+        raise UsageError(f"--grpc-port {args.grpc_port}: must be 0 to 65535")
+    if args.healthy:
+        return
+    if not 0 <= args.slow_rank < args.ranks:
+        raise UsageError(f"--slow-rank {args.slow_rank}: must be a rank of the job, 0 to {args.ranks - 1}")
+    if not 0 < args.slowdown <= 100:
+        raise UsageError(f"--slowdown {args.slowdown:g}: must be above 0 and at most 100")
+    if not 0 <= args.from_step < args.steps:
+        raise UsageError(f"--from-step {args.from_step}: must be a step of the run, 0 to {args.steps - 1}")
+
+
+def torch_installed() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
+def matplotlib_installed() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _check_port_free(port: int) -> None:
+    """Fails before anything is created; the detector's own bind error still covers a race."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as error:
+            raise UsageError(f"--grpc-port {port}: cannot listen on it ({error.strerror}); "
+                             "pick another port, or 0 for any free one") from None
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _available_memory_bytes() -> Optional[int]:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def machine_rank_limit() -> int:
+    limit = _usable_cores() * RANKS_PER_CORE
+    memory = _available_memory_bytes()
+    if memory is not None:
+        limit = min(limit, memory // RANK_MEMORY_BYTES)
+    return max(MIN_RANKS, limit)
+
+
+def _external_endpoint() -> Optional[str]:
+    """Where the ranks export when the user points OTLP somewhere: then no detector is embedded."""
+    return os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
+
+
+def _fresh_out_dir(requested: Optional[Path]) -> Path:
+    if requested is not None:
+        if requested.exists() and any(requested.iterdir()):
+            raise UsageError(f"--out {requested}: exists and is not empty; pick a new folder")
+        try:
+            requested.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise UsageError(f"--out {requested}: {error.strerror}") from None
+        return requested
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    for attempt in range(100):
+        candidate = Path(f"straggler-demo-{stamp}" + (f"-{attempt}" if attempt else ""))
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            continue
+        except OSError as error:
+            raise UsageError(f"cannot create {candidate}: {error.strerror}; pass --out") from None
+    raise UsageError("cannot find a free folder name here; pass --out")

@@ -1,0 +1,199 @@
+"""One demo run: the embedded detector, the ranks, the live view, then the summary and report.
+
+    out/
+      report.html, *.png         the report (report.py)
+      evidence/                  verdicts.jsonl, status.json (the detector); windows.jsonl, demo.json (the demo)
+      ranks/rank-N.log           each rank's output
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, TextIO
+
+from otel_straggler.cli import UsageError
+from otel_straggler.demo import evidence as evidence_files
+from otel_straggler.demo.evidence import Injection, RunRecord, WindowMedian
+from otel_straggler.demo.launcher import LaunchPlan, RankFailure, RankGroup
+from otel_straggler.demo.live_view import LiveView
+from otel_straggler.demo.window_tap import TappedEngine, WindowMedians
+from otel_straggler.detector.config import DetectorConfig
+from otel_straggler.detector.engine import Engine
+from otel_straggler.detector.service import DetectorService
+
+# Detection rules of the embedded detector, set here rather than taken from OTEL_STRAGGLER_* so
+# the demo behaves the same everywhere. The persistence rules are the detector's defaults.
+WARMUP_WINDOWS = 2
+PERSIST_WINDOWS = 3
+REL_THRESHOLD = 0.05
+MIN_GAP_MS = 5.0
+WINDOW_GRACE_S = 5.0  # the last window closes this long after the last span, not 30 s
+SPAN_EXPORT_DELAY_MS = 500  # the ranks' batch span export period (OTEL_BSP_SCHEDULE_DELAY; SDK default 5 s)
+POLL_INTERVAL_S = 0.25
+DETECTOR_STOP_TIMEOUT_S = 15.0
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    ranks: int
+    steps: int
+    window_steps: int
+    injection: Optional[Injection]
+    out_dir: Path
+    grpc_port: int
+    job_id: str
+    external_endpoint: Optional[str]  # set: the ranks export there and no detector is embedded
+
+
+def detector_config(settings: DemoSettings, evidence_dir: Path) -> DetectorConfig:
+    return DetectorConfig(
+        window_steps=settings.window_steps, warmup_windows=WARMUP_WINDOWS, persist_windows=PERSIST_WINDOWS,
+        rel_threshold=REL_THRESHOLD, min_gap_ms=MIN_GAP_MS, window_grace_s=WINDOW_GRACE_S,
+        listen_address="127.0.0.1", grpc_port=settings.grpc_port, http_port=0, evidence_dir=str(evidence_dir),
+        flush_interval_s=0.2, export_metrics=False,
+    )
+
+
+def rank_environment(settings: DemoSettings, endpoint: Optional[str]) -> dict[str, str]:
+    """What every rank gets on top of this process's environment. `endpoint` is the embedded
+    detector's; None leaves the user's OTEL_EXPORTER_OTLP_* in charge."""
+    env = {
+        "OTEL_STRAGGLER_JOB_ID": settings.job_id,
+        "OTEL_SERVICE_NAME": "otel-straggler-demo",
+        "OTEL_BSP_SCHEDULE_DELAY": str(SPAN_EXPORT_DELAY_MS),
+    }
+    if endpoint is not None:
+        env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+                    "OTEL_STRAGGLER_EXPORT_METRICS": "false"})  # the embedded detector takes spans only
+    injection = settings.injection
+    if injection is None:
+        env["OTEL_STRAGGLER_INJECT_RANK"] = "-1"  # off, even if this shell exported an injection
+    else:
+        env.update({
+            "OTEL_STRAGGLER_INJECT_RANK": str(injection.rank), "OTEL_STRAGGLER_INJECT_STAGE": injection.stage,
+            "OTEL_STRAGGLER_INJECT_FROM_STEP": str(injection.from_step),
+            "OTEL_STRAGGLER_INJECT_SLOWDOWN": repr(injection.slowdown),
+        })
+    return env
+
+
+def header(settings: DemoSettings, endpoint: str) -> str:
+    injection = settings.injection
+    slowed = ("healthy: nothing injected" if injection is None else
+              f"injecting +{injection.slowdown:.0%} in {injection.stage} on rank {injection.rank} "
+              f"from step {injection.from_step}")
+    return (f"otel-straggler demo: {settings.ranks} ranks x {settings.steps} steps (gloo on CPU), {slowed}\n"
+            f"spans to {endpoint}, windows of {settings.window_steps} steps; output in {settings.out_dir}")
+
+
+def medians_by_rank(medians: list[WindowMedian]) -> dict[int, dict[int, dict[str, float]]]:
+    """window -> rank -> stage -> median ms, as the live view takes them."""
+    by_window: dict[int, dict[int, dict[str, float]]] = {}
+    for median in medians:
+        by_window.setdefault(median.window, {}).setdefault(median.rank, {})[median.stage] = median.median_ms
+    return by_window
+
+
+class _WindowSink:
+    """Complete windows to windows.jsonl and to the live view, in window order."""
+
+    def __init__(self, path: Path, view: LiveView) -> None:
+        self._path = path
+        self._view = view
+
+    def write(self, medians: list[WindowMedian]) -> None:
+        evidence_files.append_jsonl(self._path, (dataclasses.asdict(median) for median in medians))
+        for window, ranks in sorted(medians_by_rank(medians).items()):
+            self._view.on_window(window, ranks)
+
+
+@dataclass
+class RunResult:
+    record: RunRecord
+    evidence_dir: Path
+    embedded_detector: bool  # False: spans went to the user's OTLP endpoint, verdicts are elsewhere
+    endpoint: str
+    failure: Optional[str]  # why the run stopped early; None when it completed
+
+
+def _start_detector(settings: DemoSettings, evidence_dir: Path, medians: WindowMedians) -> tuple[DetectorService, str]:
+    config = detector_config(settings, evidence_dir)
+    service = DetectorService(config, engine=TappedEngine(Engine(config), medians))
+    try:
+        service.start()
+    except OSError as error:
+        raise UsageError(f"--grpc-port {settings.grpc_port}: cannot listen on it ({error.strerror or error}); "
+                         "pick another port, or 0 for any free one") from None
+    return service, f"http://127.0.0.1:{service.bound_ports[0]}"
+
+
+def busy_machine_note() -> Optional[str]:
+    """A warning when other work keeps the cores busy: it slows ranks unevenly."""
+    try:
+        load, cores = os.getloadavg()[0], len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+    if load <= cores:
+        return None
+    return (f"note: load average {load:.1f} on {cores} cores; other work on this machine slows some ranks "
+            "more than others, and a rank slowed for long enough is flagged")
+
+
+def run(settings: DemoSettings, stream: TextIO) -> RunResult:
+    """Trains to the end or until a rank fails; the detector has judged every window on return."""
+    evidence_dir = settings.out_dir / "evidence"
+    evidence_dir.mkdir(parents=True, exist_ok=True)
+    record = RunRecord(job_id=settings.job_id, ranks=settings.ranks, steps=settings.steps,
+                       window_steps=settings.window_steps, rel_threshold=REL_THRESHOLD, min_gap_ms=MIN_GAP_MS,
+                       injection=settings.injection, started_unix_nano=time.time_ns())
+    evidence_files.write_run(evidence_dir, record)
+
+    medians = WindowMedians(settings.window_steps)
+    service, endpoint = None, settings.external_endpoint
+    if endpoint is None:
+        service, endpoint = _start_detector(settings, evidence_dir, medians)
+    view = LiveView(stream, settings.steps, settings.window_steps, header(settings, endpoint))
+    note = busy_machine_note()
+    if note is not None:
+        view.message(note)
+    windows = _WindowSink(evidence_dir / evidence_files.WINDOWS_FILE, view)
+    if service is not None:
+        service.add_verdict_listener(lambda verdict: view.on_verdict(verdict.to_dict()))
+
+    def on_progress(steps_done: int, loss: Optional[float]) -> None:
+        if steps_done > len(record.step_end_unix_nano):
+            record.step_end_unix_nano.append(time.time_ns())
+            if loss is not None:
+                record.losses.append(loss)
+        view.on_progress(steps_done, loss)
+
+    plan = LaunchPlan(ranks=settings.ranks, trainer_args=("--steps", str(settings.steps), "--log-every", "1"),
+                      env=rank_environment(settings, None if service is None else endpoint),
+                      log_dir=settings.out_dir / "ranks")
+    group = RankGroup(plan, on_progress)
+    failure: Optional[str] = None
+    try:
+        group.start()
+        view.message(f"started {settings.ranks} ranks (pids {' '.join(map(str, group.pids))}); "
+                     f"their output: {plan.log_dir}/rank-N.log")
+        while not group.poll():
+            windows.write(medians.take_complete())
+            view.refresh()
+            time.sleep(POLL_INTERVAL_S)
+    except RankFailure as error:
+        failure = str(error)
+    except KeyboardInterrupt:
+        failure = "interrupted"
+        raise
+    finally:
+        group.stop()
+        if service is not None:
+            service.stop(DETECTOR_STOP_TIMEOUT_S)  # judges the windows still open
+        windows.write(medians.take_complete() + medians.finish())
+        view.close()
+        record.outcome = failure or "completed"
+        evidence_files.write_run(evidence_dir, record)
+    return RunResult(record, evidence_dir, service is not None, endpoint, failure)

@@ -1,0 +1,64 @@
+"""The demo's and report's flags fail in one line with exit code 2, before anything starts."""
+import socket
+
+import pytest
+
+from otel_straggler import cli
+from otel_straggler.demo import commands
+
+
+def one_line_error(capsys, argv):
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    return lines[0]
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--ranks", "100000"], "this machine can run at most"),
+    (["--ranks", "2"], "at least 3 ranks"),
+    (["--slow-rank", "4"], "--slow-rank 4: must be a rank of the job, 0 to 3"),
+    (["--slowdown", "0"], "--slowdown 0: must be above 0"),
+    (["--from-step", "70"], "--from-step 70: must be a step of the run"),
+    (["--steps", "30"], "needs at least 5 windows"),
+    (["--grpc-port", "70000"], "--grpc-port 70000: must be 0 to 65535"),
+])
+def test_bad_demo_flags(capsys, tmp_path, flags, expected):
+    line = one_line_error(capsys, ["demo", "--out", str(tmp_path / "out"), *flags])
+    assert line.startswith("otel-straggler demo: ") and expected in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_port_in_use(capsys, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = one_line_error(capsys, ["demo", "--out", str(tmp_path / "out"), "--grpc-port", str(port)])
+    assert f"--grpc-port {port}: cannot listen on it" in line and "pick another port" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_torch_missing(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(commands, "torch_installed", lambda: False)
+    line = one_line_error(capsys, ["demo", "--out", str(tmp_path / "out")])
+    assert "pip install torch" in line
+
+
+def test_out_folder_must_be_new(capsys, tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    assert "exists and is not empty" in one_line_error(capsys, ["demo", "--out", str(tmp_path)])
+
+
+def test_report_of_a_folder_without_evidence(capsys, tmp_path):
+    line = one_line_error(capsys, ["report", str(tmp_path)])
+    assert line.startswith("otel-straggler report: ") and "holds no verdicts.jsonl" in line
+
+
+def test_machine_rank_limit_counts_cores(monkeypatch):
+    monkeypatch.setattr(commands, "_usable_cores", lambda: 2)
+    monkeypatch.setattr(commands, "_available_memory_bytes", lambda: None)
+    assert commands.machine_rank_limit() == 8
+    monkeypatch.setattr(commands, "_available_memory_bytes", lambda: 3 * commands.RANK_MEMORY_BYTES)
+    assert commands.machine_rank_limit() == 3

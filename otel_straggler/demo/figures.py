@@ -38,8 +38,8 @@ def heatmap(grids: list[StageGrid]) -> bytes:
     """One panel per stage: rank x window, color = median duration (each panel its own scale)."""
     columns = min(3, len(grids))
     rows = math.ceil(len(grids) / columns)
-    figure, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 0.9 + 0.42 * len(grids[0].ranks) * rows + 0.8 * rows),
-                                squeeze=False)
+    height = 0.9 + (0.42 * len(grids[0].ranks) + 0.8) * rows
+    figure, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, height), squeeze=False, layout="constrained")
     for panel, grid in zip(axes.flat, grids):
         values = np.array([[np.nan if value is None else value for value in row] for row in grid.median_ms], dtype=float)
         # From zero, so that color differences are proportional: a 1% spread stays one color.
@@ -70,7 +70,7 @@ def _series(values: list[Optional[float]]) -> np.ndarray:
 
 def rank_timeline(timeline: Timeline) -> bytes:
     """The rank's window medians against its peers', the threshold, the injection and the alerts."""
-    figure, axis = plt.subplots(figsize=(8.5, 3.8))
+    figure, axis = plt.subplots(figsize=(8.5, 3.8), layout="constrained")
     windows = np.array(timeline.windows)
     if timeline.source == "windows":
         axis.fill_between(windows, _series(timeline.peer_low_ms), _series(timeline.peer_high_ms),

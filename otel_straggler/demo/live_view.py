@@ -28,11 +28,11 @@ def verdict_line(verdict: dict[str, Any]) -> Optional[str]:
     """One line for an alert, a recovery or a silence; None for verdicts not worth a line."""
     kind = verdict.get("verdict")
     if kind == contract.VERDICT_STRAGGLER:
-        return f"ALERT     window {verdict['window']}: straggler {describe_alert(verdict)}"
+        return f"ALERT: straggler {describe_alert(verdict)}"
     if kind == contract.VERDICT_RECOVERED:
-        return f"RECOVERED window {verdict['window']}: rank {verdict['rank']} in {verdict['stage']}"
+        return f"RECOVERED: rank {verdict['rank']} in {verdict['stage']} at window {verdict['window']}"
     if kind == contract.VERDICT_SILENT:
-        return f"SILENT    window {verdict['window']}: rank {verdict['rank']} stopped reporting"
+        return f"SILENT: rank {verdict['rank']} stopped reporting at window {verdict['window']}"
     return None
 
 

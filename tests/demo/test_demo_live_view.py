@@ -15,10 +15,9 @@ def test_progress_bar():
 
 
 def test_verdict_lines():
-    assert verdict_line(verdict(2, 4)) == ("ALERT     window 4: straggler rank 2 in forward-compute at window 4 "
-                                           "(1.30x its peers, +9.0 ms)")
-    assert verdict_line(verdict(2, 6, kind="recovered")).startswith("RECOVERED window 6: rank 2")
-    assert "stopped reporting" in verdict_line(verdict(1, 6, kind="silent"))
+    assert verdict_line(verdict(2, 4)) == "ALERT: straggler rank 2 in forward-compute at window 4 (1.30x its peers, +9.0 ms)"
+    assert verdict_line(verdict(2, 6, kind="recovered")) == "RECOVERED: rank 2 in forward-compute at window 6"
+    assert verdict_line(verdict(1, 6, kind="silent", stage="*")) == "SILENT: rank 1 stopped reporting at window 6"
     assert verdict_line(verdict(1, 6, kind="uncertain")) is None
 
 

@@ -12,7 +12,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, TextIO
+from typing import Mapping, Optional, TextIO
 
 from otel_straggler.cli import UsageError
 from otel_straggler.demo import evidence as evidence_files
@@ -57,14 +57,12 @@ def detector_config(settings: DemoSettings, evidence_dir: Path) -> DetectorConfi
     )
 
 
-def rank_environment(settings: DemoSettings, endpoint: Optional[str]) -> dict[str, str]:
-    """What every rank gets on top of this process's environment. `endpoint` is the embedded
-    detector's; None leaves the user's OTEL_EXPORTER_OTLP_* in charge."""
-    env = {
-        "OTEL_STRAGGLER_JOB_ID": settings.job_id,
-        "OTEL_SERVICE_NAME": "otel-straggler-demo",
-        "OTEL_BSP_SCHEDULE_DELAY": str(SPAN_EXPORT_DELAY_MS),
-    }
+def rank_environment(settings: DemoSettings, endpoint: Optional[str], environ: Mapping[str, str]) -> dict[str, str]:
+    """What every rank gets on top of this process's environment `environ`. `endpoint` is the
+    embedded detector's; None leaves the user's OTEL_EXPORTER_OTLP_* in charge."""
+    env = {"OTEL_STRAGGLER_JOB_ID": settings.job_id, "OTEL_SERVICE_NAME": "otel-straggler-demo"}
+    if "OTEL_BSP_SCHEDULE_DELAY" not in environ:
+        env["OTEL_BSP_SCHEDULE_DELAY"] = str(SPAN_EXPORT_DELAY_MS)
     if endpoint is not None:
         env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
                     "OTEL_STRAGGLER_EXPORT_METRICS": "false"})  # the embedded detector takes spans only
@@ -171,7 +169,7 @@ def run(settings: DemoSettings, stream: TextIO) -> RunResult:
         view.on_progress(steps_done, loss)
 
     plan = LaunchPlan(ranks=settings.ranks, trainer_args=("--steps", str(settings.steps), "--log-every", "1"),
-                      env=rank_environment(settings, None if service is None else endpoint),
+                      env=rank_environment(settings, None if service is None else endpoint, os.environ),
                       log_dir=settings.out_dir / "ranks")
     group = RankGroup(plan, on_progress)
     failure: Optional[str] = None

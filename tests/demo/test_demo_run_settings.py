@@ -1,0 +1,49 @@
+from pathlib import Path
+
+from otel_straggler.demo.evidence import Injection, WindowMedian
+from otel_straggler.demo.run import DemoSettings, detector_config, medians_by_rank, rank_environment
+from otel_straggler.detector.config import DetectorConfig
+
+
+def settings(injection=Injection(2, "forward-compute", 20, 0.3)):
+    return DemoSettings(ranks=4, steps=70, window_steps=10, injection=injection, out_dir=Path("out"), grpc_port=0,
+                        job_id="demo-1", external_endpoint=None)
+
+
+def test_ranks_export_to_the_embedded_detector_with_the_injection():
+    env = rank_environment(settings(), "http://127.0.0.1:5555", environ={})
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://127.0.0.1:5555"
+    assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "grpc"
+    assert env["OTEL_STRAGGLER_JOB_ID"] == "demo-1"
+    assert (env["OTEL_STRAGGLER_INJECT_RANK"], env["OTEL_STRAGGLER_INJECT_STAGE"], env["OTEL_STRAGGLER_INJECT_FROM_STEP"],
+            float(env["OTEL_STRAGGLER_INJECT_SLOWDOWN"])) == ("2", "forward-compute", "20", 0.3)
+    assert env["OTEL_BSP_SCHEDULE_DELAY"] == "500"
+
+
+def test_an_outside_endpoint_and_the_users_export_period_are_left_alone():
+    env = rank_environment(settings(), None, environ={"OTEL_BSP_SCHEDULE_DELAY": "2000"})
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in env and "OTEL_STRAGGLER_EXPORT_METRICS" not in env
+    assert "OTEL_BSP_SCHEDULE_DELAY" not in env
+
+
+def test_healthy_runs_turn_an_inherited_injection_off():
+    env = rank_environment(settings(injection=None), "http://127.0.0.1:5555", environ={})
+    assert env["OTEL_STRAGGLER_INJECT_RANK"] == "-1"
+    assert "OTEL_STRAGGLER_INJECT_STAGE" not in env
+
+
+def test_the_embedded_detector_runs_on_its_defaults_but_for_the_grace_time():
+    config, defaults = detector_config(settings(), Path("out/evidence")), DetectorConfig()
+    for name in ("window_steps", "warmup_windows", "persist_windows", "rel_threshold", "min_gap_ms", "min_cohort_size"):
+        assert getattr(config, name) == getattr(defaults, name), name
+    assert config.window_grace_s < defaults.window_grace_s
+    assert (config.grpc_port, config.http_port, config.export_metrics) == (0, 0, False)
+    assert config.evidence_dir == str(Path("out/evidence"))
+
+
+def test_medians_by_rank():
+    medians = [WindowMedian("j", "c", rank, stage, window, float(rank), 10, False)
+               for window in (3, 4) for rank in (0, 1) for stage in ("forward-compute", "optimizer")]
+    shaped = medians_by_rank(medians)
+    assert sorted(shaped) == [3, 4]
+    assert shaped[4][1] == {"forward-compute": 1.0, "optimizer": 1.0}

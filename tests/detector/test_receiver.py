@@ -232,15 +232,16 @@ def test_sdk_exporters_retry_an_overloaded_detector_and_get_through(tmp_path, pr
 def test_connections_beyond_the_bound_get_503_at_once(tmp_path):
     with running_service(service_config(tmp_path, max_http_connections=1)) as service:
         port = service.bound_ports[1]
-        with socket.create_connection(("127.0.0.1", port), timeout=5) as idle:
-            time.sleep(0.2)  # the idle connection holds the only HTTP thread
-            with socket.create_connection(("127.0.0.1", port), timeout=5) as refused:
-                # answered before it sends anything: no thread is spent on it
-                reply = refused.recv(4096)
-            assert reply.startswith(b"HTTP/1.1 503 ") and b"Retry-After: 1" in reply
-            assert idle.fileno() >= 0
+        body = request_bytes(stage_spans(0, 1))
+        kept_alive = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        kept_alive.request("POST", "/v1/traces", body=body, headers={"Content-Type": "application/x-protobuf"})
+        assert kept_alive.getresponse().read() is not None  # served: its thread now waits for the next request
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as refused:
+            reply = refused.recv(4096)  # answered before it sends anything: no thread is spent on it
+        assert reply.startswith(b"HTTP/1.1 503 ") and b"Retry-After: 1" in reply
+        kept_alive.close()
         deadline = time.monotonic() + 5
-        while not _posted(port, request_bytes(stage_spans(0, 1))):  # the thread is free again
+        while not _posted(port, body):  # the thread is free again
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert service.status()["requests"]["overloaded"] >= 1

@@ -16,6 +16,8 @@ here and declares attributes as `map<string, bytes>` (a map entry has the same w
 KeyValue). That parses in C, answers each attribute by one lookup instead of a Python walk over
 KeyValue objects, and leaves each value as its raw AnyValue bytes, which repeat heavily across spans
 (stage names, steps, workload), so a small bounded cache turns most of them into one dict lookup.
+Fields the view leaves out (ids, events, status, scope) are skipped as unknown fields: their wire
+format is checked, their content is not.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import time
 from typing import Any, Optional, TextIO
 
 from otel_straggler import contract
-from otel_straggler.demo.summary import describe_alert
+from otel_straggler.demo.summary import describe_alert, stage_phrase
 
 RED = "\x1b[31m"
 BOLD = "\x1b[1m"
@@ -30,7 +30,7 @@ def verdict_line(verdict: dict[str, Any]) -> Optional[str]:
     if kind == contract.VERDICT_STRAGGLER:
         return f"ALERT: straggler {describe_alert(verdict)}"
     if kind == contract.VERDICT_RECOVERED:
-        return f"RECOVERED: rank {verdict['rank']} in {verdict['stage']} at window {verdict['window']}"
+        return f"RECOVERED: rank {verdict['rank']} in {stage_phrase(verdict['stage'])} at window {verdict['window']}"
     if kind == contract.VERDICT_SILENT:
         return f"SILENT: rank {verdict['rank']} stopped reporting at window {verdict['window']}"
     return None
@@ -53,8 +53,7 @@ def window_table(
             value = medians[rank].get(stage)
             text = "-" if value is None else f"{value:.1f}"
             cells.append(_mark(text.rjust(width), (rank, stage) in flagged, color))
-        rank_label = _mark(f"{rank:>4}", whole_step, color) + ("!" if whole_step and not color else " ")
-        lines.append(f"{rank_label}  " + "  ".join(cells))
+        lines.append(_mark(f"{rank:>4}", whole_step, color) + "  " + "  ".join(cells))
     return lines
 
 

@@ -56,7 +56,7 @@ def describe_alert(alert: Verdict) -> str:
     if isinstance(alert.get("gap_ms"), (int, float)):
         numbers.append(f"{alert['gap_ms']:+.1f} ms")
     detail = f" ({', '.join(numbers)})" if numbers else ""
-    return f"rank {alert['rank']} in {_stage_phrase(alert)} at window {alert['window']}{detail}"
+    return f"rank {alert['rank']} in {stage_phrase(alert['stage'])} at window {alert['window']}{detail}"
 
 
 def _join(phrases: list[str]) -> str:
@@ -86,7 +86,7 @@ def summarize(run: Optional[RunRecord], verdicts: list[Verdict]) -> str:
         if same_rank_elsewhere:
             also = "also " if detection is not None else ""
             sentences.append(f"Rank {injection.rank} was {also}flagged in "
-                             f"{_join(sorted({_stage_phrase(alert) for alert in same_rank_elsewhere}))}.")
+                             f"{_join(sorted({stage_phrase(alert['stage']) for alert in same_rank_elsewhere}))}.")
         sentences.append("No other rank was flagged." if not others else
                          f"Other ranks flagged: {_join([describe_alert(alert) for alert in others])}.")
     elif run is not None:
@@ -102,5 +102,5 @@ def summarize(run: Optional[RunRecord], verdicts: list[Verdict]) -> str:
     return " ".join(sentences)
 
 
-def _stage_phrase(alert: Verdict) -> str:
-    return "the whole-step compute (*)" if alert["stage"] == contract.WHOLE_STEP_STAGE else alert["stage"]
+def stage_phrase(stage: str) -> str:
+    return "the whole-step compute (*)" if stage == contract.WHOLE_STEP_STAGE else stage

@@ -64,3 +64,10 @@ def test_terminal_output_redraws_the_block_in_place():
     assert text.count("\x1b[1F\x1b[J") == 1  # the first block (one progress line) was erased once
     last_block = text.rsplit("\x1b[J", 1)[1]
     assert "step 5/20" in last_block and "alerts:" in last_block and "\x1b[31m" in last_block
+
+
+def test_whole_step_alert_marks_the_rank_once():
+    lines = window_table(4, 10, MEDIANS, STAGES, {(2, "*")}, color=False)
+    assert lines[3].split()[0] == "2!"
+    assert verdict_line(verdict(2, 6, kind="recovered", stage="*")) == (
+        "RECOVERED: rank 2 in the whole-step compute (*) at window 6")

@@ -45,7 +45,7 @@ def window_table(
     first_step = window * window_steps
     lines = [f"window {window} (steps {first_step}-{first_step + window_steps - 1}), median ms per stage"]
     widths = [max(len(stage), 7) for stage in stages]
-    lines.append("rank   " + "  ".join(stage.rjust(width) for stage, width in zip(stages, widths)))
+    lines.append("rank   " + "  ".join(stage.rjust(width) + " " for stage, width in zip(stages, widths)))
     for rank in sorted(medians):
         whole_step = (rank, contract.WHOLE_STEP_STAGE) in flagged
         cells = []
@@ -58,9 +58,10 @@ def window_table(
 
 
 def _mark(cell: str, flagged: bool, color: bool) -> str:
+    """The cell and one more column: '!' when flagged without color, else a space."""
     if not flagged:
-        return cell + (" " if not color else "")
-    return f"{RED}{BOLD}{cell}{RESET}" if color else cell + "!"
+        return cell + " "
+    return f"{RED}{BOLD}{cell}{RESET} " if color else cell + "!"
 
 
 class LiveView:

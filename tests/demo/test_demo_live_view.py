@@ -71,3 +71,10 @@ def test_whole_step_alert_marks_the_rank_once():
     assert lines[3].split()[0] == "2!"
     assert verdict_line(verdict(2, 6, kind="recovered", stage="*")) == (
         "RECOVERED: rank 2 in the whole-step compute (*) at window 6")
+
+
+def test_columns_line_up_with_the_header():
+    lines = window_table(4, 10, MEDIANS, STAGES, {(2, "forward-compute")}, color=False)
+    assert len({len(line) for line in lines[1:]}) == 1
+    header_end = lines[1].index("forward-compute") + len("forward-compute")
+    assert lines[3][header_end - 4:header_end] == "39.0"

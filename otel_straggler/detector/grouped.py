@@ -18,6 +18,18 @@ def _packed(groups: np.ndarray, values: np.ndarray) -> np.ndarray:
     return (groups.astype(np.int64) << 32) | value_bits
 
 
+def run_bounds(sorted_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(start, end, run number of each element) of the runs of equal ids in a sorted array."""
+    first = np.empty(sorted_ids.size, dtype=bool)
+    first[:1] = True
+    np.not_equal(sorted_ids[1:], sorted_ids[:-1], out=first[1:])
+    starts = np.flatnonzero(first)
+    ends = np.empty_like(starts)
+    ends[:-1] = starts[1:]
+    ends[-1:] = sorted_ids.size
+    return starts, ends, np.cumsum(first) - 1
+
+
 def dense_groups(groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(distinct group ids, each row's index into them): for group ids too large to pack."""
     distinct, index = np.unique(groups, return_inverse=True)
@@ -40,8 +52,8 @@ def grouped_medians(groups: np.ndarray, values: np.ndarray) -> tuple[np.ndarray,
     packed = np.sort(_packed(groups, values))
     sorted_groups = packed >> 32
     sorted_values = (packed & 0xFFFFFFFF).astype(np.uint32).view(np.float32).astype(np.float64)
-    starts = np.flatnonzero(np.r_[True, sorted_groups[1:] != sorted_groups[:-1]])
-    sizes = np.diff(np.r_[starts, packed.size])
+    starts, ends, _ = run_bounds(sorted_groups)
+    sizes = ends - starts
     low = sorted_values[starts + (sizes - 1) // 2]
     high = sorted_values[starts + sizes // 2]
     return sorted_groups[starts], (low + high) / 2.0

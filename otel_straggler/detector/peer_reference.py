@@ -21,7 +21,7 @@ import bisect
 
 import numpy as np
 
-from otel_straggler.detector.grouped import order_within_groups
+from otel_straggler.detector.grouped import order_within_groups, run_bounds
 
 WORKLOAD_NOT_REPORTED = -1  # the rank, or every peer it was compared with, reported no workload
 WORKLOAD_INCOMPARABLE = 0  # the rank reported a workload and no peer's was within tolerance
@@ -61,9 +61,7 @@ def peer_references(segment: np.ndarray, values: np.ndarray, tokens: np.ndarray,
     """`segment` (non-decreasing ints), `values` (finite medians), `tokens` (per entry, nan when not
     reported) all have one element per entry."""
     count = values.size
-    starts = np.flatnonzero(np.r_[True, segment[1:] != segment[:-1]]) if count else np.zeros(0, np.int64)
-    ends = np.r_[starts[1:], count].astype(np.int64)
-    segment_number = np.cumsum(np.r_[True, segment[1:] != segment[:-1]]) - 1 if count else starts
+    starts, ends, segment_number = run_bounds(segment)
     entry_start = starts[segment_number]
     entry_end = ends[segment_number]
     result = PeerReferences(entry_start, entry_end)

@@ -1,9 +1,9 @@
 """OTLP/HTTP trace receiver: POST /v1/traces, protobuf or JSON, optionally gzip/deflate, optional TLS.
 
 Status codes follow the OTLP/HTTP spec: 200 (with partial success when spans were rejected), 400
-malformed (a google.rpc.Status body in the request's encoding), 401 without the right bearer token,
-413 over the size bound, 415 unknown content type or encoding, 503 with Retry-After when the queue is
-full (exporters retry 503), 404 for any other path. At most `max_http_connections` connections are
+malformed or a corrupt compressed body (a google.rpc.Status body in the request's encoding), 401
+without the right bearer token, 413 over the size bound, 415 unknown content type or encoding, 503
+with Retry-After when the queue is full (exporters retry 503), 404 for any other path. At most `max_http_connections` connections are
 served at once, a thread each; one more gets a 503 at once rather than a thread. An idle keep-alive
 connection holds its thread for IDLE_CONNECTION_TIMEOUT_S at most.
 """
@@ -20,6 +20,7 @@ from google.protobuf import json_format
 from google.rpc import code_pb2, status_pb2
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
+from otel_straggler.detector.decode import MalformedPayload
 from otel_straggler.detector.receiver import RETRY_AFTER_S, ExportOutcome, OtlpIntake, Result
 
 TRACES_PATH = "/v1/traces"
@@ -46,7 +47,7 @@ class _TooLarge(Exception):
     pass
 
 
-class _BadEncoding(Exception):
+class _UnsupportedEncoding(Exception):
     pass
 
 
@@ -56,7 +57,7 @@ def decompress(body: bytes, encoding: str, limit: int) -> bytes:
     if encoding in ("", "identity"):
         return body
     if encoding not in ("gzip", "deflate"):
-        raise _BadEncoding(f"unsupported Content-Encoding {encoding!r} (gzip, deflate or none)")
+        raise _UnsupportedEncoding(f"unsupported Content-Encoding {encoding!r} (gzip, deflate or none)")
     output = bytearray()
     remaining = body
     while remaining:  # gzip allows several members back to back
@@ -64,11 +65,11 @@ def decompress(body: bytes, encoding: str, limit: int) -> bytes:
         try:
             output += inflater.decompress(remaining, limit + 1 - len(output))
         except zlib.error as error:
-            raise _BadEncoding(f"corrupt {encoding} body: {error}") from None
+            raise MalformedPayload(f"corrupt {encoding} body: {error}") from None
         if len(output) > limit:
             raise _TooLarge(f"decompressed body over {limit} bytes")
         if not inflater.eof:
-            raise _BadEncoding(f"truncated {encoding} body")
+            raise MalformedPayload(f"truncated {encoding} body")
         remaining = inflater.unused_data
     return bytes(output)
 
@@ -117,9 +118,13 @@ class _Handler(BaseHTTPRequestHandler):
             intake.refused(Result.TOO_LARGE)
             self._fail(ExportOutcome(Result.TOO_LARGE, str(error)), is_json)
             return
-        except _BadEncoding as error:
+        except _UnsupportedEncoding as error:
             intake.refused(Result.UNSUPPORTED)
             self._fail(ExportOutcome(Result.UNSUPPORTED, str(error)), is_json)
+            return
+        except MalformedPayload as error:
+            intake.refused(Result.MALFORMED)
+            self._fail(ExportOutcome(Result.MALFORMED, str(error)), is_json)
             return
         outcome = intake.export(body, is_json)
         if outcome.result in (Result.OK, Result.PARTIAL):

@@ -22,7 +22,7 @@ from .synthetic import TRAINING_STAGES, Stage, SyntheticJob
 START_NS = 1_700_000_000_000_000_000
 STEP_NS = 100_000_000  # the caller's clock moves 0.1 s per step fed
 # a ~1 s step of a larger model: the absolute floor (5 ms) is then far below 5% of every big stage
-LLM_STAGES = (
+LARGE_MODEL_STAGES = (
     Stage("data-load", 20.0, device=False),
     Stage("forward-compute", 300.0),
     Stage("backward-compute", 600.0),
@@ -71,7 +71,7 @@ def observation(rank=0, step=0, seq=0, host_ms=10.0, *, stage="s", job_id="job",
 
 def replaced(observations, when, changes) -> list[Observation]:
     """`observations` with `changes(o)` (a dict of fields) applied where `when(o)`."""
-    return [dataclasses.replace(o, **changes(o)) if when(o) else o for o in observations]
+    return [o._replace(**changes(o)) if when(o) else o for o in observations]
 
 
 # ---------------------------------------------------------------- comparable set
@@ -403,7 +403,7 @@ def test_dedup_and_late_spans_are_counted_never_judged_twice():
     assert engine.stats()["duplicates"] == len(observations) - 40
 
     closed = engine.stats()["windows_closed"]
-    late = dataclasses.replace(observations[0], seq=10**6)
+    late = observations[0]._replace(seq=10**6)
     assert engine.ingest(late) == "late" and engine.drain(START_NS) == []
     assert engine.stats()["windows_closed"] == closed and engine.stats()["late"] == 1
 
@@ -452,7 +452,7 @@ def test_case_plus_10_percent_rank_caught_among_63_healthy_ranks_with_jitter():
 
 @pytest.mark.parametrize("seed", [18, 19, 20])
 def test_case_plus_5_percent_rank_caught_at_64_ranks_without_false_positives(seed):
-    job = SyntheticJob(ranks=64, stages=LLM_STAGES, seed=seed, jitter=(0.02, 0.03)).slow(21, 1.05)
+    job = SyntheticJob(ranks=64, stages=LARGE_MODEL_STAGES, seed=seed, jitter=(0.02, 0.03)).slow(21, 1.05)
     verdicts, _ = run(job, 600)
     assert stragglers(verdicts) == {21}
 

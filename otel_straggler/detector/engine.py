@@ -36,6 +36,12 @@ from otel_straggler.detector.observation import Observation, Verdict
 from otel_straggler.detector.windows import Cohort, RankEntry, RowLayout, WindowRows
 
 OUTCOMES = ("accepted", "duplicate", "late", "malformed", "dropped")
+# the hot path unpacks each observation as a tuple (faster than 11 attribute reads), so it relies
+# on this field order; a change to Observation must fail here, not misread every span
+_OBSERVATION_FIELDS = ("job_id", "epoch", "cohort", "rank", "stage", "step", "seq", "host_ms",
+                       "device_ms", "collective", "tokens", "samples", "end_unix_nano")
+if Observation._fields != _OBSERVATION_FIELDS:
+    raise ImportError(f"engine.ingest_many unpacks Observation{_OBSERVATION_FIELDS}; it now has {Observation._fields}")
 # a seq this far below what the rank's ring holds means the rank's process started over
 RESTART_HORIZONS = 4
 
@@ -83,30 +89,29 @@ class Engine:
         rows: Optional[WindowRows] = None
         for observation in observations:
             try:
-                entry = ranks.get((observation.job_id, observation.epoch, observation.rank))
-                if entry is None or entry.cohort_name != observation.cohort:
-                    entry = self._admit_rank(observation)
+                (job_id, epoch, cohort_name, rank, stage, step, seq, host_ms, device_ms, collective, tokens,
+                 _, _) = observation
+                entry = ranks.get((job_id, epoch, rank))
+                if entry is None or entry.cohort_name != cohort_name:
+                    entry = self._admit_rank(job_id, epoch, rank, cohort_name)
                     if entry is None:
                         dropped += 1
                         continue
-                seq = observation.seq
                 recent_seqs = entry.recent_seqs
                 seq_slot = seq & seq_mask
                 if recent_seqs[seq_slot] >= seq and not self._restarted(entry, seq, recent_seqs[seq_slot]):
                     duplicate += 1
                     continue
-                host_ms = observation.host_ms
                 if not 0.0 <= host_ms < inf:
                     malformed += 1
                     continue
                 cohort = entry.cohort
-                stage_offset = cohort.stage_offsets.get(observation.stage)
+                stage_offset = cohort.stage_offsets.get(stage)
                 if stage_offset is None:
-                    stage_offset = self._admit_stage(cohort, observation.stage)
+                    stage_offset = self._admit_stage(cohort, stage)
                     if stage_offset is None:
                         dropped += 1
                         continue
-                step = observation.step
                 window = step // window_steps
                 rows = cohort.open_windows.get(window)
                 if rows is None:
@@ -114,14 +119,12 @@ class Engine:
                     if rows is None:
                         late += 1
                         continue
-                device_ms = observation.device_ms
-                tokens = observation.tokens
                 recent_seqs[seq_slot] = seq
                 rows.host_ms.append(host_ms)
                 rows.device_ms.append(nan if device_ms is None else device_ms)
                 rows.tokens.append(tokens if tokens is not None and tokens > 0 else 0.0)
                 rows.keys.append(stage_offset + entry.key_slot + step - window * window_steps
-                                 + (collective_offset if observation.collective else 0))
+                                 + (collective_offset if collective else 0))
                 if window > entry.latest_window:
                     cohort.rank_reached(entry, window)
                 accepted += 1
@@ -142,9 +145,8 @@ class Engine:
         self._counts["seq_restarts"] += 1
         return True
 
-    def _admit_rank(self, observation: Observation) -> Optional[RankEntry]:
+    def _admit_rank(self, job_id: str, epoch: int, rank: int, cohort_name: str) -> Optional[RankEntry]:
         """Registers a rank (or its move to another cohort), within the bounds; None: no room."""
-        job_id, epoch, rank, cohort_name = observation.job_id, observation.epoch, observation.rank, observation.cohort
         if not (isinstance(job_id, str) and isinstance(cohort_name, str) and _is_int(epoch) and _is_int(rank)):
             raise TypeError("job_id and cohort must be str, epoch and rank int")
         cohort = self._cohort(job_id, epoch, cohort_name)

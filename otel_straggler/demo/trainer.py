@@ -6,8 +6,9 @@ part of the step. Everything else is plain PyTorch.
 
 `otel-straggler demo` starts it once per rank; it also runs on its own under torchrun:
 
-    OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4317 OTEL_STRAGGLER_JOB_ID=my-run \\
-        torchrun --nproc-per-node 4 -m otel_straggler.demo.trainer --steps 100
+    otel-straggler detect --evidence-dir evidence &
+    OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4317 OTEL_STRAGGLER_EXPORT_METRICS=false \\
+        OTEL_STRAGGLER_JOB_ID=my-run torchrun --nproc-per-node 4 -m otel_straggler.demo.trainer --steps 100
 """
 from __future__ import annotations
 

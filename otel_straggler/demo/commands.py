@@ -1,5 +1,5 @@
-"""`otel-straggler demo` and `otel-straggler report`: flags, the checks that fail in one line,
-and the run itself (detector, ranks, live view, summary, report) wired together."""
+"""`otel-straggler demo` and `otel-straggler report`: their flags, the checks that fail in one
+line before anything starts, and what is printed at the end (run.py does the run itself)."""
 from __future__ import annotations
 
 import argparse
@@ -17,7 +17,7 @@ from otel_straggler.demo import evidence as evidence_files
 from otel_straggler.demo.summary import summarize
 
 DEMO_STAGES = ("batch-generator", "forward-compute", "backward-compute", "optimizer")  # the trainer's non-collective stages
-RANKS_PER_CORE = 4  # beyond this, CPU contention drowns a 30% slowdown in noise
+RANKS_PER_CORE = 4  # beyond this, a rank waits for a core longer than it computes
 RANK_MEMORY_BYTES = 600 * 1024 * 1024  # one rank: torch, the model, the OTel SDK
 MIN_RANKS = 3  # a rank is judged against at least two peers (the detector's min_cohort_size)
 EXIT_RANK_FAILED = 1
@@ -101,8 +101,8 @@ def _check_demo_arguments(args: argparse.Namespace) -> None:
     if args.ranks < MIN_RANKS:
         raise UsageError(f"--ranks {args.ranks}: at least {MIN_RANKS} ranks are needed, a rank is judged against its peers")
     if args.ranks > limit:
-        raise UsageError(f"--ranks {args.ranks}: this machine can run at most {limit} ranks "
-                         f"({_usable_cores()} cores, {RANKS_PER_CORE} ranks per core, ~600 MiB each)")
+        raise UsageError(f"--ranks {args.ranks}: this machine can run at most {limit} ranks ({RANKS_PER_CORE} "
+                         f"per core on {_usable_cores()} cores, {RANK_MEMORY_BYTES >> 20} MiB of free memory each)")
     if args.window_steps < 1:
         raise UsageError(f"--window-steps {args.window_steps}: must be at least 1")
     if args.steps < 5 * args.window_steps:
@@ -171,8 +171,8 @@ def _external_endpoint() -> Optional[str]:
 
 def _fresh_out_dir(requested: Optional[Path]) -> Path:
     if requested is not None:
-        if requested.exists() and any(requested.iterdir()):
-            raise UsageError(f"--out {requested}: exists and is not empty; pick a new folder")
+        if requested.exists() and (not requested.is_dir() or any(requested.iterdir())):
+            raise UsageError(f"--out {requested}: exists and is not an empty folder; pick a new one")
         try:
             requested.mkdir(parents=True, exist_ok=True)
         except OSError as error:

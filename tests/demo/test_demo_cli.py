@@ -48,7 +48,8 @@ def test_torch_missing(capsys, tmp_path, monkeypatch):
 
 def test_out_folder_must_be_new(capsys, tmp_path):
     (tmp_path / "keep.txt").write_text("mine")
-    assert "exists and is not empty" in one_line_error(capsys, ["demo", "--out", str(tmp_path)])
+    assert "exists and is not an empty folder" in one_line_error(capsys, ["demo", "--out", str(tmp_path)])
+    assert "exists and is not an empty folder" in one_line_error(capsys, ["demo", "--out", str(tmp_path / "keep.txt")])
 
 
 def test_report_of_a_folder_without_evidence(capsys, tmp_path):

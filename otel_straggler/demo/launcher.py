@@ -21,7 +21,6 @@ from typing import Callable, Iterable, Optional
 
 PROGRESS_LINE = re.compile(r"^step (\d+)/(\d+) loss (\S+)")
 STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
-LOG_TAIL_LINES = 5
 
 
 class RankFailure(Exception):
@@ -35,7 +34,9 @@ class LaunchPlan:
     env: dict[str, str]  # added to this process's environment for every rank
     log_dir: Path
     startup_timeout_s: float = 120.0  # until rank 0 reports its first step
-    stall_timeout_s: float = 60.0  # longest time between two progress lines
+    # longest time between two progress lines; under the trainer's collective timeout (60 s), so
+    # a stuck rank is reported as a stall rather than as its peers' failed all-reduce
+    stall_timeout_s: float = 45.0
     exit_timeout_s: float = 30.0  # after one rank finished, the others must exit within this
     trainer_module: str = "otel_straggler.demo.trainer"  # run as `python -m` in each rank
 

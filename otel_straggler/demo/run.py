@@ -1,7 +1,8 @@
-"""One demo run: the embedded detector, the ranks, the live view, then the summary and report.
+"""One demo run: the embedded detector, the ranks and the live view, until the ranks finish or
+one fails. The output folder:
 
     out/
-      report.html, *.png         the report (report.py)
+      report.html, *.png         the report, written afterwards (report.py)
       evidence/                  verdicts.jsonl, status.json (the detector); windows.jsonl, demo.json (the demo)
       ranks/rank-N.log           each rank's output
 """

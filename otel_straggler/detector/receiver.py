@@ -17,6 +17,10 @@ from otel_straggler.detector.pipeline import SpanPipeline
 
 RETRY_AFTER_S = 1  # what an overloaded detector tells exporters to wait before retrying
 
+# Ranks exporting straight to the detector (no collector) send their own metrics too; the
+# detector accepts and drops them, counted, so their exporters neither fail nor retry.
+OTHER_SIGNALS = ("metrics", "logs")
+
 
 class Result(enum.Enum):
     """Request results, also the `result` attribute of straggler.detector.requests."""
@@ -28,6 +32,7 @@ class Result(enum.Enum):
     UNAUTHENTICATED = "unauthenticated"
     TOO_LARGE = "too_large"
     UNSUPPORTED = "unsupported"  # content type or encoding
+    OTHER_SIGNAL = "other_signal"  # metrics or logs: accepted and dropped, see OTHER_SIGNALS
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,10 @@ class OtlpIntake:
     def refused(self, result: Result) -> None:
         """Counts a request turned away before export() (by the wire layer or by authorized())."""
         self.counters.add_request(result.value)
+
+    def other_signal(self) -> ExportOutcome:
+        """A metrics or logs export: nothing here reads it."""
+        return self._done(Result.OTHER_SIGNAL)
 
     def export(self, payload: bytes, is_json: bool) -> ExportOutcome:
         if not self._pipeline.has_room():

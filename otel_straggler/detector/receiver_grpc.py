@@ -17,12 +17,19 @@ import grpc
 from google.protobuf.any_pb2 import Any as AnyMessage
 from google.protobuf.duration_pb2 import Duration
 from google.rpc import code_pb2, error_details_pb2, status_pb2
+from opentelemetry.proto.collector.logs.v1 import logs_service_pb2
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from otel_straggler.detector.receiver import RETRY_AFTER_S, OtlpIntake, Result
 
 _SERVICE = trace_service_pb2.DESCRIPTOR.services_by_name["TraceService"]
 _Response = trace_service_pb2.ExportTraceServiceResponse
+# accepted and dropped (receiver.OTHER_SIGNALS): service -> its empty response
+_OTHER_SIGNALS = {
+    metrics_service_pb2.DESCRIPTOR.services_by_name["MetricsService"]: metrics_service_pb2.ExportMetricsServiceResponse,
+    logs_service_pb2.DESCRIPTOR.services_by_name["LogsService"]: logs_service_pb2.ExportLogsServiceResponse,
+}
 
 
 def _retry_info_metadata(message: str) -> tuple[tuple[str, bytes], ...]:
@@ -49,6 +56,11 @@ class OtlpGrpcReceiver:
         handler = grpc.unary_unary_rpc_method_handler(self._export, response_serializer=_Response.SerializeToString)
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(_SERVICE.full_name, {"Export": handler}),))
+        for service, response_type in _OTHER_SIGNALS.items():
+            other = grpc.unary_unary_rpc_method_handler(self._other_signal(response_type),
+                                                        response_serializer=response_type.SerializeToString)
+            self._server.add_generic_rpc_handlers(
+                (grpc.method_handlers_generic_handler(service.full_name, {"Export": other}),))
         target = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
         if tls_key_and_cert is None:
             self.port = self._server.add_insecure_port(target)
@@ -63,6 +75,15 @@ class OtlpGrpcReceiver:
     def stop(self, grace_s: float) -> None:
         """Refuses new calls at once and lets calls in progress finish for up to grace_s."""
         self._server.stop(grace_s).wait(grace_s + 1.0)
+
+    def _other_signal(self, response_type):
+        def export(request: bytes, context: grpc.ServicerContext):
+            if not self._intake.authorized(dict(context.invocation_metadata()).get("authorization")):
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+            self._intake.other_signal()
+            return response_type()
+
+        return export
 
     def _export(self, request: bytes, context: grpc.ServicerContext) -> trace_service_pb2.ExportTraceServiceResponse:
         metadata = dict(context.invocation_metadata())

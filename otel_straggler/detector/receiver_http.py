@@ -18,12 +18,16 @@ from typing import Optional
 
 from google.protobuf import json_format
 from google.rpc import code_pb2, status_pb2
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceResponse
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceResponse
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
 from otel_straggler.detector.decode import MalformedPayload
 from otel_straggler.detector.receiver import RETRY_AFTER_S, ExportOutcome, OtlpIntake, Result
 
 TRACES_PATH = "/v1/traces"
+# accepted and dropped (receiver.OTHER_SIGNALS), answered with their empty responses
+OTHER_SIGNAL_RESPONSES = {"/v1/metrics": ExportMetricsServiceResponse, "/v1/logs": ExportLogsServiceResponse}
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
 IDLE_CONNECTION_TIMEOUT_S = 15  # longer than an SDK exporter's 5 s between exports, so its connection is reused
@@ -81,7 +85,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's naming
         self.body_read = False
-        if self.path.split("?", 1)[0] != TRACES_PATH:
+        path = self.path.split("?", 1)[0]
+        if path != TRACES_PATH and path not in OTHER_SIGNAL_RESPONSES:
             self._no_such_endpoint()
             return
         intake = self.server.intake
@@ -126,6 +131,10 @@ class _Handler(BaseHTTPRequestHandler):
             intake.refused(Result.MALFORMED)
             self._fail(ExportOutcome(Result.MALFORMED, str(error)), is_json)
             return
+        if path in OTHER_SIGNAL_RESPONSES:
+            intake.other_signal()
+            self._reply(200, *_encode(OTHER_SIGNAL_RESPONSES[path](), is_json))
+            return
         outcome = intake.export(body, is_json)
         if outcome.result in (Result.OK, Result.PARTIAL):
             response = ExportTraceServiceResponse()
@@ -144,7 +153,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _no_such_endpoint(self) -> None:
         self.close_connection = True  # whatever body came with it is not read
-        if self.path.split("?", 1)[0] == TRACES_PATH:
+        path = self.path.split("?", 1)[0]
+        if path == TRACES_PATH or path in OTHER_SIGNAL_RESPONSES:
             self._reply(405, b"", "text/plain", {"Allow": "POST"})
         else:
             self._reply(404, b"", "text/plain")

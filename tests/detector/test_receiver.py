@@ -153,7 +153,7 @@ def test_wrong_paths_methods_types_and_encodings_get_their_http_codes(tmp_path):
     with running_service(service_config(tmp_path)) as service:
         port = service.bound_ports[1]
         body = request_bytes(stage_spans(0, 1))
-        assert post(port, body, path="/v1/metrics")[0] == 404
+        assert post(port, body, path="/v1/profiles")[0] == 404
         assert post(port, b"", method="GET")[0] == 405
         assert post(port, body, content_type="text/plain")[0] == 415
         assert post(port, body, headers={"Content-Encoding": "br"})[0] == 415

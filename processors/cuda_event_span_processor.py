@@ -27,17 +27,23 @@ from otel_straggler.processors.device_events import DeviceEventBackend
 
 
 class _HeldSpan:
-    __slots__ = ("span", "start_event", "end_event", "deadline")
+    __slots__ = ("span", "start_event", "end_event", "own_attributes", "deadline")
 
-    def __init__(self, span: ReadableSpan, start_event: Any, end_event: Any, deadline: float) -> None:
+    def __init__(self, span: ReadableSpan, start_event: Any, end_event: Any, own_attributes: Optional[dict],
+                 deadline: float) -> None:
         self.span = span
         self.start_event = start_event
         self.end_event = end_event
+        self.own_attributes = own_attributes
         self.deadline = deadline
 
 
-def with_attributes(span: ReadableSpan, extra: dict) -> ReadableSpan:
-    """An ended span is immutable in the SDK: forward a copy with the extra attributes."""
+def with_attributes(span: ReadableSpan, extra: dict, own_attributes: Optional[dict] = None) -> ReadableSpan:
+    """The span with the extra attributes: written into `own_attributes` when its maker handed
+    them over, else (an ended SDK span is immutable) a copy of the span."""
+    if own_attributes is not None:
+        own_attributes.update(extra)
+        return span
     attributes = dict(span.attributes or {})
     attributes.update(extra)
     return ReadableSpan(
@@ -73,7 +79,7 @@ class CudaEventSpanProcessor(SpanProcessor):
         self.poll_interval_s = poll_interval_s
         # Events usually come from an EventPool; this hands them back once read.
         self.release_event = release_event or (lambda event: None)
-        self._events_by_span_id: dict[int, tuple[Any, Any]] = {}
+        self._events_by_span_id: dict[int, tuple[Any, Any, Optional[dict]]] = {}
         self._held: collections.deque[_HeldSpan] = collections.deque()
         self._wake = threading.Event()
         self._shutdown = False
@@ -83,9 +89,14 @@ class CudaEventSpanProcessor(SpanProcessor):
 
     # -- SpanProcessor lifecycle -------------------------------------------------------------
 
-    def attach_device_events(self, span: Span, start_event: Any, end_event: Any) -> None:
-        """Marks a not-yet-ended span as timed by this event pair on the device."""
-        self._events_by_span_id[span.get_span_context().span_id] = (start_event, end_event)
+    def attach_device_events(self, span: Span, start_event: Any, end_event: Any,
+                             own_attributes: Optional[dict] = None) -> None:
+        """Marks a not-yet-ended span as timed by this event pair on the device.
+
+        `own_attributes`: the dict behind the span's attributes, from a caller that made the
+        span itself and hands it over: the device attributes are then written into it rather
+        than into a copy of the span."""
+        self._events_by_span_id[span.get_span_context().span_id] = (start_event, end_event, own_attributes)
 
     def on_start(self, span: Span, parent_context: Optional[Context] = None) -> None:
         try:
@@ -103,12 +114,13 @@ class CudaEventSpanProcessor(SpanProcessor):
                 if events is not None:
                     reason = "processor_shut_down" if self._shutdown else "processor_full"
                     self.counters[reason] += 1
-                    self._give_back(events)
-                    span = with_attributes(span, _unavailable(reason))
+                    self._give_back(events[:2])
+                    span = with_attributes(span, _unavailable(reason), events[2])
                 self._forward(span)
                 return
-            start_event, end_event = events if events is not None else (None, None)
-            self._held.append(_HeldSpan(span, start_event, end_event, time.monotonic() + self.readout_timeout_s))
+            start_event, end_event, own_attributes = events if events is not None else (None, None, None)
+            self._held.append(_HeldSpan(span, start_event, end_event, own_attributes,
+                                        time.monotonic() + self.readout_timeout_s))
             self._wake.set()
         except Exception:  # never raise into the span's owner
             self.counters["internal_error"] += 1
@@ -169,7 +181,7 @@ class CudaEventSpanProcessor(SpanProcessor):
                     return  # front still running on the device: everything behind it waits
             # Forwarded before it leaves the queue: while it is still there, a span ending
             # meanwhile queues up behind it instead of overtaking it in on_end.
-            self._forward(held.span if extra is None else with_attributes(held.span, extra))
+            self._forward(held.span if extra is None else with_attributes(held.span, extra, held.own_attributes))
             self._held.popleft()
 
     def _read(self, held: _HeldSpan, give_up: bool) -> Optional[dict]:

@@ -22,7 +22,7 @@ from otel_straggler import contract
 from otel_straggler.instrumentation import identity
 from otel_straggler.instrumentation.exporting import CountingSpanExporter, span_exporter, start_rank_metrics
 from otel_straggler.instrumentation.recorder import IntervalRecorder
-from otel_straggler.instrumentation.span_builder import DerivedIdGenerator, SpanBuilder
+from otel_straggler.instrumentation.span_builder import DerivedIdGenerator, ProcessorSpans, SpanBuilder, TracerSpans
 from otel_straggler.processors.cuda_event_span_processor import CudaEventSpanProcessor
 from otel_straggler.processors.device_events import EventPool, make_backend
 
@@ -34,20 +34,29 @@ _IDENTITY_KEYS_ON_SPANS = (contract.JOB_ID, contract.RANK, contract.COHORT, cont
 class CountingBatchSpanProcessor(BatchSpanProcessor):
     """The SDK's BatchSpanProcessor, counting the spans it drops because its queue is full
     (the SDK only logs them), shutting down by a given deadline, and counting what it
-    leaves unexported then (the SDK drops that silently)."""
+    leaves unexported then (the SDK drops that silently). With a CountingSpanExporter that
+    can `prewrite`, spans wait in the queue already encoded (SpanEncoder.prewrite says why)."""
 
     def __init__(self, exporter, **kwargs: Any) -> None:
         super().__init__(exporter, **kwargs)
         self.dropped_queue_full = 0
         self.unexported_at_shutdown = 0
         self.shutdown_deadline: Optional[float] = None  # time.monotonic(); None: the SDK's 30 s
+        self._prewrite = getattr(exporter, "prewrite", None)
 
     def on_end(self, span) -> None:
         batch = getattr(self, "_batch_processor", None)
         queue = getattr(batch, "_queue", None)
         if queue is not None and queue.maxlen is not None and len(queue) >= queue.maxlen:
             self.dropped_queue_full += 1
-        super().on_end(span)
+        if self._prewrite is None or batch is None or not (span.context and span.context.trace_flags.sampled):
+            super().on_end(span)
+            return
+        try:
+            item = self._prewrite(span)
+        except Exception:
+            item = span  # the exporter encodes it then
+        batch.emit(item)
 
     def shutdown(self) -> None:
         batch = getattr(self, "_batch_processor", None)
@@ -130,32 +139,41 @@ class RankPipeline:
             return self.builder
         # Re-read identity now: parallel state may have been set up since configure().
         attributes = {**identity.discover(self.options), **self.attributes}
-        ids = DerivedIdGenerator()
+        attach = self.device_processor.attach_device_events if self.device_processor else None
         extra: dict = {}
         if self.user_provider is None:
-            provider = TracerProvider(resource=Resource.create(attributes), id_generator=ids, sampler=ALWAYS_ON)
+            provider = TracerProvider(resource=Resource.create(attributes), sampler=ALWAYS_ON)
             processor = self.device_processor or self.batch_processor
-            provider.add_span_processor(processor)
+            provider.add_span_processor(processor)  # for flush and shutdown
             self.provider = provider
+            if ProcessorSpans.applies(provider):
+                spans = ProcessorSpans(processor, provider.resource, _SCOPE, attach)
+            else:
+                spans = self._tracer_spans(provider, attach)
             if self.options["export_metrics"]:
                 self.metrics_provider = start_rank_metrics(self.status_of_recorder, provider.resource,
                                                            self.endpoint, self.protocol)
         else:
             provider = self.user_provider
-            if hasattr(provider, "id_generator"):
-                ids.fallback = provider.id_generator
-                provider.id_generator = ids
+            spans = self._tracer_spans(provider, attach)
             extra = {key: attributes[key] for key in _IDENTITY_KEYS_ON_SPANS if key in attributes}
             self.provider = provider
         self.attributes = attributes
-        tracer = provider.get_tracer(_SCOPE)
         self.builder = SpanBuilder(
-            self.recorder, tracer, ids, str(attributes.get(contract.JOB_ID, "")),
-            attach_device_events=self.device_processor.attach_device_events if self.device_processor else None,
-            release_event=self._release_event,
+            self.recorder, spans, str(attributes.get(contract.JOB_ID, "")),
+            device_timing=self.device_processor is not None, release_event=self._release_event,
             extra_attributes=extra,
         )
         return self.builder
+
+    @staticmethod
+    def _tracer_spans(provider: Any, attach) -> TracerSpans:
+        """Spans through the provider's Tracer, with our derived ids in front of its id generator."""
+        ids = DerivedIdGenerator()
+        if hasattr(provider, "id_generator"):
+            ids.fallback = provider.id_generator
+            provider.id_generator = ids
+        return TracerSpans(provider.get_tracer(_SCOPE), ids, attach)
 
     # -- builder thread ------------------------------------------------------------------------
 

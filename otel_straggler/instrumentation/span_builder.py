@@ -4,6 +4,10 @@ Every span of step N, on every rank, lands in one trace whose id is derived from
 (training.job.id, N) (CONTRACT §2), under that rank's `train.step` span. Span ids are derived
 too (from a per-process salt and the interval id), so a child can name its parent before the
 parent has ended: spans are built in completion order, children first, with no buffering.
+
+On a user's TracerProvider spans go through its Tracer (TracerSpans); on the rank's own
+provider they are made directly as ended spans for its processor chain (ProcessorSpans), the
+same spans at a fraction of the background thread's time.
 """
 from __future__ import annotations
 
@@ -14,7 +18,12 @@ import threading
 from typing import Any, Callable, Optional
 
 from opentelemetry import trace as trace_api
+from opentelemetry.attributes import BoundedAttributes
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from otel_straggler import contract
 from otel_straggler.instrumentation import stage_names
@@ -81,28 +90,94 @@ def workload_value(value: Any) -> Optional[int]:
         return None
 
 
-class SpanBuilder:
-    """Turns an IntervalRecorder's records into spans; called from the pipeline's thread.
+class TracerSpans:
+    """Spans started and ended through a Tracer (on a user's TracerProvider), so that its
+    sampler, span limits and processors all apply; ids come through the DerivedIdGenerator."""
 
-    `attach_device_events` is the CudaEventSpanProcessor's hook (None when device timing is
-    off); `release_event` returns events to the pool when an interval cannot be device-timed.
-    """
+    def __init__(self, tracer: trace_api.Tracer, ids: DerivedIdGenerator,
+                 attach_device_events: Optional[Callable[[Any, Any, Any], None]] = None) -> None:
+        self.tracer = tracer
+        self.ids = ids
+        self.attach_device_events = attach_device_events
+
+    def emit(self, name: str, trace_id: Optional[int], span_id: int, parent_span_id: Optional[int],
+             attributes: dict, start_ns: int, end_ns: int, device_events: Optional[tuple]) -> None:
+        if parent_span_id is None:
+            self.ids.choose(span_id, trace_id)  # a root: of the step's trace, or a new one when None
+            context = trace_api.Context()
+        else:
+            self.ids.choose(span_id)
+            parent = trace_api.SpanContext(trace_id, parent_span_id, is_remote=False, trace_flags=_SAMPLED)
+            context = trace_api.set_span_in_context(trace_api.NonRecordingSpan(parent))
+        span = self.tracer.start_span(name, context=context, attributes=attributes, start_time=start_ns)
+        if device_events is not None:
+            self.attach_device_events(span, *device_events)
+        span.end(end_time=end_ns)
+
+
+class ProcessorSpans:
+    """Spans made as ended ReadableSpans and handed straight to our own provider's processor
+    chain: what its Tracer would make (sampler ALWAYS_ON, default span limits) without the
+    per-span sampler call, attribute cleaning and live Span object, which cost several times
+    more. Used only where that holds (`applies()`)."""
+
+    _PLAIN_VALUES = (str, bool, int, float)
+
+    def __init__(self, processor: SpanProcessor, resource: Resource, scope_name: str,
+                 attach_device_events: Optional[Callable[[Any, Any, Any], None]] = None) -> None:
+        self.processor = processor
+        self.resource = resource
+        self.scope = InstrumentationScope(scope_name)
+        self.attach_device_events = attach_device_events
+        self._random_ids = RandomIdGenerator()
+
+    @staticmethod
+    def applies(provider: TracerProvider) -> bool:
+        """Only for a provider whose Tracer would keep every span and every attribute unchanged."""
+        limits = SpanLimits()  # what the provider read from OTEL_*_LIMIT too
+        return (provider.sampler is ALWAYS_ON and limits.max_span_attribute_length is None
+                and (limits.max_span_attributes is None or limits.max_span_attributes >= 64))
+
+    def emit(self, name: str, trace_id: Optional[int], span_id: int, parent_span_id: Optional[int],
+             attributes: dict, start_ns: int, end_ns: int, device_events: Optional[tuple]) -> None:
+        if trace_id is None:
+            trace_id = self._random_ids.generate_trace_id()
+        plain = self._PLAIN_VALUES
+        if not all(type(value) in plain for value in attributes.values()):
+            # an odd value (a user's step number of some other type): kept as the SDK would keep it
+            attributes = BoundedAttributes(attributes=attributes, immutable=False)
+        span = ReadableSpan(
+            name=name,
+            context=trace_api.SpanContext(trace_id, span_id, is_remote=False, trace_flags=_SAMPLED),
+            parent=None if parent_span_id is None else trace_api.SpanContext(
+                trace_id, parent_span_id, is_remote=False, trace_flags=_SAMPLED),
+            resource=self.resource, attributes=attributes, start_time=start_ns, end_time=end_ns,
+            instrumentation_scope=self.scope,
+        )
+        if device_events is not None:  # the span and its attributes are the processor's from here
+            self.attach_device_events(span, *device_events, attributes)
+        self.processor.on_end(span)
+
+
+class SpanBuilder:
+    """Turns an IntervalRecorder's records into spans, emitted through `spans` (TracerSpans or
+    ProcessorSpans); called from the pipeline's thread. `device_timing` says whether intervals
+    are meant to carry device events; `release_event` returns events to the pool when an
+    interval cannot be device-timed."""
 
     def __init__(
         self,
         recorder: IntervalRecorder,
-        tracer: trace_api.Tracer,
-        ids: DerivedIdGenerator,
+        spans: Any,
         job_id: str,
-        attach_device_events: Optional[Callable[[Any, Any, Any], None]] = None,
+        device_timing: bool = False,
         release_event: Optional[Callable[[Any], None]] = None,
         extra_attributes: Optional[dict] = None,
     ) -> None:
         self.recorder = recorder
-        self.tracer = tracer
-        self.ids = ids
+        self.spans = spans
         self.job_id = job_id
-        self.attach_device_events = attach_device_events
+        self.device_timing = device_timing
         self.release_event = release_event or (lambda event: None)
         self.extra_attributes = extra_attributes or {}
         self.counters = {"spans_built": 0, "steps_built": 0, "pool_exhausted": 0, "build_errors": 0}
@@ -111,6 +186,7 @@ class SpanBuilder:
         self._step_salt = salt ^ 0x5DEECE66D5DEECE6
         self._open_step: Optional[tuple] = None  # (step, start_ns, tokens, samples)
         self._last_end_ns = 0
+        self._trace_of_step: tuple = (None, 0)  # (step, its trace id): spans come step by step
 
     def build_pending(self, close_open_step: bool = False) -> None:
         """Builds every record queued so far; `close_open_step` ends the running step's span
@@ -132,12 +208,12 @@ class SpanBuilder:
         if close_open_step and self._open_step is not None:
             self._close_step(max(self._last_end_ns, self._open_step[1]))
 
-    def _step_context(self, step: int) -> trace_api.Context:
-        parent = trace_api.SpanContext(
-            trace_id_for_step(self.job_id, step), _mix64(self._step_salt + step),
-            is_remote=False, trace_flags=_SAMPLED,
-        )
-        return trace_api.set_span_in_context(trace_api.NonRecordingSpan(parent))
+    def _trace_id(self, step: Any) -> int:
+        last_step, trace_id = self._trace_of_step
+        if last_step is None or type(last_step) is not type(step) or last_step != step:
+            trace_id = trace_id_for_step(self.job_id, step)
+            self._trace_of_step = (step, trace_id)
+        return trace_id
 
     def _close_step(self, end_ns: int) -> None:
         if self._open_step is None:
@@ -149,10 +225,8 @@ class SpanBuilder:
             value = workload_value(value)
             if value is not None:
                 attributes[key] = value
-        self.ids.choose(_mix64(self._step_salt + step), trace_id_for_step(self.job_id, step))
-        span = self.tracer.start_span(contract.STEP_SPAN_NAME, context=trace_api.Context(),
-                                      attributes=attributes, start_time=start_ns)
-        span.end(end_time=max(end_ns, start_ns))
+        self.spans.emit(contract.STEP_SPAN_NAME, self._trace_id(step), _mix64(self._step_salt + step), None,
+                        attributes, start_ns, max(end_ns, start_ns), None)
         self.counters["steps_built"] += 1
 
     def _build_interval(self, record: tuple) -> None:
@@ -172,9 +246,9 @@ class SpanBuilder:
             value = workload_value(value)
             if value is not None:
                 attributes[key] = value
-        device_timed = start_event is not None and end_event is not None
-        if not device_timed:
-            if self.attach_device_events is None:
+        device_events = (start_event, end_event) if start_event is not None and end_event is not None else None
+        if device_events is None:
+            if not self.device_timing:
                 attributes[contract.TIMING] = contract.TIMING_HOST_ONLY
                 attributes[contract.TIMING_REASON] = "no_cuda"
             else:
@@ -184,21 +258,12 @@ class SpanBuilder:
                 if start_event is not None:
                     self.release_event(start_event)
 
-        if step is None:
-            context = trace_api.Context()  # before the first step(): a root span of its own
-        elif parent_id:
-            context = self._interval_context(step, parent_id)
+        span_id = _mix64(self._interval_salt + interval_id)
+        if step is None:  # before the first step(): a root span of its own trace
+            self.spans.emit(name, None, span_id, None, attributes, start_ns, end_ns, device_events)
         else:
-            context = self._step_context(step)
-        self.ids.choose(_mix64(self._interval_salt + interval_id))
-        span = self.tracer.start_span(name, context=context, attributes=attributes, start_time=start_ns)
-        if device_timed:
-            self.attach_device_events(span, start_event, end_event)
-        span.end(end_time=end_ns)
+            parent_span_id = _mix64(self._interval_salt + parent_id) if parent_id else _mix64(self._step_salt + step)
+            self.spans.emit(name, self._trace_id(step), span_id, parent_span_id, attributes, start_ns, end_ns,
+                            device_events)
         self._last_end_ns = max(self._last_end_ns, end_ns)
         self.counters["spans_built"] += 1
-
-    def _interval_context(self, step: int, parent_id: int) -> trace_api.Context:
-        parent = trace_api.SpanContext(trace_id_for_step(self.job_id, step), _mix64(self._interval_salt + parent_id),
-                                       is_remote=False, trace_flags=_SAMPLED)
-        return trace_api.set_span_in_context(trace_api.NonRecordingSpan(parent))

@@ -26,15 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from otel_straggler import contract  # noqa: E402
 from otel_straggler.detector.config import DetectorConfig  # noqa: E402
 from otel_straggler.detector.engine import Engine  # noqa: E402
-from tests.detector.synthetic import Stage, SyntheticJob  # noqa: E402
-
-STAGES = (
-    Stage("data-load", 20.0, device=False),
-    Stage("forward-compute", 300.0),
-    Stage("backward-compute", 600.0),
-    Stage("all-grads-sync", 80.0, collective=True),
-    Stage("optimizer", 40.0),
-)
+from tests.detector.synthetic import LARGE_MODEL_STAGES as STAGES, SyntheticJob  # noqa: E402
 QUANTILES = {"median (default)": 0.5, "25th percentile": 0.25, "fastest peer": 0.0}
 STEP_NS = 100_000_000
 

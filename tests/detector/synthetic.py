@@ -36,6 +36,15 @@ TRAINING_STAGES = (
     Stage("optimizer", 6.0),
 )
 
+# a ~1 s step of a larger model: the absolute floor (5 ms) is then far below 5% of every big stage
+LARGE_MODEL_STAGES = (
+    Stage("data-load", 20.0, device=False),
+    Stage("forward-compute", 300.0),
+    Stage("backward-compute", 600.0),
+    Stage("all-grads-sync", 80.0, collective=True),
+    Stage("optimizer", 40.0),
+)
+
 # ten stages, for the throughput benchmark
 TEN_STAGES = tuple(Stage(f"stage-{index}", 2.0 + index) for index in range(9)) + (
     Stage("all-grads-sync", 5.0, collective=True),)

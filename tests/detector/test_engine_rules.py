@@ -17,18 +17,10 @@ from otel_straggler.detector.engine import Engine
 from otel_straggler.detector.observation import Observation
 from otel_straggler.detector.peer_reference import peer_references
 
-from .synthetic import TRAINING_STAGES, Stage, SyntheticJob
+from .synthetic import LARGE_MODEL_STAGES, TRAINING_STAGES, Stage, SyntheticJob
 
 START_NS = 1_700_000_000_000_000_000
 STEP_NS = 100_000_000  # the caller's clock moves 0.1 s per step fed
-# a ~1 s step of a larger model: the absolute floor (5 ms) is then far below 5% of every big stage
-LARGE_MODEL_STAGES = (
-    Stage("data-load", 20.0, device=False),
-    Stage("forward-compute", 300.0),
-    Stage("backward-compute", 600.0),
-    Stage("all-grads-sync", 80.0, collective=True),
-    Stage("optimizer", 40.0),
-)
 
 
 def feed(engine: Engine, observations: list[Observation], chunk: int) -> list:

@@ -15,6 +15,7 @@ cannot be held (`max_pending` spans) is forwarded at once as `device_unavailable
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -110,6 +111,13 @@ class CudaEventSpanProcessor(SpanProcessor):
             if events is None and not self._held:
                 self._forward(span)
                 return
+            if events is not None and not self._held and not self._shutdown:
+                # Nothing waits ahead of it and its events may be done already (they usually
+                # are by the time spans are built): then it goes on now, without the worker.
+                extra = self._read(events[0], events[1], deadline=math.inf, give_up=False)
+                if extra is not None:
+                    self._forward(with_attributes(span, extra, events[2]))
+                    return
             if self._shutdown or len(self._held) >= self.max_pending:
                 if events is not None:
                     reason = "processor_shut_down" if self._shutdown else "processor_full"
@@ -176,7 +184,7 @@ class CudaEventSpanProcessor(SpanProcessor):
             if held.end_event is None:
                 extra = None
             else:
-                extra = self._read(held, give_up)
+                extra = self._read(held.start_event, held.end_event, held.deadline, give_up)
                 if extra is None:
                     return  # front still running on the device: everything behind it waits
             # Forwarded before it leaves the queue: while it is still there, a span ending
@@ -184,14 +192,16 @@ class CudaEventSpanProcessor(SpanProcessor):
             self._forward(held.span if extra is None else with_attributes(held.span, extra, held.own_attributes))
             self._held.popleft()
 
-    def _read(self, held: _HeldSpan, give_up: bool) -> Optional[dict]:
+    def _read(self, start_event: Any, end_event: Any, deadline: float, give_up: bool) -> Optional[dict]:
+        """The device attributes of an event pair; None while it is still running on the device
+        and `deadline` (time.monotonic()) is ahead, unless told to give up."""
         try:
-            if self.backend.query(held.end_event) and self.backend.query(held.start_event):
-                duration_ms = float(self.backend.elapsed_ms(held.start_event, held.end_event))
-                self._give_back((held.start_event, held.end_event))
+            if self.backend.query(end_event) and self.backend.query(start_event):
+                duration_ms = float(self.backend.elapsed_ms(start_event, end_event))
+                self._give_back((start_event, end_event))
                 self.counters["device_timed"] += 1
                 return {contract.TIMING: contract.TIMING_DEVICE, contract.DEVICE_DURATION_MS: duration_ms}
-            if give_up or time.monotonic() >= held.deadline:
+            if give_up or time.monotonic() >= deadline:
                 reason = "readout_timeout"
             else:
                 return None

@@ -1,0 +1,254 @@
+"""Training overhead of the instrumentation: ON against OFF, in paired runs, on two workloads.
+
+    python benchmarks/overhead.py [--quick] [--json overhead.json] [--nice N]
+
+Arms (benchmarks/demo_training.py runs them; same code, same seeds, only the switch differs):
+  OFF  the library is not configured: ots.step()/ots.stage() are no-ops
+  ON   the full path: stages, fake device events, span building, batching, OTLP/gRPC export
+       to a live detector (DetectorService on 127.0.0.1, started here, in this process)
+Workloads:
+  loop-50ms    one process, torch.set_num_threads(1), the demo's MLP sized to about 50 ms a
+               step, four stages per step (no all-reduce)
+  ddp-4-ranks  the demo's job: 4 gloo ranks as 4 processes (on however many cores there are),
+               five stages per step including the gradient all-reduce. A rank's step time is
+               its own host time per step; the arm's figure is the mean over the 4 ranks
+               (rank-mean, the primary figure); the slowest rank's mean is reported too.
+The protocol (paired_protocol.py) is fixed below, before any run, and printed with the result;
+the pairs of a workload all run in the same processes, one after another. Also measured in
+the same run, to explain the figure: CPU time of the background threads per step (ON minus
+OFF, and the library's own threads by name), the detector's CPU per step, garbage collections
+per step, and the hot path per step (intervals per step x ns per interval, from
+benchmarks/hot_path.py in the single-process run). The machine is shared: the load average is
+printed with the result, and --nice can put the benchmark ahead of other processes.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from paired_protocol import OFF, ON, TARGET_CI_HIGH_PCT, TARGET_POINT_PCT, Protocol, summarize
+
+from otel_straggler.detector.config import DetectorConfig
+from otel_straggler.detector.service import DetectorService
+
+HARNESS = Path(__file__).resolve().parent / "demo_training.py"
+# The library's own threads on a rank: its builder and device-timing threads, and the SDK
+# BatchSpanProcessor's worker that encodes and exports.
+LIBRARY_THREAD_PREFIXES = ("otel-straggler-", "OtelBatchSpanRecordProcessor")
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    world_size: int
+    hidden: int
+    batch_size: int
+    stages_per_step: int
+    protocol: Protocol
+    quick: Protocol
+
+
+WORKLOADS = (
+    Workload("loop-50ms", world_size=1, hidden=1024, batch_size=256, stages_per_step=4,
+             protocol=Protocol(pairs=16, warmup_steps=5, steps_per_arm=60),
+             quick=Protocol(pairs=2, warmup_steps=2, steps_per_arm=8)),
+    Workload("ddp-4-ranks", world_size=4, hidden=1024, batch_size=128, stages_per_step=5,
+             protocol=Protocol(pairs=12, warmup_steps=5, steps_per_arm=40),
+             quick=Protocol(pairs=2, warmup_steps=2, steps_per_arm=6)),
+)
+HOT_PATH_INTERVALS = {False: 20_000, True: 2_000}  # by --quick
+
+
+def run_workload(workload: Workload, protocol: Protocol, endpoint: str, out_dir: Path, hot_path_intervals: int) -> list[dict]:
+    command = [sys.executable, str(HARNESS), "--schedule", ",".join(protocol.schedule()),
+               "--warmup", str(protocol.warmup_steps), "--steps", str(protocol.steps_per_arm),
+               "--world-size", str(workload.world_size), "--hidden", str(workload.hidden),
+               "--batch-size", str(workload.batch_size), "--endpoint", endpoint,
+               "--job-prefix", f"overhead-{workload.name}", "--out", str(out_dir)]
+    if hot_path_intervals:
+        command += ["--hot-path-intervals", str(hot_path_intervals)]
+    subprocess.run(command, check=True)
+    return [json.loads((out_dir / f"rank-{rank}.json").read_text()) for rank in range(workload.world_size)]
+
+
+def background_cpu_ns(arm: dict) -> int:
+    """Every thread but the training thread's steps: background threads, threads that ended
+    meanwhile, and the final flush (which the training thread runs)."""
+    return arm["process_cpu_ns"] - arm["training_thread_cpu_ns"]
+
+
+def library_threads_cpu_ns(arm: dict) -> int:
+    return sum(cpu for name, cpu in arm["thread_cpu_ns"].items() if name.startswith(LIBRARY_THREAD_PREFIXES))
+
+
+def analyze(workload: Workload, protocol: Protocol, ranks: list[dict], detector_cpu_ns: int, hot_path: dict) -> dict:
+    schedule = protocol.schedule()
+    arms_by_rank = [rank["arms"] for rank in ranks]
+    rank_means = [[statistics.mean(arms[index]["step_s"]) for arms in arms_by_rank] for index in range(len(schedule))]
+    arm_means = [statistics.mean(means) for means in rank_means]
+    arm_medians = [statistics.mean(statistics.median(arms[index]["step_s"]) for arms in arms_by_rank)
+                   for index in range(len(schedule))]
+    step_s = {arm: statistics.mean(mean for mean, name in zip(arm_means, schedule) if name == arm) for arm in (OFF, ON)}
+
+    def per_step_ms(arm_name: str, measure) -> float:
+        """Mean over the arms of that name and over ranks of a CPU figure per measured step, in ms."""
+        return statistics.mean(measure(arms[index]) / protocol.steps_per_arm / 1e6
+                               for index, name in enumerate(schedule) if name == arm_name for arms in arms_by_rank)
+
+    background = {arm: per_step_ms(arm, background_cpu_ns) for arm in (OFF, ON)}
+    library_threads = per_step_ms(ON, library_threads_cpu_ns)
+    training_thread = {arm: per_step_ms(arm, lambda record: record["training_thread_cpu_ns"]) for arm in (OFF, ON)}
+    gc_per_1000_steps = {arm: [1000 * statistics.mean(arms[index]["gc_collections"][generation] / protocol.steps_per_arm
+                                                      for index, name in enumerate(schedule) if name == arm
+                                                      for arms in arms_by_rank) for generation in range(3)]
+                         for arm in (OFF, ON)}
+    on_steps = schedule.count(ON) * (protocol.warmup_steps + protocol.steps_per_arm)
+    intervals_per_step = workload.stages_per_step + 1  # the step() mark counted as one more interval
+    hot_path_ms = intervals_per_step * hot_path["ns_per_interval"] / 1e6
+    reference = [(arms[0]["losses"], arms[0]["state_sha256"]) for arms in arms_by_rank]
+    identical = all((arm["losses"], arm["state_sha256"]) == reference[rank]
+                    for rank, arms in enumerate(arms_by_rank) for arm in arms)
+    lost = [sum(arm["status"]["lost"].values()) for arms in arms_by_rank for arm in arms if arm["status"]]
+    return {
+        "workload": {"world_size": workload.world_size, "hidden": workload.hidden, "batch_size": workload.batch_size,
+                     "stages_per_step": workload.stages_per_step},
+        "protocol": protocol.as_dict(), "schedule": schedule, "arm_mean_step_s": arm_means,
+        "rank_mean_step_s": rank_means,
+        "overhead_rank_mean": summarize(protocol, arm_means),
+        "overhead_slowest_rank": summarize(protocol, [max(means) for means in rank_means]),
+        # secondary, robust to the odd step stalled by another process: medians instead of means
+        "overhead_medians": summarize(protocol, arm_medians),
+        "step_ms": {arm: seconds * 1e3 for arm, seconds in step_s.items()},
+        "background_cpu_ms_per_step": background,
+        "extra_background_cpu_ms_per_step": background[ON] - background[OFF],
+        "library_threads_cpu_ms_per_step": library_threads,
+        "training_thread_cpu_ms_per_step": training_thread,
+        "gc_collections_per_1000_steps": gc_per_1000_steps,
+        # the detector runs in this process, which otherwise only waits
+        "detector_cpu_ms_per_step": detector_cpu_ns / on_steps / 1e6,
+        "hot_path": {**hot_path, "intervals_per_step": intervals_per_step, "ms_per_step": hot_path_ms,
+                     "pct_of_step": 100 * hot_path_ms / (step_s[OFF] * 1e3)},
+        "losses_and_state_identical_across_arms": identical,
+        "spans_lost": sum(lost),
+    }
+
+
+def print_report(report: dict) -> None:
+    machine = report["machine"]
+    print(f"\notel-straggler training overhead, ON vs OFF — {report['date']}, {machine['cores']} cores"
+          f" ({machine['processor']}), python {machine['python']}, torch {machine['torch']},"
+          f" load average {machine['load_before'][0]:.1f} before / {machine['load_after'][0]:.1f} after,"
+          f" niceness {report['niceness']}")
+    print(f"target: mean < {TARGET_POINT_PCT}% and 95% CI upper bound < {TARGET_CI_HIGH_PCT}%")
+    if report["quick"]:
+        print("--quick: a smoke run of the machinery; its figures are not a result")
+    for name, result in report["workloads"].items():
+        print(f"\n{name}: {Protocol(**result['protocol']).describe()}")
+    print(f"\n{'workload':34} {'OFF ms/step':>11} {'ON ms/step':>11} {'overhead %':>11} {'95% CI %':>18} {'target':>11}")
+    for name, result in report["workloads"].items():
+        ranks = result["workload"]["world_size"] > 1
+        figures = [("rank-mean" if ranks else "mean", result["overhead_rank_mean"])]
+        if ranks:
+            figures.append(("slowest rank", result["overhead_slowest_rank"]))
+        figures.append(("medians, secondary", result["overhead_medians"]))
+        for label, summary in figures:
+            low, high = summary["ci95_pct"]
+            title = f"{name} ({label})"
+            print(f"{title:34} {result['step_ms'][OFF]:11.2f} {result['step_ms'][ON]:11.2f} {summary['mean_pct']:+11.3f}"
+                  f" {f'[{low:+.3f}, {high:+.3f}]':>18} {summary['verdict']:>11}")
+    print(f"\n{'where the time goes, per step':28} {'hot path':>14} {'library thr.':>13} {'bg CPU ON-OFF':>14}"
+          f" {'detector CPU':>13} {'train thr. CPU ON-OFF':>22}")
+    for name, result in report["workloads"].items():
+        hot, step_ms = result["hot_path"], result["step_ms"][OFF]
+        main = result["training_thread_cpu_ms_per_step"]
+        cells = [hot["ms_per_step"], result["library_threads_cpu_ms_per_step"],
+                 result["extra_background_cpu_ms_per_step"], result["detector_cpu_ms_per_step"]]
+        print(f"{name + ' (ms, % of step)':28}" + "".join(
+            f" {f'{value:.3f} ({100 * value / step_ms:.2f}%)':>{width}}" for value, width in zip(cells, (14, 13, 14, 13)))
+            + f" {f'{main[ON] - main[OFF]:+.3f}':>22}")
+    print("\nper-pair estimates (%):")
+    for name, result in report["workloads"].items():
+        print(f"  {name}: " + " ".join(f"{value:+.2f}" for value in result["overhead_rank_mean"]["per_pair_pct"]))
+    for name, result in report["workloads"].items():
+        print(f"{name}: losses and final state bit-identical in every arm: "
+              f"{'yes' if result['losses_and_state_identical_across_arms'] else 'NO'}; spans lost: {result['spans_lost']};"
+              f" hot path {result['hot_path']['ns_per_interval']:.0f} ns/interval x {result['hot_path']['intervals_per_step']};"
+              f" GC collections per 1000 steps by generation OFF {_rounded(result['gc_collections_per_1000_steps'][OFF])}"
+              f" ON {_rounded(result['gc_collections_per_1000_steps'][ON])}")
+
+
+def _rounded(values: list[float]) -> list[float]:
+    return [round(value, 1) for value in values]
+
+
+def detector_idle_cpu_per_s(seconds: float = 3.0) -> float:
+    """CPU ns per second this process spends with the detector running and no spans coming in
+    (its timers: windows closed by the clock, evidence flushed)."""
+    before = time.process_time_ns()
+    time.sleep(seconds)
+    return (time.process_time_ns() - before) / seconds
+
+
+def machine() -> dict:
+    import torch
+
+    return {"cores": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version(), "torch": torch.__version__, "load_before": os.getloadavg()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 2 short pairs per workload")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--nice", type=int, default=0,
+                        help="run the detector and the workloads (both arms alike) at this niceness; negative puts"
+                             " them ahead of other processes on a shared machine (needs root)")
+    args = parser.parse_args(argv)
+    if args.nice:
+        os.nice(args.nice)  # inherited by the workload processes
+    report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "machine": machine(),
+              "quick": args.quick, "niceness": os.getpriority(os.PRIO_PROCESS, 0), "workloads": {}}
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="overhead-") as scratch:
+        detector = DetectorService(DetectorConfig(grpc_port=0, http_port=0, evidence_dir=os.path.join(scratch, "evidence"),
+                                                  export_metrics=False))
+        detector.start()
+        endpoint = f"127.0.0.1:{detector.bound_ports[0]}"
+        hot_path = None
+        try:
+            idle_cpu_per_s = detector_idle_cpu_per_s()
+            report["detector_idle_cpu_ms_per_s"] = idle_cpu_per_s / 1e6
+            for workload in WORKLOADS:
+                protocol = workload.quick if args.quick else workload.protocol
+                print(f"{workload.name}: {protocol.describe()}", flush=True)
+                cpu_before, wall_before = time.process_time_ns(), time.monotonic()
+                ranks = run_workload(workload, protocol, endpoint, Path(scratch) / workload.name,
+                                     HOT_PATH_INTERVALS[args.quick] if hot_path is None else 0)
+                # what the detector spent on the ranks' spans: its CPU beyond its idle rate
+                detector_cpu_ns = (time.process_time_ns() - cpu_before) - idle_cpu_per_s * (time.monotonic() - wall_before)
+                hot_path = hot_path or ranks[0]["hot_path"]
+                report["workloads"][workload.name] = analyze(workload, protocol, ranks, detector_cpu_ns, hot_path)
+            report["detector"] = {key: detector.status().get(key) for key in ("spans", "errors")}
+        finally:
+            detector.stop()
+    report["machine"]["load_after"] = os.getloadavg()
+    report["wall_s"] = time.monotonic() - started
+    print_report(report)
+    print(f"\nwall time {report['wall_s']:.0f} s; detector intake: {report['detector']['spans']}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""The paired ON/OFF protocol of the overhead benchmark, and its estimator: pure logic, no timing.
+
+A protocol is fixed before any run: how many pairs, the warm-up steps discarded in every arm,
+the steps measured per arm, and the bootstrap. Pairs alternate their order (AB, BA, AB, ...) so
+that a drift of the machine during a pair falls on ON as often as on OFF. The estimate of one
+pair is 100 x (mean ON step time / mean OFF step time - 1); the result is the mean over pairs
+with a 95% percentile-bootstrap interval over pairs.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import numpy as np
+
+OFF, ON = "off", "on"
+TARGET_POINT_PCT = 0.1  # the mean overhead must be under this ...
+TARGET_CI_HIGH_PCT = 0.5  # ... and the upper end of its 95% interval under this
+
+
+@dataclass(frozen=True)
+class Protocol:
+    pairs: int
+    warmup_steps: int
+    steps_per_arm: int
+    bootstrap_resamples: int = 10_000
+    bootstrap_seed: int = 0
+    ci_level: float = 0.95
+
+    def schedule(self) -> list[str]:
+        """Arms in the order they run: OFF,ON for even pairs, ON,OFF for odd ones."""
+        return [arm for pair in range(self.pairs) for arm in ((OFF, ON) if pair % 2 == 0 else (ON, OFF))]
+
+    def describe(self) -> str:
+        return (f"{self.pairs} pairs in alternating AB/BA order (pair 0: OFF then ON), {self.warmup_steps} warm-up"
+                f" steps discarded + {self.steps_per_arm} measured steps per arm; estimate per pair"
+                f" 100 x (mean ON / mean OFF - 1) of step time; {self.ci_level:.0%} percentile bootstrap over pairs"
+                f" ({self.bootstrap_resamples} resamples, seed {self.bootstrap_seed})")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def pair_estimates(schedule: Sequence[str], arm_means: Sequence[float]) -> list[float]:
+    """Per-pair overhead in %, from the arms' mean step times given in schedule order."""
+    if len(schedule) != len(arm_means) or len(schedule) % 2:
+        raise ValueError("one mean per arm, two arms per pair")
+    estimates = []
+    for first in range(0, len(schedule), 2):
+        pair = dict(zip(schedule[first:first + 2], arm_means[first:first + 2]))
+        estimates.append(100.0 * (pair[ON] / pair[OFF] - 1.0))
+    return estimates
+
+
+def bootstrap_ci(estimates: Sequence[float], protocol: Protocol) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of the per-pair estimates."""
+    values = np.asarray(estimates, dtype=float)
+    rng = np.random.default_rng(protocol.bootstrap_seed)
+    means = values[rng.integers(0, len(values), size=(protocol.bootstrap_resamples, len(values)))].mean(axis=1)
+    tail = (1.0 - protocol.ci_level) / 2 * 100
+    return float(np.percentile(means, tail)), float(np.percentile(means, 100 - tail))
+
+
+def summarize(protocol: Protocol, arm_means: Sequence[float]) -> dict:
+    estimates = pair_estimates(protocol.schedule(), arm_means)
+    low, high = bootstrap_ci(estimates, protocol)
+    mean = float(np.mean(estimates))
+    return {"per_pair_pct": estimates, "mean_pct": mean, "ci95_pct": [low, high], "verdict": verdict(mean, low, high)}
+
+
+def verdict(mean: float, low: float, high: float) -> str:
+    """`met` or `missed` by the target; `unresolved` when the interval is wider than the
+    distance the target has to resolve (2 x its upper bound): a run that noisy decides nothing,
+    whichever side of zero its mean fell on."""
+    if high - low > 2 * TARGET_CI_HIGH_PCT:
+        return "unresolved"
+    return "met" if mean < TARGET_POINT_PCT and high < TARGET_CI_HIGH_PCT else "missed"

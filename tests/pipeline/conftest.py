@@ -6,6 +6,11 @@
   started once per test run on free ports and stopped at its end.
 - `start_collector`: starts extra collectors with any of our configs; all stopped after the test.
 - `otlp_sink_factory`: fake detector shards (OTLP/gRPC receivers that record what they get).
+
+The long end-to-end runs (marked `slow`) go after the other tests of this folder: once the
+detector of one test leaves the shared gateway's shard port, the gateway's gRPC channel to that
+port retries its connection with a backoff that grows to minutes, and a later quick test that
+listens there must not wait out minutes of unrelated runs.
 """
 
 from __future__ import annotations
@@ -16,6 +21,16 @@ from pathlib import Path
 import pytest
 
 from . import services
+
+
+def pytest_collection_modifyitems(config, items):
+    here = Path(__file__).resolve().parent
+    positions = [i for i, item in enumerate(items) if here in Path(str(item.fspath)).resolve().parents]
+    mine = [items[i] for i in positions]
+    ordered = ([item for item in mine if item.get_closest_marker("slow") is None]
+               + [item for item in mine if item.get_closest_marker("slow") is not None])
+    for position, item in zip(positions, ordered):
+        items[position] = item
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ every tensor of the final model and optimizer state, CPU time by thread, and opt
 often a device sync or a collective was called.
 
     python benchmarks/demo_training.py --schedule off,on --steps 20 --out DIR [--world-size 4]
-        [--warmup 0] [--hidden 1024] [--batch-size 128] [--endpoint 127.0.0.1:4317]
+        [--warmup 0] [--hidden H] [--batch-size B] [--endpoint 127.0.0.1:4317]
         [--count-calls] [--hot-path-intervals 0]
 
 It mirrors otel_straggler/demo/trainer.py: the same model, data, optimizer, stages and gradient
@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 import otel_straggler as ots
 from otel_straggler.demo.launcher import free_port
+from otel_straggler.demo import trainer
 from otel_straggler.demo.trainer import average_gradients, make_model, synthetic_batches
 
 ARMS = ("off", "on")
@@ -60,9 +61,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=0, help="steps per arm run before the measured ones")
     parser.add_argument("--out", type=Path, required=True, help="folder for rank-N.json")
     parser.add_argument("--world-size", type=int, default=1)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--seed", type=int, default=0)
+    demo = trainer.parse_args([])  # the demo job's own defaults
+    parser.add_argument("--hidden", type=int, default=demo.hidden)
+    parser.add_argument("--batch-size", type=int, default=demo.batch_size)
+    parser.add_argument("--seed", type=int, default=demo.seed)
     parser.add_argument("--endpoint", default="127.0.0.1:4317", help="OTLP/gRPC endpoint of the `on` arm")
     parser.add_argument("--job-prefix", default="demo-training", help="the `on` arm's job id is PREFIX-armN")
     parser.add_argument("--count-calls", action="store_true", help="count device syncs and collectives per arm")

@@ -4,7 +4,7 @@ state dict and the optimizer's state) with the library ON and OFF, and ON calls 
 sync, barrier or collective that OFF does not (spied on in the rank processes).
 
 The job is run by benchmarks/demo_training.py, the harness of the overhead benchmark: the demo
-trainer's model, data, stages and all-reduce, one process per rank. ON is the full path (fake
+trainer's model, data, stages and all-reduce at its default sizes, one process per rank. ON is the full path (fake
 device events, span building, batching, OTLP/gRPC export) to a live detector in this process.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ def train(arm: str, world_size: int, endpoint: str, out: Path) -> list[dict]:
     environment = {name: value for name, value in os.environ.items() if not name.startswith(("OTEL_", "RANK"))}
     environment["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), environment.get("PATH", "")])
     subprocess.run([sys.executable, str(HARNESS), "--schedule", arm, "--steps", str(STEPS), "--world-size",
-                    str(world_size), "--hidden", "256", "--batch-size", "64", "--endpoint", endpoint,
+                    str(world_size), "--endpoint", endpoint,
                     "--job-prefix", f"equivalence-{arm}-{world_size}", "--count-calls", "--out", str(out)],
                    env=environment, check=True, timeout=300)
     return [json.loads((out / f"rank-{rank}.json").read_text())["arms"][0] for rank in range(world_size)]

@@ -23,7 +23,6 @@ import sys
 import time
 import warnings
 
-import numpy as np
 import torch
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -33,6 +32,9 @@ import otel_straggler as ots
 from otel_straggler import contract
 from otel_straggler.processors.cuda_event_span_processor import CudaEventSpanProcessor
 from otel_straggler.processors.device_events import TorchCudaEvents
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from paired_protocol import ON, Protocol, summarize  # noqa: E402
 
 
 def configure_in_memory():
@@ -188,17 +190,10 @@ def timed_arm(on: bool, steps: int, warmup: int) -> float:
             handle.shutdown(30)
 
 
-def paired_overhead(pairs: int, steps: int, warmup: int, seed: int = 0) -> dict:
-    estimates = []
-    for pair in range(pairs):
-        order = (False, True) if pair % 2 == 0 else (True, False)  # AB/BA alternation
-        times = {on: timed_arm(on, steps, warmup) for on in order}
-        estimates.append(100 * (times[True] / times[False] - 1))
-    rng = np.random.default_rng(seed)
-    boots = [np.mean(rng.choice(estimates, size=len(estimates))) for _ in range(10_000)]
-    return {"pairs": pairs, "steps_per_arm": steps, "warmup_steps": warmup, "per_pair_pct": estimates,
-            "mean_pct": float(np.mean(estimates)),
-            "ci95_pct": [float(np.percentile(boots, 2.5)), float(np.percentile(boots, 97.5))]}
+def paired_overhead(protocol: Protocol) -> dict:
+    """The same paired design and estimator as benchmarks/overhead.py, on one GPU."""
+    arm_means = [timed_arm(arm == ON, protocol.steps_per_arm, protocol.warmup_steps) for arm in protocol.schedule()]
+    return {"protocol": protocol.describe(), **summarize(protocol, arm_means)}
 
 
 def main(argv=None) -> int:
@@ -217,7 +212,7 @@ def main(argv=None) -> int:
     report["hot_path"] = hot_path(args.intervals)
     report["device_duration"] = device_duration_accuracy(4096, 20)
     report["syncs"] = count_syncs(20)
-    report["overhead"] = paired_overhead(args.pairs, args.steps, args.warmup)
+    report["overhead"] = paired_overhead(Protocol(pairs=args.pairs, warmup_steps=args.warmup, steps_per_arm=args.steps))
     report["wall_s"] = time.time() - started
 
     hot, accuracy, syncs, overhead = report["hot_path"], report["device_duration"], report["syncs"], report["overhead"]
@@ -233,6 +228,8 @@ def main(argv=None) -> int:
     print(f"{'overhead ON vs OFF, mean of pairs (%)':44} {overhead['mean_pct']:40.3f}")
     ci = overhead["ci95_pct"]
     print(f"{'overhead 95% bootstrap CI (%)':44} {f'[{ci[0]:.3f}, {ci[1]:.3f}]':>40}")
+    print(f"{'verdict':44} {overhead['verdict']:>40}")
+    print(f"protocol: {overhead['protocol']}")
     out_dir = os.environ.get("OUT") or "."
     with open(os.path.join(out_dir, "gpu_check.json"), "w") as out:
         json.dump(report, out, indent=2)

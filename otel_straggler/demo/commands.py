@@ -6,6 +6,7 @@ import argparse
 import datetime
 import importlib.util
 import os
+import signal
 import socket
 import sys
 import uuid
@@ -61,6 +62,10 @@ def run_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def run_demo(args: argparse.Namespace) -> int:
     _check_demo_arguments(args)
     if not torch_installed():
@@ -78,6 +83,8 @@ def run_demo(args: argparse.Namespace) -> int:
         out_dir=out_dir, grpc_port=args.grpc_port, job_id=f"demo-{uuid.uuid4().hex[:8]}",
         external_endpoint=_external_endpoint(),
     )
+    # SIGTERM (a container stop, a job scheduler) ends the run like Ctrl-C: ranks stopped, evidence kept.
+    signal.signal(signal.SIGTERM, _interrupt)
     result = run(settings, sys.stdout)
     if not result.embedded_detector:
         print(f"Spans went to {result.endpoint}; the verdicts are that detector's. Build the report from its "

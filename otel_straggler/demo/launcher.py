@@ -41,6 +41,16 @@ class LaunchPlan:
     trainer_module: str = "otel_straggler.demo.trainer"  # run as `python -m` in each rank
 
 
+def _end_with_parent() -> None:
+    """In the rank, before exec: if the demo dies (even by SIGKILL), the rank gets SIGTERM
+    instead of training on as an orphan. Linux only; elsewhere run.py's stop() is the guard."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
@@ -99,6 +109,7 @@ class RankGroup:
             process = subprocess.Popen(
                 command, env={**common, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                preexec_fn=_end_with_parent,
             )
             self._processes.append(process)
             reader = threading.Thread(target=self._copy_output, args=(rank, process), daemon=True,

@@ -61,7 +61,8 @@ def detector_config(settings: DemoSettings, evidence_dir: Path) -> DetectorConfi
 def rank_environment(settings: DemoSettings, endpoint: Optional[str], environ: Mapping[str, str]) -> dict[str, str]:
     """What every rank gets on top of this process's environment `environ`. `endpoint` is the
     embedded detector's; None leaves the user's OTEL_EXPORTER_OTLP_* in charge."""
-    env = {"OTEL_STRAGGLER_JOB_ID": settings.job_id, "OTEL_SERVICE_NAME": "otel-straggler-demo"}
+    env = {"OTEL_STRAGGLER_JOB_ID": settings.job_id,
+           "OTEL_SERVICE_NAME": environ.get("OTEL_SERVICE_NAME") or "training"}  # CONTRACT §1 default
     if "OTEL_BSP_SCHEDULE_DELAY" not in environ:
         env["OTEL_BSP_SCHEDULE_DELAY"] = str(SPAN_EXPORT_DELAY_MS)
     if endpoint is not None:

@@ -52,7 +52,7 @@ DETECTOR_ARGS = (f"--window-steps={WINDOW_STEPS}", "--rel-threshold=1.0", "--min
 RUN_TIMEOUT_S = 240
 DEADLINE_S = 60
 
-DEMO_SERVICE = "otel-straggler-demo"  # OTEL_SERVICE_NAME the demo gives its ranks
+DEMO_SERVICE = "training"  # the ranks' service.name: OTEL_SERVICE_NAME's default (CONTRACT §1)
 DEMO_STAGES = {"batch-generator": ("data", False), "forward-compute": ("forward", False),
                "backward-compute": ("backward", False), "all-grads-sync": ("communication", True),
                "optimizer": ("optimizer", False)}

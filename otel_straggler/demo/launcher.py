@@ -41,16 +41,6 @@ class LaunchPlan:
     trainer_module: str = "otel_straggler.demo.trainer"  # run as `python -m` in each rank
 
 
-def _end_with_parent() -> None:
-    """In the rank, before exec: if the demo dies (even by SIGKILL), the rank gets SIGTERM
-    instead of training on as an orphan. Linux only; elsewhere run.py's stop() is the guard."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
@@ -103,13 +93,13 @@ class RankGroup:
         common = {**os.environ, **self.plan.env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                   "WORLD_SIZE": str(self.plan.ranks), "LOCAL_WORLD_SIZE": str(self.plan.ranks),
                   "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        command = [sys.executable, "-m", self.plan.trainer_module, *self.plan.trainer_args]
+        command = [sys.executable, "-m", "otel_straggler.demo.rank_process", str(os.getpid()),
+                   self.plan.trainer_module, *self.plan.trainer_args]
         self._last_progress = time.monotonic()
         for rank in range(self.plan.ranks):
             process = subprocess.Popen(
                 command, env={**common, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                preexec_fn=_end_with_parent,
             )
             self._processes.append(process)
             reader = threading.Thread(target=self._copy_output, args=(rank, process), daemon=True,

@@ -13,7 +13,7 @@ demo: venv
 	$(VENV)/bin/otel-straggler demo $(ARGS)
 
 # the whole suite: unit, protocol and end-to-end tests, with the real collector, Jaeger and
-# Prometheus built (cached) and started around the run
+# Prometheus built (cached) here and started by the pipeline tests on free ports
 test: venv services-build
 	scripts/run_tests.sh "$(VENV)" $(ARGS)
 

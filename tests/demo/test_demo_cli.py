@@ -20,7 +20,7 @@ def one_line_error(capsys, argv):
     (["--ranks", "2"], "at least 3 ranks"),
     (["--slow-rank", "4"], "--slow-rank 4: must be a rank of the job, 0 to 3"),
     (["--slowdown", "0"], "--slowdown 0: must be above 0"),
-    (["--from-step", "70"], "--from-step 70: must be a step of the run"),
+    (["--from-step", "120"], "--from-step 120: must be a step of the run, 0 to 119"),
     (["--steps", "30"], "needs at least 5 windows"),
     (["--grpc-port", "70000"], "--grpc-port 70000: must be 0 to 65535"),
 ])

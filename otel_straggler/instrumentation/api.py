@@ -43,11 +43,13 @@ class stage:
             self._open = recorder.start(self.name, self.collective)
         return self
 
-    def __exit__(self, *exc_info: Any) -> bool:
-        opened, self._open = self._open, None
-        recorder = _recorder
-        if opened is not None and recorder is not None:
-            recorder.stop(opened)
+    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> bool:
+        opened = self._open
+        if opened is not None:
+            self._open = None
+            recorder = _recorder
+            if recorder is not None:
+                recorder.stop(opened)
         return False
 
     def __call__(self, function: Callable) -> Callable:

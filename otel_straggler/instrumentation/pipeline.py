@@ -234,7 +234,8 @@ class RankPipeline:
     def status(self, recorder: IntervalRecorder) -> dict:
         builder = self.builder
         built = dict(builder.counters) if builder is not None else {"spans_built": 0, "steps_built": 0,
-                                                                     "pool_exhausted": 0, "build_errors": 0}
+                                                                     "pool_exhausted": 0, "build_errors": 0,
+                                                                     "parent_ids_forgotten": 0}
         device = dict(self.device_processor.counters) if self.device_processor is not None else {}
         lost = {
             "queue_full": recorder.dropped_queue_full,
@@ -256,6 +257,7 @@ class RankPipeline:
             "intervals": built["spans_built"] + recorder.dropped_queue_full + pending,
             "spans_built": built["spans_built"],
             "steps_built": built["steps_built"],
+            "parent_ids_forgotten": built["parent_ids_forgotten"],  # spans kept, a parent link may dangle
             "device_timed": device.get("device_timed", 0),
             "exported": self.exporter.exported if self.exporter else None,
             "pending_build": pending,

@@ -5,14 +5,15 @@ the current step and workload, and append to a bounded queue. They build no span
 log nothing, do no I/O and never raise. Everything else happens on the span builder's thread.
 
 Records in `completed` are plain tuples (cheap to make, atomic to append):
-  (INTERVAL, open_interval, end_ns, end_event, (step, tokens, samples), seq)
+  (INTERVAL, open_interval, end_ns, end_event, (step, tokens, samples))
   (STEP_BEGIN, step, time_ns, tokens, samples)
   (STEP_END, step, time_ns)
+Span ids, the parent link's step check and the completion sequence number are the builder's
+work: the training thread only keeps a reference to the innermost open interval.
 """
 from __future__ import annotations
 
 import collections
-import itertools
 import time
 from typing import Any, Optional
 
@@ -21,8 +22,9 @@ from otel_straggler.processors.device_events import EventPool
 INTERVAL, STEP_BEGIN, STEP_END = 0, 1, 2
 _time_ns = time.time_ns
 
-# an open interval: [interval_id, parent_id, name, start_ns, start_event, collective, start_step]
-OpenInterval = list
+# an open interval: (name, collective, enclosing open interval or None, start step, start_ns, start_event)
+OpenInterval = tuple
+NAME, COLLECTIVE, ENCLOSING, START_STEP, START_NS, START_EVENT = range(6)
 
 
 class SlowdownInjection:
@@ -42,6 +44,10 @@ class SlowdownInjection:
 
 
 class IntervalRecorder:
+    # slots: the hot path reads several attributes per call, and slot reads are the cheapest
+    __slots__ = ("completed", "capacity", "event_pool", "injection", "open_intervals", "binding", "on_first_step",
+                 "dropped_queue_full", "dropped_step_records", "internal_errors")
+
     def __init__(
         self,
         capacity: int,
@@ -58,38 +64,26 @@ class IntervalRecorder:
         self.dropped_queue_full = 0  # intervals
         self.dropped_step_records = 0  # step begin/end marks: their train.step spans are lost
         self.internal_errors = 0
-        self._next_interval_id = itertools.count(1).__next__
-        self._next_seq = itertools.count().__next__
 
     def start(self, name: str, collective: Optional[bool] = None) -> Optional[OpenInterval]:
         try:
             opened = self.open_intervals
-            step = self.binding[0]
-            parent_id = 0
-            if opened:
-                # A parent only within the same step: a timer that runs across steps (Megatron's
-                # interval-time) would otherwise adopt spans of traces it does not belong to.
-                top = opened[-1]
-                if top[6] == step:
-                    parent_id = top[0]
             pool = self.event_pool
             # clock first, then the event: the event sits as close as it can to the stage's kernels
-            interval = [self._next_interval_id(), parent_id, name, _time_ns(),
-                        pool.record() if pool is not None else None, collective, step]
+            interval = (name, collective, opened[-1] if opened else None, self.binding[0], _time_ns(),
+                        None if pool is None else pool.record())
             opened.append(interval)
             return interval
         except Exception:
             self.internal_errors += 1
             return None
 
-    def stop(self, interval: Optional[OpenInterval]) -> int:
+    def stop(self, interval: OpenInterval) -> int:
         """Ends an interval; returns its host duration in ns (0 if it could not be timed)."""
-        if interval is None:
-            return 0
         try:
-            end_event = self.event_pool.record() if interval[4] is not None else None
+            end_event = None if interval[5] is None else self.event_pool.record()
             if self.injection is not None:
-                self.injection.stretch(interval[2], interval[3], self.binding[0])
+                self.injection.stretch(interval[0], interval[4], self.binding[0])
             end_ns = _time_ns()
             opened = self.open_intervals
             if opened and opened[-1] is interval:
@@ -98,12 +92,11 @@ class IntervalRecorder:
                 opened.remove(interval)
             completed = self.completed
             if len(completed) < self.capacity:
-                completed.append((INTERVAL, interval, end_ns, end_event, self.binding, self._next_seq()))
+                completed.append((INTERVAL, interval, end_ns, end_event, self.binding))
             else:
                 self.dropped_queue_full += 1
-                self._next_seq()  # the gap shows the loss downstream too
-                self._give_back(interval[4], end_event)
-            return end_ns - interval[3]
+                self._give_back(interval[5], end_event)
+            return end_ns - interval[4]
         except Exception:
             self.internal_errors += 1
             return 0

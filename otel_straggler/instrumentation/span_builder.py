@@ -2,8 +2,9 @@
 
 Every span of step N, on every rank, lands in one trace whose id is derived from
 (training.job.id, N) (CONTRACT §2), under that rank's `train.step` span. Span ids are derived
-too (from a per-process salt and the interval id), so a child can name its parent before the
-parent has ended: spans are built in completion order, children first, with no buffering.
+too (from a per-process salt and a counter), and an open interval gets its id when its first
+child is built, so a child can name its parent before the parent has ended: spans are built in
+completion order, children first, with no buffering.
 
 On a user's TracerProvider spans go through its Tracer (TracerSpans); on the rank's own
 provider they are made directly as ended spans for its processor chain (ProcessorSpans), the
@@ -31,6 +32,7 @@ from otel_straggler.instrumentation.recorder import INTERVAL, STEP_BEGIN, STEP_E
 
 _MASK64 = (1 << 64) - 1
 _SAMPLED = trace_api.TraceFlags(trace_api.TraceFlags.SAMPLED)
+MAX_OPEN_PARENTS = 1024  # enclosing intervals with built children, not yet ended themselves
 
 
 def trace_id_for_step(job_id: str, step: int) -> int:
@@ -180,13 +182,19 @@ class SpanBuilder:
         self.device_timing = device_timing
         self.release_event = release_event or (lambda event: None)
         self.extra_attributes = extra_attributes or {}
-        self.counters = {"spans_built": 0, "steps_built": 0, "pool_exhausted": 0, "build_errors": 0}
+        self.counters = {"spans_built": 0, "steps_built": 0, "pool_exhausted": 0, "build_errors": 0,
+                         "parent_ids_forgotten": 0}
         salt = int.from_bytes(os.urandom(8), "big")
         self._interval_salt = salt
         self._step_salt = salt ^ 0x5DEECE66D5DEECE6
         self._open_step: Optional[tuple] = None  # (step, start_ns, tokens, samples)
         self._last_end_ns = 0
         self._trace_of_step: tuple = (None, 0)  # (step, its trace id): spans come step by step
+        self._seq = 0  # intervals built: with the recorder's drops, CONTRACT's training.seq
+        self._intervals_named = 0
+        # id(open interval) -> (the interval, its span id), for enclosing intervals whose children
+        # were built first. Holding the interval keeps its id() from being reused meanwhile.
+        self._ids_of_open_parents: dict[int, tuple] = {}
 
     def build_pending(self, close_open_step: bool = False) -> None:
         """Builds every record queued so far; `close_open_step` ends the running step's span
@@ -229,10 +237,31 @@ class SpanBuilder:
                         attributes, start_ns, max(end_ns, start_ns), None)
         self.counters["steps_built"] += 1
 
+    def _span_id(self, interval: tuple, ended: bool) -> int:
+        """The span id of an interval, the same when first asked for by a child (the interval
+        still open) and when the interval itself is built."""
+        key = id(interval)
+        known = self._ids_of_open_parents.pop(key, None) if ended else self._ids_of_open_parents.get(key)
+        if known is not None and known[0] is interval:
+            return known[1]
+        self._intervals_named += 1
+        span_id = _mix64(self._interval_salt + self._intervals_named)
+        if not ended:
+            if len(self._ids_of_open_parents) >= MAX_OPEN_PARENTS:
+                # an enclosing interval that never ended (or whose record was lost): forget the
+                # oldest; if it does end after all, its span gets a new id and its children dangle
+                del self._ids_of_open_parents[next(iter(self._ids_of_open_parents))]
+                self.counters["parent_ids_forgotten"] += 1
+            self._ids_of_open_parents[key] = (interval, span_id)
+        return span_id
+
     def _build_interval(self, record: tuple) -> None:
-        _, opened, end_ns, end_event, (step, tokens, samples), seq = record
-        interval_id, parent_id, name, start_ns, start_event, collective, _ = opened
+        _, opened, end_ns, end_event, (step, tokens, samples) = record
+        name, collective, enclosing, start_step, start_ns, start_event = opened
         kind = stage_names.classify(name)
+        # Intervals the full queue dropped count too, so a loss shows downstream as a gap.
+        seq = self._seq + self.recorder.dropped_queue_full
+        self._seq += 1
         attributes = {
             contract.STAGE: name,
             contract.STAGE_GROUP: kind.group,
@@ -258,11 +287,16 @@ class SpanBuilder:
                 if start_event is not None:
                     self.release_event(start_event)
 
-        span_id = _mix64(self._interval_salt + interval_id)
+        span_id = self._span_id(opened, ended=True)
         if step is None:  # before the first step(): a root span of its own trace
             self.spans.emit(name, None, span_id, None, attributes, start_ns, end_ns, device_events)
         else:
-            parent_span_id = _mix64(self._interval_salt + parent_id) if parent_id else _mix64(self._step_salt + step)
+            # A parent only within the same step: a timer that runs across steps (Megatron's
+            # interval-time) would otherwise adopt spans of traces it does not belong to.
+            if enclosing is not None and enclosing[3] == start_step:
+                parent_span_id = self._span_id(enclosing, ended=False)
+            else:
+                parent_span_id = _mix64(self._step_salt + step)
             self.spans.emit(name, self._trace_id(step), span_id, parent_span_id, attributes, start_ns, end_ns,
                             device_events)
         self._last_end_ns = max(self._last_end_ns, end_ns)

@@ -171,13 +171,42 @@ def test_a_full_queue_drops_and_counts_and_the_seq_gap_shows_it(in_memory):
     assert lost["step_queue_full"] == 6
     assert lost["queue_full"] + lost["step_queue_full"] == records - 16
 
+    # Seq numbers stay unique and rising, and skip one number per dropped interval: the kept
+    # ones, built after the drops, come after the numbers the lost ones would have had.
     seqs = [span.attributes[contract.SEQ] for span in in_memory.stage_spans()]
     intervals_kept = 16 - 4  # the first 4 steps fill the queue: 4 step records + 12 intervals
-    assert seqs == list(range(intervals_kept))
+    assert seqs == list(range(lost["queue_full"], lost["queue_full"] + intervals_kept))
     in_memory.exporter.clear()
 
-    otel_straggler.step(10)  # drained by the flush: recording goes on, after a visible gap
+    otel_straggler.step(10)  # drained by the flush: recording goes on
     with otel_straggler.stage("forward-compute"):
         pass
     (after,) = in_memory.stage_spans()
-    assert after.attributes[contract.SEQ] == 10 * len(stages)
+    assert after.attributes[contract.SEQ] == 10 * len(stages) == seqs[-1] + 1
+
+
+def test_parents_that_never_end_are_remembered_up_to_a_bound(in_memory, monkeypatch):
+    from otel_straggler.instrumentation import span_builder
+
+    monkeypatch.setattr(span_builder, "MAX_OPEN_PARENTS", 4)
+    handle = in_memory.configure(build_interval_ms=60_000)
+    recorder = handle.recorder
+    otel_straggler.step(0)
+    outer = [otel_straggler.stage(f"outer-{index}").__enter__()._open for index in range(6)]  # never ended
+
+    def child_of(index: int) -> int:
+        recorder.open_intervals.remove(outer[index])  # make outer-<index> the innermost open one
+        recorder.open_intervals.append(outer[index])
+        with otel_straggler.stage("child"):
+            pass
+        handle.flush()
+        (child,) = in_memory.stage_spans()
+        in_memory.exporter.clear()
+        return child.parent.span_id
+
+    first = [child_of(index) for index in range(6)]
+    assert len(set(first)) == 6
+    assert handle.status()["parent_ids_forgotten"] == 2  # outer-0 and outer-1 made room
+    assert child_of(5) == first[5] and child_of(2) == first[2]  # remembered: the same parent
+    assert child_of(0) != first[0]  # forgotten: a new id, and one more forgotten to make room
+    assert handle.status()["parent_ids_forgotten"] == 3

@@ -1,6 +1,6 @@
 """Training-thread cost of one interval (start + stop), against a plain OTel SDK span.
 
-    python benchmarks/hot_path.py [--intervals 100000] [--rounds 7] [--json out.json]
+    python benchmarks/hot_path.py [--intervals 100000] [--rounds 7] [--drain-every 1000] [--json out.json]
 
 Arms, measured in the same run and interleaved round by round (the machine is noisy):
   stage() host-only       `with ots.stage(name):` with device timing off
@@ -8,9 +8,14 @@ Arms, measured in the same run and interleaved round by round (the machine is no
   stage() fake events     the CUDA-event path on the CPU fake backend (pool record + stop)
   plain SDK span          `tracer.start_span(name).end()` on a TracerProvider with a
                           BatchSpanProcessor feeding a no-op exporter (the reference)
-During the timed loop the background builder is held back (a long build interval and a queue
-that holds every interval), so the figure is the training thread's own cost; the builder's cost
-per span, paid on its thread afterwards, is timed separately ("background" column). A second part sends a 1,000,000-interval burst
+The timed loop runs in chunks of --drain-every intervals. During a chunk the background builder
+is held back (a long build interval and a queue that holds every interval), so the figure is the
+training thread's own cost; between chunks, untimed, the builder drains the queue, as it does
+once per build interval in a job (1,000 intervals is one second of a job recording 1,000 a
+second). The builder's cost per span is timed separately ("background" column). The SDK arm is
+chunked the same way, its BatchSpanProcessor flushed between chunks. A queue never drained would
+keep every record alive and let the garbage collector's passes over them dominate: the
+"undrained" column times one unchunked loop of the same length, for comparison. A second part sends a 1,000,000-interval burst
 with the exporter unreachable and reports resident memory and what was counted as lost.
 """
 from __future__ import annotations
@@ -44,12 +49,18 @@ def rss_mib() -> float:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def time_loop(body, intervals: int) -> float:
-    """ns per interval of `body`, which runs `intervals` intervals."""
+def time_loop(body, intervals: int, chunk: int, drain) -> float:
+    """ns per interval of `body(n)`, which runs n intervals: `intervals` of them in chunks of
+    `chunk`, with `drain()` run untimed after each chunk."""
     gc.collect()
-    start = time.perf_counter_ns()
-    body(intervals)
-    return (time.perf_counter_ns() - start) / intervals
+    elapsed = 0
+    for done in range(0, intervals, chunk):
+        count = min(chunk, intervals - done)
+        start = time.perf_counter_ns()
+        body(count)
+        elapsed += time.perf_counter_ns() - start
+        drain()
+    return elapsed / intervals
 
 
 def stage_loop(count: int) -> None:
@@ -85,28 +96,30 @@ def configure(device: bool):
     return handle
 
 
-BACKGROUND_NS: dict = {}
-
-
-def instrumented_arm(name: str, loop, device: bool):
-    def run(count: int) -> float:
+def instrumented_arm(loop, device: bool):
+    def run(count: int, chunk: int) -> tuple[float, float]:
         handle = configure(device)
         try:
             ots.step(0)
             loop(1000)  # warm-up, and the event pool is made at the first step
             handle.flush(60.0)
-            per_interval = time_loop(loop, count)
-            started = time.perf_counter_ns()
-            handle.flush(120.0)  # the builder's and exporter's share, paid off the training thread
-            BACKGROUND_NS.setdefault(name, []).append((time.perf_counter_ns() - started) / count)
-            return per_interval
+            background_ns = 0
+
+            def drain() -> None:  # the builder's and exporter's share, paid off the training thread
+                nonlocal background_ns
+                started = time.perf_counter_ns()
+                handle.flush(120.0)
+                background_ns += time.perf_counter_ns() - started
+
+            per_interval = time_loop(loop, count, chunk, drain)
+            return per_interval, background_ns / count
         finally:
             handle.shutdown(10.0)
 
     return run
 
 
-def sdk_span_arm(count: int) -> float:
+def sdk_span_arm(count: int, chunk: int) -> tuple[float, None]:
     provider = TracerProvider()
     provider.add_span_processor(BatchSpanProcessor(NoOpExporter(), max_queue_size=65536))
     tracer = provider.get_tracer("bench")
@@ -116,8 +129,9 @@ def sdk_span_arm(count: int) -> float:
             tracer.start_span("forward-compute").end()
 
     body(1000)
+    provider.force_flush()
     try:
-        return time_loop(body, count)
+        return time_loop(body, count, chunk, provider.force_flush), None
     finally:
         provider.shutdown()
 
@@ -136,6 +150,7 @@ def burst(intervals: int) -> dict:
                 peak = max(peak, rss_mib())
             with stage("forward-compute"):
                 pass
+        handle.flush(5.0)  # bounded: the builder drains the queue into the exporter's, which cannot send
         peak = max(peak, rss_mib())
         status = handle.status()
     finally:
@@ -148,36 +163,46 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--intervals", type=int, default=100_000)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--drain-every", type=int, default=1000,
+                        help="intervals per timed chunk; the queue is drained, untimed, between chunks")
     parser.add_argument("--burst", type=int, default=1_000_000)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
 
     arms = {
-        "stage() host-only": instrumented_arm("stage() host-only", stage_loop, device=False),
-        "Megatron timer host-only": instrumented_arm("Megatron timer host-only", timer_loop, device=False),
-        "stage() fake CUDA events": instrumented_arm("stage() fake CUDA events", stage_loop, device=True),
+        "stage() host-only": instrumented_arm(stage_loop, device=False),
+        "Megatron timer host-only": instrumented_arm(timer_loop, device=False),
+        "stage() fake CUDA events": instrumented_arm(stage_loop, device=True),
         "plain OTel SDK span (reference)": sdk_span_arm,
     }
-    samples = {name: [] for name in arms}
+    drained = {name: [] for name in arms}
+    undrained = {name: [] for name in arms}
+    background = {name: [] for name in arms}
     for round_index in range(args.rounds):
         order = list(arms) if round_index % 2 == 0 else list(reversed(arms))
         for name in order:
-            samples[name].append(arms[name](args.intervals))
-    reference = statistics.median(samples["plain OTel SDK span (reference)"])
+            per_interval, background_ns = arms[name](args.intervals, args.drain_every)
+            drained[name].append(per_interval)
+            if background_ns is not None:
+                background[name].append(background_ns)
+            undrained[name].append(arms[name](args.intervals, args.intervals)[0])
+    reference = statistics.median(drained["plain OTel SDK span (reference)"])
 
-    print(f"hot path, ns per interval (start+stop), median of {args.rounds} rounds x {args.intervals} intervals,"
-          f" python {sys.version.split()[0]}")
+    print(f"hot path, ns per interval (start+stop), median of {args.rounds} rounds x {args.intervals} intervals"
+          f" drained every {args.drain_every}, python {sys.version.split()[0]}")
     print(f"{'arm':34} {'median ns':>10} {'min ns':>10} {'max ns':>10} {'x cheaper than SDK span':>24}"
-          f" {'background ns':>14}")
+          f" {'background ns':>14} {'undrained ns':>13}")
     results = {}
-    for name, values in samples.items():
+    for name, values in drained.items():
         median = statistics.median(values)
-        background = statistics.median(BACKGROUND_NS[name]) if name in BACKGROUND_NS else None
+        background_ns = statistics.median(background[name]) if background[name] else None
+        undrained_ns = statistics.median(undrained[name])
         results[name] = {"median_ns": median, "min_ns": min(values), "max_ns": max(values),
-                         "sdk_span_over_this": reference / median, "background_ns_per_span": background}
-        background_text = f"{background:14.0f}" if background is not None else f"{'-':>14}"
+                         "sdk_span_over_this": reference / median, "background_ns_per_span": background_ns,
+                         "undrained_median_ns": undrained_ns}
+        background_text = f"{background_ns:14.0f}" if background_ns is not None else f"{'-':>14}"
         print(f"{name:34} {median:10.0f} {min(values):10.0f} {max(values):10.0f} {reference / median:24.1f}"
-              f" {background_text}")
+              f" {background_text} {undrained_ns:13.0f}")
 
     burst_result = burst(args.burst)
     print(f"\nburst of {burst_result['intervals']:,} intervals, exporter unreachable:"

@@ -178,7 +178,7 @@ def configure(
         handle = Instrumentation(True, options, attributes)
         handle.recorder = IntervalRecorder(options["queue_size"], injection=_injection(options, attributes))
         handle._pipeline = RankPipeline(handle.recorder, options, attributes, endpoint, protocol,
-                                        tracer_provider, device_processor)
+                                        tracer_provider, device_processor, environ)
         _instrumentation = handle
         _recorder = handle.recorder
         atexit.register(handle.shutdown, 5.0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -82,10 +82,12 @@ class RankPipeline:
         protocol: Optional[str],
         tracer_provider: Any = None,
         device_processor: Optional[CudaEventSpanProcessor] = None,
+        environ: Optional[Mapping[str, str]] = None,
     ) -> None:
         self.recorder = recorder
         self.options = options
         self.attributes = attributes
+        self.environ = environ  # configure()'s: identity is re-read from the same place
         self.endpoint = endpoint
         self.protocol = protocol
         self.user_provider = tracer_provider
@@ -138,7 +140,7 @@ class RankPipeline:
         if self.builder is not None:
             return self.builder
         # Re-read identity now: parallel state may have been set up since configure().
-        attributes = {**identity.discover(self.options), **self.attributes}
+        attributes = {**identity.discover(self.options, self.environ), **self.attributes}
         attach = self.device_processor.attach_device_events if self.device_processor else None
         extra: dict = {}
         if self.user_provider is None:

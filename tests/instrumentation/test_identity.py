@@ -140,3 +140,14 @@ def test_parallel_state_set_up_after_configure_is_picked_up_before_the_first_spa
     (span,) = in_memory.stage_spans()
     assert span.attributes[contract.COHORT] == "tp1.pp1.cp0.ep0"
     assert span.attributes[contract.RANK] == 2 and span.attributes[contract.JOB_ID] == "late-megatron"
+
+
+def test_identity_is_read_again_from_configures_environment_not_the_process(in_memory, monkeypatch):
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "training.parallel.tp.rank=7,training.parallel.pp.rank=0")
+    in_memory.configure(job_id="given-environment", rank=1, environ={})
+    otel_straggler.step(0)  # the first span re-reads identity (parallel state may be new by then)
+    with otel_straggler.stage("forward-compute"):
+        pass
+    (span,) = in_memory.stage_spans()
+    assert span.attributes[contract.RANK] == 1
+    assert contract.COHORT not in span.attributes  # the process's tp/pp ranks would make one

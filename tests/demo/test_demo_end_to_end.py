@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 RUN_TIMEOUT_S = 240  # a generous bound; a run takes 30-60 s on 2 busy cores
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-SLOW_RANK, SLOW_STAGE, FROM_STEP, WINDOW_STEPS = 2, "forward-compute", 40, 20
+SLOW_RANK, SLOW_STAGE, FROM_STEP, WINDOW_STEPS = 2, "forward-compute", 20, 20
 
 
 def demo_command(out_dir: Path, *flags: str) -> list[str]:

@@ -126,6 +126,7 @@ def _observation(
 
 
 _IDENTITY_KEYS = (contract.JOB_ID, contract.TOPOLOGY_EPOCH, contract.COHORT, contract.RANK)
+_new_observation = tuple.__new__  # Observation(...) without its Python-level __new__: decode's hot path
 
 
 # ---------------------------------------------------------------- protobuf
@@ -188,8 +189,19 @@ _INT_VALUE_TAG, _DOUBLE_VALUE_TAG = 0x18, 0x21  # AnyValue.int_value (varint), d
 
 def _int_any_value(raw: Optional[bytes]) -> Any:
     """_any_value for values expected to be ints, with a fast path for the canonical encoding
-    (tag, then a varint of at most 8 bytes that ends the message)."""
-    if raw is not None and 2 <= len(raw) <= 9 and raw[0] == _INT_VALUE_TAG and raw[-1] < 0x80:
+    (tag, then a varint of at most 8 bytes that ends the message), unrolled up to 3 bytes."""
+    if not raw or raw[0] != _INT_VALUE_TAG:
+        return _any_value(raw)
+    size = len(raw)
+    if size == 2 and raw[1] < 0x80:
+        return raw[1]
+    if size == 3 and raw[1] >= 0x80 > raw[2]:
+        return (raw[1] & 0x7F) | (raw[2] << 7)
+    if size == 4 and raw[1] >= 0x80 and raw[2] >= 0x80 > raw[3]:
+        return (raw[1] & 0x7F) | ((raw[2] & 0x7F) << 7) | (raw[3] << 14)
+    if size == 5 and raw[1] >= 0x80 and raw[2] >= 0x80 and raw[3] >= 0x80 > raw[4]:
+        return (raw[1] & 0x7F) | ((raw[2] & 0x7F) << 7) | ((raw[3] & 0x7F) << 14) | (raw[4] << 21)
+    if 2 <= size <= 9 and raw[-1] < 0x80:
         value, shift = 0, 0
         for byte in raw[1:-1]:
             if byte < 0x80:
@@ -232,6 +244,10 @@ class ProtobufDecoder:
         append = batch.observations.append
         cached = self._value_cache.get
         value_of = self._value
+        # attribute names as locals: the span loop would otherwise look each one up per span
+        STAGE, STEP, TIMING, COLLECTIVE = contract.STAGE, contract.STEP, contract.TIMING, contract.COLLECTIVE
+        TOKENS, SAMPLES, SEQ = contract.WORKLOAD_TOKENS, contract.WORKLOAD_SAMPLES, contract.SEQ
+        DEVICE, DEVICE_DURATION_MS = contract.TIMING_DEVICE, contract.DEVICE_DURATION_MS
         for resource_spans in request.resource_spans:
             resource = resource_spans.resource.attributes
             resource_identity = [value_of(resource.get(key)) for key in _IDENTITY_KEYS]
@@ -241,7 +257,7 @@ class ProtobufDecoder:
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
                     get = span.attributes.get
-                    raw = get(contract.STAGE)
+                    raw = get(STAGE)
                     if raw is None:
                         batch.ignored += 1
                         continue
@@ -249,37 +265,50 @@ class ProtobufDecoder:
                     stage = cached(raw)
                     if stage is None:
                         stage = value_of(raw)
-                    raw = get(contract.STEP)
+                    raw = get(STEP)
                     step = cached(raw)
-                    if step is None:
+                    if step is None and raw is not None:
                         step = value_of(raw)
-                    raw = get(contract.TIMING)
+                    raw = get(TIMING)
                     timing = cached(raw)
-                    if timing is None:
+                    if timing is None and raw is not None:
                         timing = value_of(raw)
-                    raw = get(contract.COLLECTIVE)
+                    raw = get(COLLECTIVE)
                     collective = cached(raw)
-                    if collective is None:
+                    if collective is None and raw is not None:
                         collective = value_of(raw)
-                    raw = get(contract.WORKLOAD_TOKENS)
+                    raw = get(TOKENS)
                     tokens = cached(raw)
-                    if tokens is None:
+                    if tokens is None and raw is not None:
                         tokens = value_of(raw)
-                    raw = get(contract.WORKLOAD_SAMPLES)
+                    raw = get(SAMPLES)
                     samples = cached(raw)
-                    if samples is None:
+                    if samples is None and raw is not None:
                         samples = value_of(raw)
                     # seq and device duration are unique per span: caching them would only evict others
-                    seq = _int_any_value(get(contract.SEQ))
-                    device_ms = (_double_any_value(get(contract.DEVICE_DURATION_MS))
-                                 if timing == contract.TIMING_DEVICE else None)
+                    seq = _int_any_value(get(SEQ))
+                    device_ms = (_double_any_value(get(DEVICE_DURATION_MS))
+                                 if timing == DEVICE else None)
                     if from_span:
                         merged = list(resource_identity)
                         for index in from_span:
                             merged[index] = value_of(get(_IDENTITY_KEYS[index]))
                         identity = _identity(*merged)
+                    start, end = span.start_time_unix_nano, span.end_time_unix_nano
+                    if (type(identity) is tuple and type(stage) is str and stage and type(step) is int
+                            and step >= 0 and type(seq) is int and seq >= 0 and 0 < start <= end):
+                        # The common case, checked as _observation checks it, without its calls.
+                        if device_ms is not None and not (type(device_ms) in (float, int)
+                                                          and 0 <= device_ms < math.inf):
+                            device_ms = None
+                        append(_new_observation(Observation, (
+                            *identity, stage, step, seq, (end - start) / 1e6,
+                            None if device_ms is None else float(device_ms), collective is True,
+                            None if tokens is None else _positive_count(tokens),
+                            None if samples is None else _positive_count(samples), end)))
+                        continue
                     result = _observation(identity, stage, step, seq, timing, device_ms, collective, tokens,
-                                          samples, span.start_time_unix_nano, span.end_time_unix_nano)
+                                          samples, start, end)
                     if type(result) is str:
                         batch.reject(span.name, result)
                     else:

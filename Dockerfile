@@ -14,7 +14,10 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /src
 COPY . /src
-RUN pip install "/src[torch]" \
+# gcc only for the detector's C fast path (otel_straggler/detector/_otlp_scan.c), removed after
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && pip install "/src[torch]" \
+    && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/* \
     && useradd --create-home --uid 10001 straggler \
     && mkdir -p /var/lib/otel-straggler/evidence \
     && chown -R straggler /var/lib/otel-straggler

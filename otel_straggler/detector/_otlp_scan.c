@@ -1,0 +1,348 @@
+/* The detector's optional fast path: serialized ExportTraceServiceRequest -> Observations.
+
+   decode.py calls scan(payload) first and falls back to its own protobuf decoder whenever scan
+   returns None. scan answers only for payloads it fully understands: canonical wire encoding of
+   every field it reads, each wanted attribute at most once, ASCII attribute keys and span names,
+   every value a single scalar AnyValue, and every stage span valid by CONTRACT §1-2 (as
+   decode._observation judges it). Anything else, including every malformed or rejected span, is
+   declined, so the reference decoder alone decides what is malformed and why; where scan answers,
+   its answer equals the reference decoder's (tests/detector/test_decode_fast.py checks both ways).
+
+   Every read is bounds-checked against the payload; nothing is written outside Python objects.
+   Field numbers are those of opentelemetry/proto/{collector/trace,trace,resource,common}/v1. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { K_STAGE, K_STEP, K_SEQ, K_TIMING, K_COLLECTIVE, K_TOKENS, K_SAMPLES, K_DEVICE_MS,
+       K_JOB, K_EPOCH, K_COHORT, K_RANK, N_KEYS };
+#define N_IDENTITY 4 /* K_JOB .. K_RANK */
+enum { V_ABSENT, V_STR, V_BOOL, V_INT, V_DOUBLE };
+
+typedef struct { const uint8_t *p, *end; } Reader;
+typedef struct { const uint8_t *p; Py_ssize_t n; int found; } Slice; /* raw AnyValue bytes */
+typedef struct { int kind; const uint8_t *s; Py_ssize_t n; int64_t i; double d; } Value;
+
+/* set once by configure() */
+static PyObject *key_names[N_KEYS];          /* bytes */
+static PyTypeObject *observation_type;       /* a tuple subclass with 13 fields */
+static PyObject *default_cohort;             /* str */
+static PyObject *device_timing;              /* bytes: training.stage.timing's "device" */
+
+static int read_varint(Reader *r, uint64_t *out) {
+    uint64_t value = 0;
+    for (int shift = 0; shift < 64 && r->p < r->end; shift += 7) {
+        uint8_t byte = *r->p++;
+        if (shift == 63 && byte > 1) return -1; /* more than 64 bits */
+        value |= (uint64_t)(byte & 0x7F) << shift;
+        if (byte < 0x80) { *out = value; return 0; }
+    }
+    return -1;
+}
+
+static int read_fixed64(Reader *r, uint64_t *out) {
+    if (r->end - r->p < 8) return -1;
+    uint64_t value = 0;
+    for (int i = 7; i >= 0; i--) value = (value << 8) | r->p[i]; /* little-endian on any host */
+    r->p += 8;
+    *out = value;
+    return 0;
+}
+
+/* A length-delimited field's body as its own reader. */
+static int read_len(Reader *r, Reader *body) {
+    uint64_t n;
+    if (read_varint(r, &n) || n > (uint64_t)(r->end - r->p)) return -1;
+    body->p = r->p;
+    body->end = r->p + n;
+    r->p += n;
+    return 0;
+}
+
+static int read_tag(Reader *r, uint32_t *field, uint32_t *wire_type) {
+    uint64_t key;
+    if (read_varint(r, &key) || key > UINT32_MAX || (key >> 3) == 0) return -1;
+    *field = (uint32_t)(key >> 3);
+    *wire_type = (uint32_t)(key & 7);
+    return 0;
+}
+
+static int skip(Reader *r, uint32_t wire_type) {
+    uint64_t ignored;
+    Reader body;
+    switch (wire_type) {
+    case 0: return read_varint(r, &ignored);
+    case 1: return read_fixed64(r, &ignored);
+    case 2: return read_len(r, &body);
+    case 5:
+        if (r->end - r->p < 4) return -1;
+        r->p += 4;
+        return 0;
+    default: return -1; /* groups and reserved wire types: the reference decoder decides */
+    }
+}
+
+static int is_ascii(const uint8_t *p, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (p[i] >= 0x80) return 0;
+    return 1;
+}
+
+static int key_index(const uint8_t *p, Py_ssize_t n, int first, int last) {
+    for (int k = first; k < last; k++)
+        if (PyBytes_GET_SIZE(key_names[k]) == n && memcmp(PyBytes_AS_STRING(key_names[k]), p, n) == 0) return k;
+    return -1;
+}
+
+/* One attribute (a KeyValue, which has a map entry's wire format): keeps the raw value of wanted
+   key k (first <= k < last) in slices[k - first]. -1: decline. */
+static int read_attribute(Reader *r, Slice *slices, int first, int last) {
+    Reader entry, key = {NULL, NULL}, value = {NULL, NULL};
+    int has_key = 0, has_value = 0;
+    if (read_len(r, &entry)) return -1;
+    while (entry.p < entry.end) {
+        uint32_t field, wire_type;
+        if (read_tag(&entry, &field, &wire_type) || wire_type != 2) return -1;
+        if (field == 1 && !has_key) { if (read_len(&entry, &key)) return -1; has_key = 1; }
+        else if (field == 2 && !has_value) { if (read_len(&entry, &value)) return -1; has_value = 1; }
+        else return -1;
+    }
+    if (!has_key || !is_ascii(key.p, key.end - key.p)) return -1;
+    int k = key_index(key.p, key.end - key.p, first, last);
+    if (k < 0) return 0;
+    Slice *slot = &slices[k - first];
+    if (slot->found || !has_value) return -1;
+    slot->p = value.p;
+    slot->n = value.end - value.p;
+    slot->found = 1;
+    return 0;
+}
+
+/* A single scalar AnyValue, canonically encoded; absent when the attribute is. -1: decline. */
+static int read_value(const Slice *slice, Value *v) {
+    v->kind = V_ABSENT;
+    if (!slice->found) return 0;
+    Reader r = {slice->p, slice->p + slice->n};
+    uint64_t key, raw;
+    Reader body;
+    if (read_varint(&r, &key)) return -1;
+    switch (key) {
+    case 0x0A: /* string_value */
+        if (read_len(&r, &body)) return -1;
+        v->kind = V_STR; v->s = body.p; v->n = body.end - body.p;
+        break;
+    case 0x10: /* bool_value */
+        if (read_varint(&r, &raw)) return -1;
+        v->kind = V_BOOL; v->i = raw != 0;
+        break;
+    case 0x18: /* int_value */
+        if (read_varint(&r, &raw)) return -1;
+        v->kind = V_INT; v->i = (int64_t)raw;
+        break;
+    case 0x21: /* double_value */
+        if (read_fixed64(&r, &raw)) return -1;
+        v->kind = V_DOUBLE; memcpy(&v->d, &raw, sizeof v->d);
+        break;
+    default: return -1;
+    }
+    return r.p == r.end ? 0 : -1;
+}
+
+static PyObject *new_str(const Value *v) { return PyUnicode_DecodeUTF8((const char *)v->s, v->n, NULL); }
+
+/* decode._positive_count: a positive int, a finite float >= 1 truncated, else None. */
+static PyObject *positive_count(const Value *v) {
+    if (v->kind == V_INT && v->i > 0) return PyLong_FromLongLong(v->i);
+    if (v->kind == V_DOUBLE && isfinite(v->d) && v->d >= 1.0) return PyLong_FromDouble(v->d);
+    Py_RETURN_NONE;
+}
+
+/* The identity of a span, resource values first: 0 and four new references, or -1: decline. */
+static int read_identity(const Value *given, PyObject **out) {
+    const Value *job = &given[0], *epoch = &given[1], *cohort = &given[2], *rank = &given[3];
+    if (job->kind != V_STR || job->n == 0 || rank->kind != V_INT || rank->i < 0) return -1;
+    if (!(epoch->kind == V_ABSENT || (epoch->kind == V_INT && epoch->i >= 0))) return -1;
+    if (!(cohort->kind == V_ABSENT || cohort->kind == V_STR)) return -1;
+    out[0] = new_str(job);
+    out[1] = PyLong_FromLongLong(epoch->kind == V_ABSENT ? 0 : epoch->i);
+    if (cohort->kind == V_ABSENT || cohort->n == 0) { Py_INCREF(default_cohort); out[2] = default_cohort; }
+    else out[2] = new_str(cohort);
+    out[3] = PyLong_FromLongLong(rank->i);
+    if (out[0] && out[1] && out[2] && out[3]) return 0;
+    for (int i = 0; i < 4; i++) Py_CLEAR(out[i]);
+    return -1;
+}
+
+/* One span: appends its Observation, counts it ignored, or declines (-1). */
+static int read_span(Reader *span, const Slice *resource_identity, PyObject *observations, Py_ssize_t *ignored) {
+    Slice slices[N_KEYS] = {{0}};
+    uint64_t start = 0, end = 0;
+    int has_start = 0, has_end = 0;
+    while (span->p < span->end) {
+        uint32_t field, wire_type;
+        Reader name;
+        if (read_tag(span, &field, &wire_type)) return -1;
+        if (field == 5) { /* name: a string, which the reference decoder checks for UTF-8 */
+            if (wire_type != 2 || read_len(span, &name) || !is_ascii(name.p, name.end - name.p)) return -1;
+        } else if (field == 7 || field == 8) { /* start / end time, fixed64 */
+            int *seen = field == 7 ? &has_start : &has_end;
+            if (wire_type != 1 || *seen || read_fixed64(span, field == 7 ? &start : &end)) return -1;
+            *seen = 1;
+        } else if (field == 9) { /* attributes */
+            if (wire_type != 2 || read_attribute(span, slices, 0, N_KEYS)) return -1;
+        } else if (skip(span, wire_type)) {
+            return -1;
+        }
+    }
+    if (!slices[K_STAGE].found) { (*ignored)++; return 0; }
+
+    Value v[N_KEYS];
+    for (int k = 0; k < N_KEYS; k++) {
+        const Slice *from = (k >= K_JOB && resource_identity[k - K_JOB].found) ? &resource_identity[k - K_JOB] : &slices[k];
+        if (read_value(from, &v[k])) return -1;
+    }
+    if (v[K_STAGE].kind != V_STR || v[K_STAGE].n == 0 || v[K_STEP].kind != V_INT || v[K_STEP].i < 0
+        || v[K_SEQ].kind != V_INT || v[K_SEQ].i < 0 || start == 0 || end < start)
+        return -1;
+    if (!(v[K_TIMING].kind == V_ABSENT || v[K_TIMING].kind == V_STR)) return -1;
+    int device = v[K_TIMING].kind == V_STR && v[K_TIMING].n == PyBytes_GET_SIZE(device_timing)
+                 && memcmp(v[K_TIMING].s, PyBytes_AS_STRING(device_timing), v[K_TIMING].n) == 0;
+    double device_ms = NAN;
+    if (device && v[K_DEVICE_MS].kind == V_DOUBLE && isfinite(v[K_DEVICE_MS].d) && v[K_DEVICE_MS].d >= 0) device_ms = v[K_DEVICE_MS].d;
+    if (device && v[K_DEVICE_MS].kind == V_INT && v[K_DEVICE_MS].i >= 0) device_ms = (double)v[K_DEVICE_MS].i;
+
+    PyObject *items[13] = {NULL};
+    if (read_identity(&v[K_JOB], items)) return -1;
+    items[4] = new_str(&v[K_STAGE]);
+    items[5] = PyLong_FromLongLong(v[K_STEP].i);
+    items[6] = PyLong_FromLongLong(v[K_SEQ].i);
+    items[7] = PyFloat_FromDouble((double)(end - start) / 1e6);
+    if (isnan(device_ms)) { Py_INCREF(Py_None); items[8] = Py_None; }
+    else items[8] = PyFloat_FromDouble(device_ms);
+    items[9] = PyBool_FromLong(v[K_COLLECTIVE].kind == V_BOOL && v[K_COLLECTIVE].i);
+    items[10] = positive_count(&v[K_TOKENS]);
+    items[11] = positive_count(&v[K_SAMPLES]);
+    items[12] = PyLong_FromUnsignedLongLong(end);
+    PyObject *observation = NULL;
+    for (int i = 0; i < 13; i++)
+        if (items[i] == NULL) goto fail;
+    /* an instance of the tuple subclass, filled in place: what tuple.__new__(Observation, items) makes */
+    observation = observation_type->tp_alloc(observation_type, 13);
+    if (observation == NULL) goto fail;
+    for (int i = 0; i < 13; i++) PyTuple_SET_ITEM(observation, i, items[i]);
+    int appended = PyList_Append(observations, observation);
+    Py_DECREF(observation);
+    return appended;
+fail:
+    for (int i = 0; i < 13; i++) Py_XDECREF(items[i]);
+    return -1;
+}
+
+static int read_resource(Reader *resource, Slice *identity) {
+    while (resource->p < resource->end) {
+        uint32_t field, wire_type;
+        if (read_tag(resource, &field, &wire_type)) return -1;
+        if (field == 1) {
+            if (wire_type != 2 || read_attribute(resource, identity, K_JOB, N_KEYS)) return -1;
+        } else if (skip(resource, wire_type)) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int read_resource_spans(Reader body, PyObject *observations, Py_ssize_t *ignored) {
+    Slice identity[N_IDENTITY] = {{0}};
+    int has_resource = 0;
+    /* first the resource, wherever it is, then the spans */
+    for (Reader r = body; r.p < r.end;) {
+        uint32_t field, wire_type;
+        Reader resource;
+        if (read_tag(&r, &field, &wire_type)) return -1;
+        if (field == 1) { /* a second resource would be merged into the first: declined */
+            if (wire_type != 2 || has_resource || read_len(&r, &resource) || read_resource(&resource, identity)) return -1;
+            has_resource = 1;
+        } else if (field == 2 && wire_type != 2) {
+            return -1;
+        } else if (skip(&r, wire_type)) {
+            return -1;
+        }
+    }
+    for (Reader r = body; r.p < r.end;) {
+        uint32_t field, wire_type;
+        Reader scope_spans, span;
+        if (read_tag(&r, &field, &wire_type)) return -1;
+        if (field != 2) { if (skip(&r, wire_type)) return -1; continue; }
+        if (read_len(&r, &scope_spans)) return -1;
+        while (scope_spans.p < scope_spans.end) {
+            if (read_tag(&scope_spans, &field, &wire_type)) return -1;
+            if (field != 2) { if (skip(&scope_spans, wire_type)) return -1; continue; }
+            if (wire_type != 2 || read_len(&scope_spans, &span) || read_span(&span, identity, observations, ignored)) return -1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *scan(PyObject *module, PyObject *payload) {
+    if (observation_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_otlp_scan.configure() was not called");
+        return NULL;
+    }
+    if (!PyBytes_Check(payload)) Py_RETURN_NONE;
+    Reader request = {(const uint8_t *)PyBytes_AS_STRING(payload),
+                      (const uint8_t *)PyBytes_AS_STRING(payload) + PyBytes_GET_SIZE(payload)};
+    PyObject *observations = PyList_New(0);
+    if (observations == NULL) return NULL;
+    Py_ssize_t ignored = 0;
+    while (request.p < request.end) {
+        uint32_t field, wire_type;
+        Reader resource_spans;
+        if (read_tag(&request, &field, &wire_type)) goto decline;
+        if (field != 1) { if (skip(&request, wire_type)) goto decline; continue; }
+        if (wire_type != 2 || read_len(&request, &resource_spans)
+            || read_resource_spans(resource_spans, observations, &ignored))
+            goto decline;
+    }
+    return Py_BuildValue("(Nn)", observations, ignored);
+decline:
+    Py_DECREF(observations);
+    PyErr_Clear(); /* a failed allocation declines too: the reference decoder meets it again */
+    Py_RETURN_NONE;
+}
+
+static PyObject *configure(PyObject *module, PyObject *args) {
+    PyObject *keys, *type, *cohort, *device;
+    if (!PyArg_ParseTuple(args, "O!O!UO!", &PyTuple_Type, &keys, &PyType_Type, &type, &cohort, &PyBytes_Type, &device))
+        return NULL;
+    if (PyTuple_GET_SIZE(keys) != N_KEYS || !PyType_IsSubtype((PyTypeObject *)type, &PyTuple_Type)) {
+        PyErr_SetString(PyExc_ValueError, "configure(keys, observation_type, default_cohort, device_timing): "
+                                          "12 attribute names and a tuple subclass");
+        return NULL;
+    }
+    for (int k = 0; k < N_KEYS; k++) {
+        if (!PyBytes_Check(PyTuple_GET_ITEM(keys, k))) {
+            PyErr_SetString(PyExc_TypeError, "attribute names must be bytes");
+            return NULL;
+        }
+    }
+    for (int k = 0; k < N_KEYS; k++) Py_XSETREF(key_names[k], Py_NewRef(PyTuple_GET_ITEM(keys, k)));
+    Py_XSETREF(observation_type, (PyTypeObject *)Py_NewRef(type));
+    Py_XSETREF(default_cohort, Py_NewRef(cohort));
+    Py_XSETREF(device_timing, Py_NewRef(device));
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"configure", configure, METH_VARARGS,
+     "configure(keys, observation_type, default_cohort, device_timing): keys are the 12 attribute names as bytes, "
+     "in the order stage, step, seq, timing, collective, tokens, samples, device_ms, job, epoch, cohort, rank."},
+    {"scan", scan, METH_O,
+     "scan(payload) -> (observations, ignored spans), or None: decode with the reference decoder."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_otlp_scan", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__otlp_scan(void) { return PyModule_Create(&module_def); }

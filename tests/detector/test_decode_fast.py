@@ -1,0 +1,195 @@
+"""The C fast path (_otlp_scan) against the reference decoder (ProtobufDecoder.decode_in_python):
+where the scanner answers, it answers exactly what the reference does; it declines anything the
+reference rejects; it never crashes on hostile bytes; and it does answer for what real exporters
+send, so the fast path is the one in use."""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
+
+from otel_straggler import contract
+from otel_straggler.detector import decode
+from otel_straggler.detector.decode import MalformedPayload, ProtobufDecoder
+
+from .otlp_spans import request_bytes, stage_spans
+from .test_fuzz import mutations
+
+try:
+    from otel_straggler.detector import _otlp_scan  # noqa: F401
+except ImportError:
+    _otlp_scan = None
+
+if _otlp_scan is None:
+    if os.environ.get("CI") == "true":  # CI builds the extension: its absence there is a failure
+        pytest.fail("otel_straggler.detector._otlp_scan is not built", pytrace=False)
+    pytest.skip("the optional C extension is not built here (no C compiler?)", allow_module_level=True)
+
+SCAN = decode._scan
+EXAMPLES = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def reference(payload: bytes):
+    try:
+        return ProtobufDecoder().decode_in_python(payload)
+    except MalformedPayload:
+        return None
+
+
+def same_value(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return type(a) is type(b) and a == b
+
+
+def assert_agrees(payload: bytes) -> bool:
+    """True when the scanner answered (and agreed), False when it declined."""
+    scanned = SCAN(payload)
+    if scanned is None:
+        return False
+    expected = reference(payload)
+    assert expected is not None, "the scanner answered a payload the reference refuses"
+    assert expected.malformed == 0, "the scanner answered a payload with rejected spans"
+    observations, ignored = scanned
+    assert ignored == expected.ignored
+    assert len(observations) == len(expected.observations)
+    for got, want in zip(observations, expected.observations):
+        assert type(got) is type(want)
+        assert all(same_value(x, y) for x, y in zip(got, want)), (got, want)
+    return True
+
+
+def test_the_decoder_uses_the_scanner():
+    assert SCAN is _otlp_scan.scan
+
+
+def test_what_the_sdk_exporter_sends_is_scanned():
+    payload = request_bytes(stage_spans(0, 5) + stage_spans(1, 3))
+    assert assert_agrees(payload)
+
+
+def test_what_the_rank_side_sends_is_scanned():
+    from opentelemetry.sdk.resources import Resource
+
+    from otel_straggler.instrumentation.span_encoding import SpanEncoder
+
+    from .otlp_spans import readable_span
+    from .test_decode import observation
+
+    resource = Resource({contract.JOB_ID: "job-7", contract.RANK: 5, contract.COHORT: "tp1-pp0",
+                         contract.TOPOLOGY_EPOCH: 2, "service.name": "training"})
+    spans = [readable_span(observation(seq=seq, device_ms=None if seq % 2 else 3.5), resource) for seq in range(6)]
+    encoder = SpanEncoder()
+    payload = encoder.encode([encoder.prewrite(span) for span in spans])
+    assert assert_agrees(payload)
+
+
+# -- generated requests: every value kind in every attribute, identity on the resource or the span
+
+SCALARS = st.one_of(
+    st.none(),  # attribute left out
+    st.text(max_size=8).map(lambda v: AnyValue(string_value=v)),
+    st.sampled_from(["forward-compute", "device", "host_only", ""]).map(lambda v: AnyValue(string_value=v)),
+    st.booleans().map(lambda v: AnyValue(bool_value=v)),
+    st.integers(-3, 2**31).map(lambda v: AnyValue(int_value=v)),
+    st.integers(-2**63, 2**63 - 1).map(lambda v: AnyValue(int_value=v)),
+    st.floats(allow_nan=True, allow_infinity=True).map(lambda v: AnyValue(double_value=v)),
+    st.just(AnyValue()),  # present, no value
+    st.just(AnyValue(bytes_value=b"\x00")),
+)
+GOOD = {
+    contract.STAGE: st.sampled_from(["forward-compute", "all-grads-sync"]).map(lambda v: AnyValue(string_value=v)),
+    contract.STEP: st.integers(0, 10**6).map(lambda v: AnyValue(int_value=v)),
+    contract.SEQ: st.integers(0, 2**40).map(lambda v: AnyValue(int_value=v)),
+    contract.TIMING: st.sampled_from(["device", "host_only"]).map(lambda v: AnyValue(string_value=v)),
+    contract.COLLECTIVE: st.booleans().map(lambda v: AnyValue(bool_value=v)),
+    contract.WORKLOAD_TOKENS: st.integers(0, 10**6).map(lambda v: AnyValue(int_value=v)),
+    contract.WORKLOAD_SAMPLES: st.floats(0, 100).map(lambda v: AnyValue(double_value=v)),
+    contract.DEVICE_DURATION_MS: st.floats(0, 100).map(lambda v: AnyValue(double_value=v)),
+    contract.JOB_ID: st.sampled_from(["job-1", "job-2"]).map(lambda v: AnyValue(string_value=v)),
+    contract.TOPOLOGY_EPOCH: st.integers(0, 3).map(lambda v: AnyValue(int_value=v)),
+    contract.COHORT: st.sampled_from(["", "tp0", "tp1"]).map(lambda v: AnyValue(string_value=v)),
+    contract.RANK: st.integers(0, 64).map(lambda v: AnyValue(int_value=v)),
+}
+IDENTITY = (contract.JOB_ID, contract.TOPOLOGY_EPOCH, contract.COHORT, contract.RANK)
+
+
+def attribute_values(keys) -> st.SearchStrategy:
+    """Mostly valid values (so many spans are accepted), sometimes anything at all, sometimes none."""
+    return st.fixed_dictionaries({key: st.one_of(GOOD[key], GOOD[key], GOOD[key], SCALARS) for key in keys})
+
+
+def key_values(values: dict, extra: list) -> list:
+    pairs = [KeyValue(key=key, value=value) for key, value in values.items() if value is not None]
+    return pairs + [KeyValue(key=key, value=AnyValue(string_value="x")) for key in extra]
+
+
+EXTRA_KEYS = st.lists(st.sampled_from(["service.name", "héllo", "training.stage", "other"]), max_size=2)
+
+
+@st.composite
+def requests(draw) -> bytes:
+    request = ExportTraceServiceRequest()
+    for _ in range(draw(st.integers(1, 2))):
+        resource_spans = request.resource_spans.add()
+        on_resource = draw(st.sets(st.sampled_from(IDENTITY)))
+        resource_values = draw(attribute_values(sorted(on_resource)))
+        resource_spans.resource.attributes.extend(key_values(resource_values, draw(EXTRA_KEYS)))
+        for _ in range(draw(st.integers(1, 2))):
+            scope_spans = resource_spans.scope_spans.add()
+            scope_spans.scope.name = "otel_straggler"
+            for _ in range(draw(st.integers(0, 4))):
+                keys = [key for key in GOOD if key not in on_resource or draw(st.booleans())]
+                values = draw(attribute_values(keys))
+                start = draw(st.one_of(st.just(0), st.integers(1, 2**63)))
+                span = Span(name=draw(st.sampled_from(["forward-compute", "ünïcode", ""])),
+                            trace_id=b"\x01" * 16, span_id=b"\x02" * 8, kind=Span.SPAN_KIND_INTERNAL,
+                            start_time_unix_nano=start,
+                            end_time_unix_nano=draw(st.one_of(st.just(start), st.integers(0, 2**64 - 1))))
+                span.attributes.extend(key_values(values, draw(EXTRA_KEYS)))
+                scope_spans.spans.append(span)
+    return request.SerializeToString()
+
+
+@EXAMPLES
+@given(requests())
+def test_generated_requests_get_the_reference_answer_or_are_declined(payload):
+    assert_agrees(payload)
+
+
+@pytest.mark.filterwarnings("ignore::hypothesis.errors.NonInteractiveExampleWarning")
+def test_generated_requests_are_often_scanned():
+    """Guards the test above against a scanner that declines everything."""
+    answered = [assert_agrees(requests().example()) for _ in range(200)]
+    assert sum(answered) >= 20  # about a quarter are: the others hold a span the reference rejects
+
+
+@EXAMPLES
+@given(mutations(request_bytes(stage_spans(0, 3) + stage_spans(1, 2))))
+def test_mutated_payloads_never_crash_and_agree_where_answered(payload):
+    assert_agrees(payload)
+
+
+@pytest.mark.parametrize("payload", [
+    b"", b"\x0a", b"\x0a\x05\x12\x03\x12\x01", b"\x0a" + b"\xff" * 9 + b"\x01", b"\x0b\x0c",
+    b"\x0a\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01", bytes(range(256)),
+])
+def test_odd_bytes_are_declined_or_agree(payload):
+    assert_agrees(payload)
+
+
+def test_a_rejected_span_is_left_to_the_reference_decoder():
+    request = ExportTraceServiceRequest.FromString(request_bytes(stage_spans(0, 2)))
+    span = request.resource_spans[0].scope_spans[0].spans[1]
+    for attribute in span.attributes:
+        if attribute.key == contract.STEP:
+            attribute.value.int_value = -1
+    payload = request.SerializeToString()
+    assert SCAN(payload) is None
+    batch = ProtobufDecoder().decode(payload)
+    assert batch.malformed == 1 and len(batch.observations) == 1 and "training.step" in batch.first_error

@@ -285,7 +285,7 @@ static int read_resource_spans(Reader body, PyObject *observations, Py_ssize_t *
     return 0;
 }
 
-static PyObject *scan(PyObject *module, PyObject *payload) {
+static PyObject *scan(PyObject *Py_UNUSED(module), PyObject *payload) {
     if (observation_type == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "_otlp_scan.configure() was not called");
         return NULL;
@@ -312,7 +312,7 @@ decline:
     Py_RETURN_NONE;
 }
 
-static PyObject *configure(PyObject *module, PyObject *args) {
+static PyObject *configure(PyObject *Py_UNUSED(module), PyObject *args) {
     PyObject *keys, *type, *cohort, *device;
     if (!PyArg_ParseTuple(args, "O!O!UO!", &PyTuple_Type, &keys, &PyType_Type, &type, &cohort, &PyBytes_Type, &device))
         return NULL;
@@ -343,6 +343,6 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_otlp_scan", NULL, -1, methods};
+static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, .m_name = "_otlp_scan", .m_size = -1, .m_methods = methods};
 
 PyMODINIT_FUNC PyInit__otlp_scan(void) { return PyModule_Create(&module_def); }

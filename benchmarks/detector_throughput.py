@@ -171,7 +171,7 @@ def throughput(args) -> None:
 def scanner_built() -> bool:
     from otel_straggler.detector import decode
 
-    return decode._scan is not None
+    return decode.scanner_built()
 
 
 def _proc_status_kib(field: str) -> int:

@@ -15,6 +15,7 @@ import threading
 
 from otel_straggler.cli import UsageError
 from otel_straggler.detector import config as detector_config
+from otel_straggler.detector import decode
 from otel_straggler.detector.config import ConfigError, DetectorConfig
 
 SHUTDOWN_TIMEOUT_S = 30.0  # for the engine to judge open windows and the evidence to be flushed
@@ -58,9 +59,10 @@ def run_detect(args: argparse.Namespace) -> int:
         return 1
     grpc_port, http_port = service.bound_ports
     prometheus = f", Prometheus :{service.prometheus_port}/metrics" if service.prometheus_port is not None else ""
+    decoder = "C scanner" if decode.scanner_built() else "Python only (the C scanner is not built)"
     print(f"otel-straggler detect: OTLP/gRPC {config.listen_address}:{grpc_port}, OTLP/HTTP "
-          f"{config.listen_address}:{http_port}{prometheus}, evidence in {os.path.abspath(config.evidence_dir)}",
-          flush=True)
+          f"{config.listen_address}:{http_port}{prometheus}, evidence in {os.path.abspath(config.evidence_dir)}, "
+          f"protobuf decoding: {decoder}", flush=True)
     while not stop_requested.wait(1.0):
         pass
     finished = service.stop(SHUTDOWN_TIMEOUT_S)

@@ -239,6 +239,10 @@ def _load_scanner() -> Optional[Callable[[bytes], Optional[tuple]]]:
 _scan = _load_scanner()  # None: decode in Python only
 
 
+def scanner_built() -> bool:
+    return _scan is not None
+
+
 class ProtobufDecoder:
     """Decodes serialized ExportTraceServiceRequests. Safe to share between threads: its only state
     is the value cache, whose worst race is a miss."""

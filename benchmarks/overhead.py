@@ -17,7 +17,8 @@ The protocol (paired_protocol.py) is fixed below, before any run, and printed wi
 the pairs of a workload all run in the same processes, one after another. Also measured in
 the same run, to explain the figure: CPU time of the background threads per step (ON minus
 OFF, and the library's own threads by name), the detector's CPU per step, garbage collections
-per step, and the hot path per step (intervals per step x ns per interval, from
+per step, the training thread's own CPU and its waiting (wall time minus CPU: for the GIL or a
+core) per step, ON minus OFF, and the hot path per step (intervals per step x ns per interval, from
 benchmarks/hot_path.py in the single-process run). The machine is shared: the load average is
 printed with the result, and --nice can put the benchmark ahead of other processes.
 """
@@ -108,6 +109,9 @@ def analyze(workload: Workload, protocol: Protocol, ranks: list[dict], detector_
     background = {arm: per_step_ms(arm, background_cpu_ns) for arm in (OFF, ON)}
     library_threads = per_step_ms(ON, library_threads_cpu_ns)
     training_thread = {arm: per_step_ms(arm, lambda record: record["training_thread_cpu_ns"]) for arm in (OFF, ON)}
+    # wall time the training thread spent not running: waiting for the GIL or for a core
+    training_waits = {arm: per_step_ms(arm, lambda record: sum(record["step_s"]) * 1e9 - record["training_thread_cpu_ns"])
+                      for arm in (OFF, ON)}
     gc_per_1000_steps = {arm: [1000 * statistics.mean(arms[index]["gc_collections"][generation] / protocol.steps_per_arm
                                                       for index, name in enumerate(schedule) if name == arm
                                                       for arms in arms_by_rank) for generation in range(3)]
@@ -133,6 +137,7 @@ def analyze(workload: Workload, protocol: Protocol, ranks: list[dict], detector_
         "extra_background_cpu_ms_per_step": background[ON] - background[OFF],
         "library_threads_cpu_ms_per_step": library_threads,
         "training_thread_cpu_ms_per_step": training_thread,
+        "training_thread_waiting_ms_per_step": training_waits,
         "gc_collections_per_1000_steps": gc_per_1000_steps,
         # the detector runs in this process, which otherwise only waits
         "detector_cpu_ms_per_step": detector_cpu_ns / on_steps / 1e6,
@@ -167,15 +172,16 @@ def print_report(report: dict) -> None:
             print(f"{title:34} {result['step_ms'][OFF]:11.2f} {result['step_ms'][ON]:11.2f} {summary['mean_pct']:+11.3f}"
                   f" {f'[{low:+.3f}, {high:+.3f}]':>18} {summary['verdict']:>11}")
     print(f"\n{'where the time goes, per step':28} {'hot path':>14} {'library thr.':>13} {'bg CPU ON-OFF':>14}"
-          f" {'detector CPU':>13} {'train thr. CPU ON-OFF':>22}")
+          f" {'detector CPU':>13} {'train thr. CPU ON-OFF':>22} {'train thr. waiting ON-OFF':>26}")
     for name, result in report["workloads"].items():
         hot, step_ms = result["hot_path"], result["step_ms"][OFF]
         main = result["training_thread_cpu_ms_per_step"]
+        waiting = result["training_thread_waiting_ms_per_step"]
         cells = [hot["ms_per_step"], result["library_threads_cpu_ms_per_step"],
                  result["extra_background_cpu_ms_per_step"], result["detector_cpu_ms_per_step"]]
         print(f"{name + ' (ms, % of step)':28}" + "".join(
             f" {f'{value:.3f} ({100 * value / step_ms:.2f}%)':>{width}}" for value, width in zip(cells, (14, 13, 14, 13)))
-            + f" {f'{main[ON] - main[OFF]:+.3f}':>22}")
+            + f" {f'{main[ON] - main[OFF]:+.3f}':>22} {f'{waiting[ON] - waiting[OFF]:+.3f}':>26}")
     print("\nper-pair estimates (%):")
     for name, result in report["workloads"].items():
         print(f"  {name}: " + " ".join(f"{value:+.2f}" for value in result["overhead_rank_mean"]["per_pair_pct"]))

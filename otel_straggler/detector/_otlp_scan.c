@@ -42,6 +42,17 @@ static int read_varint(Reader *r, uint64_t *out) {
     return -1;
 }
 
+/* Tags and lengths: upb refuses varints of more than 5 bytes there, so longer ones decline. */
+static int read_varint32(Reader *r, uint64_t *out) {
+    uint64_t value = 0;
+    for (int shift = 0; shift < 35 && r->p < r->end; shift += 7) {
+        uint8_t byte = *r->p++;
+        value |= (uint64_t)(byte & 0x7F) << shift;
+        if (byte < 0x80) { *out = value; return 0; }
+    }
+    return -1;
+}
+
 static int read_fixed64(Reader *r, uint64_t *out) {
     if (r->end - r->p < 8) return -1;
     uint64_t value = 0;
@@ -54,7 +65,7 @@ static int read_fixed64(Reader *r, uint64_t *out) {
 /* A length-delimited field's body as its own reader. */
 static int read_len(Reader *r, Reader *body) {
     uint64_t n;
-    if (read_varint(r, &n) || n > (uint64_t)(r->end - r->p)) return -1;
+    if (read_varint32(r, &n) || n >= INT32_MAX || n > (uint64_t)(r->end - r->p)) return -1;
     body->p = r->p;
     body->end = r->p + n;
     r->p += n;
@@ -63,7 +74,7 @@ static int read_len(Reader *r, Reader *body) {
 
 static int read_tag(Reader *r, uint32_t *field, uint32_t *wire_type) {
     uint64_t key;
-    if (read_varint(r, &key) || key > UINT32_MAX || (key >> 3) == 0) return -1;
+    if (read_varint32(r, &key) || key > UINT32_MAX || (key >> 3) == 0) return -1;
     *field = (uint32_t)(key >> 3);
     *wire_type = (uint32_t)(key & 7);
     return 0;
@@ -127,7 +138,7 @@ static int read_value(const Slice *slice, Value *v) {
     Reader r = {slice->p, slice->p + slice->n};
     uint64_t key, raw;
     Reader body;
-    if (read_varint(&r, &key)) return -1;
+    if (read_varint32(&r, &key)) return -1;
     switch (key) {
     case 0x0A: /* string_value */
         if (read_len(&r, &body)) return -1;
@@ -165,12 +176,14 @@ static int read_identity(const Value *given, PyObject **out) {
     if (job->kind != V_STR || job->n == 0 || rank->kind != V_INT || rank->i < 0) return -1;
     if (!(epoch->kind == V_ABSENT || (epoch->kind == V_INT && epoch->i >= 0))) return -1;
     if (!(cohort->kind == V_ABSENT || cohort->kind == V_STR)) return -1;
-    out[0] = new_str(job);
-    out[1] = PyLong_FromLongLong(epoch->kind == V_ABSENT ? 0 : epoch->i);
-    if (cohort->kind == V_ABSENT || cohort->n == 0) { Py_INCREF(default_cohort); out[2] = default_cohort; }
-    else out[2] = new_str(cohort);
-    out[3] = PyLong_FromLongLong(rank->i);
-    if (out[0] && out[1] && out[2] && out[3]) return 0;
+    /* each call only if the one before succeeded: no C-API call may run with an exception set */
+    if ((out[0] = new_str(job)) == NULL) goto fail;
+    if ((out[1] = PyLong_FromLongLong(epoch->kind == V_ABSENT ? 0 : epoch->i)) == NULL) goto fail;
+    if (cohort->kind == V_ABSENT || cohort->n == 0) out[2] = Py_NewRef(default_cohort);
+    else if ((out[2] = new_str(cohort)) == NULL) goto fail;
+    if ((out[3] = PyLong_FromLongLong(rank->i)) == NULL) goto fail;
+    return 0;
+fail:
     for (int i = 0; i < 4; i++) Py_CLEAR(out[i]);
     return -1;
 }
@@ -209,34 +222,48 @@ static int read_span(Reader *span, const Slice *resource_identity, PyObject *obs
     if (!(v[K_TIMING].kind == V_ABSENT || v[K_TIMING].kind == V_STR)) return -1;
     int device = v[K_TIMING].kind == V_STR && v[K_TIMING].n == PyBytes_GET_SIZE(device_timing)
                  && memcmp(v[K_TIMING].s, PyBytes_AS_STRING(device_timing), v[K_TIMING].n) == 0;
-    double device_ms = NAN;
-    if (device && v[K_DEVICE_MS].kind == V_DOUBLE && isfinite(v[K_DEVICE_MS].d) && v[K_DEVICE_MS].d >= 0) device_ms = v[K_DEVICE_MS].d;
-    if (device && v[K_DEVICE_MS].kind == V_INT && v[K_DEVICE_MS].i >= 0) device_ms = (double)v[K_DEVICE_MS].i;
+    int has_device_ms = 0;
+    double device_ms = 0;
+    if (device && v[K_DEVICE_MS].kind == V_DOUBLE && isfinite(v[K_DEVICE_MS].d) && v[K_DEVICE_MS].d >= 0) {
+        device_ms = v[K_DEVICE_MS].d;
+        has_device_ms = 1;
+    }
+    if (device && v[K_DEVICE_MS].kind == V_INT && v[K_DEVICE_MS].i >= 0) {
+        device_ms = (double)v[K_DEVICE_MS].i;
+        has_device_ms = 1;
+    }
 
-    PyObject *items[13] = {NULL};
-    if (read_identity(&v[K_JOB], items)) return -1;
-    items[4] = new_str(&v[K_STAGE]);
-    items[5] = PyLong_FromLongLong(v[K_STEP].i);
-    items[6] = PyLong_FromLongLong(v[K_SEQ].i);
-    items[7] = PyFloat_FromDouble((double)(end - start) / 1e6);
-    if (isnan(device_ms)) { Py_INCREF(Py_None); items[8] = Py_None; }
-    else items[8] = PyFloat_FromDouble(device_ms);
-    items[9] = PyBool_FromLong(v[K_COLLECTIVE].kind == V_BOOL && v[K_COLLECTIVE].i);
-    items[10] = positive_count(&v[K_TOKENS]);
-    items[11] = positive_count(&v[K_SAMPLES]);
-    items[12] = PyLong_FromUnsignedLongLong(end);
-    PyObject *observation = NULL;
-    for (int i = 0; i < 13; i++)
-        if (items[i] == NULL) goto fail;
-    /* an instance of the tuple subclass, filled in place: what tuple.__new__(Observation, items) makes */
-    observation = observation_type->tp_alloc(observation_type, 13);
-    if (observation == NULL) goto fail;
-    for (int i = 0; i < 13; i++) PyTuple_SET_ITEM(observation, i, items[i]);
+    PyObject *items = PyTuple_New(13); /* the fields, then an Observation made from them */
+    if (items == NULL) return -1;
+    PyObject *identity[4] = {NULL};
+    if (read_identity(&v[K_JOB], identity)) goto fail;
+    for (int i = 0; i < 4; i++) PyTuple_SET_ITEM(items, i, identity[i]);
+    /* each field only if the one before succeeded: no C-API call may run with an exception set */
+    PyObject *field;
+#define SET_FIELD(index, made) do { if ((field = (made)) == NULL) goto fail; PyTuple_SET_ITEM(items, index, field); } while (0)
+    SET_FIELD(4, new_str(&v[K_STAGE]));
+    SET_FIELD(5, PyLong_FromLongLong(v[K_STEP].i));
+    SET_FIELD(6, PyLong_FromLongLong(v[K_SEQ].i));
+    SET_FIELD(7, PyFloat_FromDouble((double)(end - start) / 1e6));
+    SET_FIELD(8, has_device_ms ? PyFloat_FromDouble(device_ms) : Py_NewRef(Py_None));
+    SET_FIELD(9, PyBool_FromLong(v[K_COLLECTIVE].kind == V_BOOL && v[K_COLLECTIVE].i));
+    SET_FIELD(10, positive_count(&v[K_TOKENS]));
+    SET_FIELD(11, positive_count(&v[K_SAMPLES]));
+    SET_FIELD(12, PyLong_FromUnsignedLongLong(end));
+#undef SET_FIELD
+    /* tuple.__new__(Observation, items), through the tuple type itself: it sets whatever a tuple
+       needs besides its items (3.14 caches its hash in it) */
+    PyObject *args = PyTuple_Pack(1, items);
+    if (args == NULL) goto fail;
+    PyObject *observation = PyTuple_Type.tp_new(observation_type, args, NULL);
+    Py_DECREF(args);
+    Py_DECREF(items);
+    if (observation == NULL) return -1;
     int appended = PyList_Append(observations, observation);
     Py_DECREF(observation);
     return appended;
 fail:
-    for (int i = 0; i < 13; i++) Py_XDECREF(items[i]);
+    Py_DECREF(items); /* releases the fields set so far; unset ones are NULL */
     return -1;
 }
 
@@ -305,7 +332,10 @@ static PyObject *scan(PyObject *Py_UNUSED(module), PyObject *payload) {
             || read_resource_spans(resource_spans, observations, &ignored))
             goto decline;
     }
-    return Py_BuildValue("(Nn)", observations, ignored);
+    PyObject *answer = Py_BuildValue("(Nn)", observations, ignored); /* takes observations, even on failure */
+    if (answer != NULL) return answer;
+    PyErr_Clear();
+    Py_RETURN_NONE;
 decline:
     Py_DECREF(observations);
     PyErr_Clear(); /* a failed allocation declines too: the reference decoder meets it again */

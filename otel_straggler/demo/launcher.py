@@ -8,10 +8,8 @@ not exit after finishing end the run with one clear message, and the other ranks
 from __future__ import annotations
 
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Optional
+
+from otel_straggler.demo.ports import free_port
 
 PROGRESS_LINE = re.compile(r"^step (\d+)/(\d+) loss (\S+)")
 STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
@@ -40,42 +40,6 @@ class LaunchPlan:
     stall_timeout_s: float = 45.0
     exit_timeout_s: float = 30.0  # after one rank finished, the others must exit within this
     trainer_module: str = "otel_straggler.demo.trainer"  # run as `python -m` in each rank
-
-
-def ephemeral_port_range() -> range:
-    """The ports the kernel hands out for outgoing connections and for bind(port 0)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as ports:
-            low, high = (int(value) for value in ports.read().split())
-        return range(low, high + 1)
-    except (OSError, ValueError):
-        return range(32768, 61000)  # Linux's default
-
-
-_ports_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """A loopback TCP port that is free now and stays free until its user binds it: drawn outside
-    the ephemeral range, where a port from bind(0) can meanwhile become some outgoing connection's
-    source port, and never handed out twice by this process."""
-    ephemeral = ephemeral_port_range()
-    candidates = [port for port in (range(20000, ephemeral.start), range(ephemeral.stop, 65536)) if len(port) > 100]
-    for _ in range(200 if candidates else 0):
-        span = random.choice(candidates)
-        port = random.randrange(span.start, span.stop)
-        if port in _ports_handed_out:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _ports_handed_out.add(port)
-        return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:  # no such range on this machine
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def parse_progress(line: str) -> Optional[tuple[int, Optional[float]]]:

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
-import random
 import shutil
 import signal
 import socket
@@ -77,40 +77,16 @@ def binaries() -> Binaries:
     )
 
 
-def ephemeral_port_range() -> range:
-    """The ports the kernel hands out for outgoing connections and for bind(port 0)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as ports:
-            low, high = (int(value) for value in ports.read().split())
-        return range(low, high + 1)
-    except (OSError, ValueError):
-        return range(32768, 61000)  # Linux's default
+def _load_ports():
+    """otel_straggler/demo/ports.py by path: this file runs without the package installed."""
+    spec = importlib.util.spec_from_file_location("otel_straggler_ports", REPO / "otel_straggler" / "demo" / "ports.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-_ports_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """A loopback TCP port that is free now and stays free until its user binds it: drawn outside
-    the ephemeral range, where a port from bind(0) can meanwhile become some outgoing connection's
-    source port, and never handed out twice by this process."""
-    ephemeral = ephemeral_port_range()
-    candidates = [port for port in (range(20000, ephemeral.start), range(ephemeral.stop, 65536)) if len(port) > 100]
-    for _ in range(200 if candidates else 0):
-        span = random.choice(candidates)
-        port = random.randrange(span.start, span.stop)
-        if port in _ports_handed_out:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind((LOOPBACK, port))
-            except OSError:
-                continue
-        _ports_handed_out.add(port)
-        return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:  # no such range on this machine
-        probe.bind((LOOPBACK, 0))
-        return probe.getsockname()[1]
+ports = _load_ports()
+free_port = ports.free_port
 
 
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:

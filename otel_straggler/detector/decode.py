@@ -194,7 +194,7 @@ _INT_VALUE_TAG, _DOUBLE_VALUE_TAG = 0x18, 0x21  # AnyValue.int_value (varint), d
 
 def _int_any_value(raw: Optional[bytes]) -> Any:
     """_any_value for values expected to be ints, with a fast path for the canonical encoding
-    (tag, then a varint of at most 8 bytes that ends the message), unrolled up to 3 bytes."""
+    (tag, then a varint of at most 8 bytes that ends the message), unrolled for varints of up to 4 bytes."""
     if not raw or raw[0] != _INT_VALUE_TAG:
         return _any_value(raw)
     size = len(raw)

@@ -22,7 +22,8 @@ from otel_straggler import contract
 from otel_straggler.instrumentation import identity
 from otel_straggler.instrumentation.exporting import CountingSpanExporter, span_exporter, start_rank_metrics
 from otel_straggler.instrumentation.recorder import IntervalRecorder
-from otel_straggler.instrumentation.span_builder import DerivedIdGenerator, ProcessorSpans, SpanBuilder, TracerSpans
+from otel_straggler.instrumentation.span_builder import (COUNTER_NAMES, DerivedIdGenerator, ProcessorSpans, SpanBuilder,
+                                                        TracerSpans)
 from otel_straggler.processors.cuda_event_span_processor import CudaEventSpanProcessor
 from otel_straggler.processors.device_events import EventPool, make_backend
 
@@ -235,9 +236,7 @@ class RankPipeline:
 
     def status(self, recorder: IntervalRecorder) -> dict:
         builder = self.builder
-        built = dict(builder.counters) if builder is not None else {"spans_built": 0, "steps_built": 0,
-                                                                     "pool_exhausted": 0, "build_errors": 0,
-                                                                     "parent_ids_forgotten": 0}
+        built = dict(builder.counters) if builder is not None else dict.fromkeys(COUNTER_NAMES, 0)
         device = dict(self.device_processor.counters) if self.device_processor is not None else {}
         lost = {
             "queue_full": recorder.dropped_queue_full,

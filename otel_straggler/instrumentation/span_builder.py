@@ -28,11 +28,12 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from otel_straggler import contract
 from otel_straggler.instrumentation import stage_names
-from otel_straggler.instrumentation.recorder import INTERVAL, STEP_BEGIN, STEP_END, IntervalRecorder
+from otel_straggler.instrumentation.recorder import INTERVAL, START_STEP, STEP_BEGIN, STEP_END, IntervalRecorder
 
 _MASK64 = (1 << 64) - 1
 _SAMPLED = trace_api.TraceFlags(trace_api.TraceFlags.SAMPLED)
 MAX_OPEN_PARENTS = 1024  # enclosing intervals with built children, not yet ended themselves
+COUNTER_NAMES = ("spans_built", "steps_built", "pool_exhausted", "build_errors", "parent_ids_forgotten")
 
 
 def trace_id_for_step(job_id: str, step: int) -> int:
@@ -182,8 +183,7 @@ class SpanBuilder:
         self.device_timing = device_timing
         self.release_event = release_event or (lambda event: None)
         self.extra_attributes = extra_attributes or {}
-        self.counters = {"spans_built": 0, "steps_built": 0, "pool_exhausted": 0, "build_errors": 0,
-                         "parent_ids_forgotten": 0}
+        self.counters = dict.fromkeys(COUNTER_NAMES, 0)
         salt = int.from_bytes(os.urandom(8), "big")
         self._interval_salt = salt
         self._step_salt = salt ^ 0x5DEECE66D5DEECE6
@@ -293,7 +293,7 @@ class SpanBuilder:
         else:
             # A parent only within the same step: a timer that runs across steps (Megatron's
             # interval-time) would otherwise adopt spans of traces it does not belong to.
-            if enclosing is not None and enclosing[3] == start_step:
+            if enclosing is not None and enclosing[START_STEP] == start_step:
                 parent_span_id = self._span_id(enclosing, ended=False)
             else:
                 parent_span_id = _mix64(self._step_salt + step)

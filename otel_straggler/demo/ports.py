@@ -7,11 +7,12 @@ from __future__ import annotations
 import random
 import socket
 
+
 def ephemeral_port_range() -> range:
     """The ports the kernel hands out for outgoing connections and for bind(port 0)."""
     try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as ports:
-            low, high = (int(value) for value in ports.read().split())
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as limits:
+            low, high = (int(value) for value in limits.read().split())
         return range(low, high + 1)
     except (OSError, ValueError):
         return range(32768, 61000)  # Linux's default

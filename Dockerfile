@@ -14,7 +14,7 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /src
 COPY . /src
-# gcc only for the detector's C fast path (otel_straggler/detector/_otlp_scan.c), removed after
+# gcc only for the C fast paths (otel_straggler/*/_otlp_*.c: the detector's and the demo ranks'), removed after
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && pip install "/src[torch]" \
     && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/* \

@@ -1,9 +1,14 @@
-"""Only the optional C extension lives here; everything else is in pyproject.toml.
+"""Only the optional C extensions live here; everything else is in pyproject.toml.
 
-otel_straggler/detector/_otlp_scan.c is the detector's fast path for OTLP/protobuf. It is
-optional: without a C compiler the build skips it and the detector decodes in Python.
+otel_straggler/detector/_otlp_scan.c is the detector's fast path for reading OTLP/protobuf,
+otel_straggler/instrumentation/_otlp_write.c the rank's for writing it. Both are optional:
+without a C compiler the build skips them and both sides do the same work in Python.
 """
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("otel_straggler.detector._otlp_scan", ["otel_straggler/detector/_otlp_scan.c"],
-                             extra_compile_args=["-O2"], optional=True)])
+setup(ext_modules=[
+    Extension("otel_straggler.detector._otlp_scan", ["otel_straggler/detector/_otlp_scan.c"],
+              extra_compile_args=["-O2"], optional=True),
+    Extension("otel_straggler.instrumentation._otlp_write", ["otel_straggler/instrumentation/_otlp_write.c"],
+              extra_compile_args=["-O2"], optional=True),
+])

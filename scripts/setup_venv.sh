@@ -13,10 +13,10 @@ if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip
 fi
-# Skip pip when neither the dependency list, the C extension (built in place by the editable
+# Skip pip when neither the dependency list, the C extensions (built in place by the editable
 # install) nor the checkout's location changed.
 stamp="$venv/.otel-straggler-installed"
-want="$(cat "$repo/pyproject.toml" "$repo/setup.py" "$repo/otel_straggler/detector/_otlp_scan.c" | sha256sum | cut -d' ' -f1) $repo"
+want="$(cat "$repo/pyproject.toml" "$repo/setup.py" "$repo"/otel_straggler/*/*.c | sha256sum | cut -d' ' -f1) $repo"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "installing otel-straggler and its test dependencies into $venv"
   "$venv/bin/python" -m pip install -q -e "$repo[test]"

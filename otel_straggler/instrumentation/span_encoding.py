@@ -2,21 +2,23 @@
 
 The SDK's encoder makes a protobuf object for every span, attribute and value: about 40 µs a
 span in Python, on a thread that holds the GIL the training thread may be waiting for. This one
-writes the same message (same fields and values; tested against the SDK's encoder) for a few
-µs a span: the resource and scope of a batch are encoded once, key/value pairs that repeat
-(stage names, groups, flags) come from a bounded cache. A span it does not cover (events,
-links, attribute values other than str, bool, int and float) goes through the SDK's encoder.
+writes the same message (same fields and values; tested against the SDK's encoder): the resource
+and scope of a batch are encoded once, and a span's own fields are written by the optional C
+extension _otlp_write (under a µs a span) or, where it is not built or declines a span, in
+Python (about 12 µs), with key/value pairs that repeat (stage names, groups, flags) from a
+bounded cache. A span neither covers (events, links, attribute values other than str, bool, int
+and float) goes through the SDK's encoder.
 """
 from __future__ import annotations
 
 import struct
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as PB2Span
 from opentelemetry.proto.trace.v1.trace_pb2 import SpanFlags
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, StatusCode
 
 _MASK64 = (1 << 64) - 1
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -53,6 +55,21 @@ def _field(tag: bytes, payload: bytes) -> bytes:
     return tag + _varint(len(payload)) + payload
 
 
+def _load_writer() -> Optional[Callable[..., Optional[bytes]]]:
+    try:
+        from otel_straggler.instrumentation import _otlp_write
+    except ImportError:  # not built: no C compiler where the package was installed
+        return None
+    return _otlp_write.span
+
+
+_write_span = _load_writer()  # None: spans are written in Python only
+
+
+def writer_built() -> bool:
+    return _write_span is not None
+
+
 class _Unsupported(Exception):
     """A value this encoder leaves to the SDK's."""
 
@@ -75,7 +92,7 @@ class SpanEncoder:
         promoted to the oldest generation, and so brings on full collections. The span itself
         when its resource and scope are one pair too many to remember."""
         index = self._index_of_group(span)
-        return span if index is None else (index, _field(b"\x12", self._span(span)))
+        return span if index is None else (index, self._span_field(span))
 
     def encode(self, items: Sequence[Any]) -> bytes:
         """A request from ReadableSpans and prewritten spans, grouped as the SDK groups them: by
@@ -92,7 +109,7 @@ class SpanEncoder:
                     group = unremembered.get(key) or unremembered.setdefault(key, _Group(item))
                 else:
                     group = self._groups[index]
-                encoded = _field(b"\x12", self._span(item))
+                encoded = self._span_field(item)
             spans_by_group.setdefault(group, []).append(encoded)
         groups_by_resource: dict[int, list[_Group]] = {}
         for group in spans_by_group:
@@ -115,13 +132,19 @@ class SpanEncoder:
             index = self._group_index[key] = len(self._groups) - 1
         return index
 
-    def _span(self, span: ReadableSpan) -> bytes:
+    def _span_field(self, span: ReadableSpan) -> bytes:
+        """The span as a field of its ScopeSpans (spans, 2)."""
+        if _write_span is not None and type(span) is ReadableSpan:
+            written = _write_plain_span(span)
+            if written is not None:
+                return written
         try:
-            return self._span_fields(span)
+            return _field(b"\x12", self._span_fields(span))
         except Exception:  # anything unusual (events, links, arrays, odd values): the SDK decides
-            return encode_spans([span]).resource_spans[0].scope_spans[0].spans[0].SerializeToString()
+            return _field(b"\x12", encode_spans([span]).resource_spans[0].scope_spans[0].spans[0].SerializeToString())
 
     def _span_fields(self, span: ReadableSpan) -> bytes:
+        """The reference for what _otlp_write.span writes, and the path for what it declines."""
         if span.events or span.links:
             raise _Unsupported
         context, parent = span.context, span.parent
@@ -170,6 +193,25 @@ class SpanEncoder:
                 self._keys.clear()
             encoded = self._keys[key] = _field(b"\x0a", key.encode())
         return encoded
+
+
+def _write_plain_span(span: ReadableSpan) -> Optional[bytes]:
+    """A plain ReadableSpan (the span builder makes them) written by _otlp_write from its own
+    fields: its properties copy the events and links and wrap the attributes at every access,
+    which would cost more than writing the span. None where it has more than the C writer
+    covers (events, links, trace state, a status description, counts of dropped items: these
+    need bounded containers, which are not plain tuples and dicts) or a value it declines."""
+    try:
+        context, parent, status, attributes = span._context, span._parent, span._status, span._attributes
+        if (span._events != () or span._links != () or (attributes is not None and type(attributes) is not dict)
+                or context.trace_state or status.description):
+            return None
+        code = status.status_code
+        return _write_span(context.trace_id, context.span_id, None if parent is None else parent.span_id,
+                           parent is not None and parent.is_remote, span._name, _KIND[span._kind],
+                           span._start_time, span._end_time, attributes, 0 if code is StatusCode.UNSET else code.value)
+    except Exception:  # e.g. a ReadableSpan laid out otherwise (another SDK release): the Python writer decides
+        return None
 
 
 class _Group:

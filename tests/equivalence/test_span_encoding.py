@@ -3,6 +3,9 @@ SDK's encoder for any batch of spans: same resources, scopes and spans, every fi
 attribute alike, whether the spans come as ReadableSpans or prewritten while queued."""
 from __future__ import annotations
 
+import os
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from opentelemetry import trace as trace_api
@@ -15,7 +18,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode, TraceState
 
+from otel_straggler.instrumentation import span_encoding
 from otel_straggler.instrumentation.span_encoding import SpanEncoder
+
+if not span_encoding.writer_built() and os.environ.get("CI") == "true":  # CI builds the extension
+    pytest.fail("otel_straggler.instrumentation._otlp_write is not built", pytrace=False)
+needs_writer = pytest.mark.skipif(not span_encoding.writer_built(),
+                                  reason="the optional C extension is not built here (no C compiler?)")
 
 # The encoder groups spans by resource and scope object, the SDK by their values: the pool
 # holds distinct values, as a rank's own provider does (one resource, one scope).
@@ -98,3 +107,112 @@ def test_prewritten_spans_are_tuples_of_atoms_the_collector_stops_tracking() -> 
     item = SpanEncoder().prewrite(span)
     gc.collect()  # untracks tuples holding only untracked objects
     assert isinstance(item, tuple) and not gc.is_tracked(item)
+
+
+# -- the C writer (_otlp_write) against the Python writer ------------------------------------
+
+class Text(str):
+    def encode(self, *args):  # a subclass may encode itself otherwise: the C writer declines it
+        return b"other"
+
+
+class Number(int):
+    pass
+
+
+odd_values = st.one_of(
+    scalars, st.sampled_from(["\ud800", "é€😀", "", Text("x"), Number(5), float("nan"), float("-inf"), -0.0,
+                              1 << 63, -(1 << 63), -1, (1 << 63) - 1]),
+)
+odd_times = st.one_of(times, st.sampled_from([0, -1, 1 << 64, (1 << 64) - 1, 1.5, Number(7)]))
+
+
+@st.composite
+def plain_spans(draw) -> ReadableSpan:
+    """ReadableSpans as the span builder makes them (plain tuples and dicts), with odd values."""
+    trace_id = draw(st.one_of(st.integers(min_value=0, max_value=(1 << 128) - 1),
+                              st.sampled_from([-1, 1 << 128, Number(3)])))
+    parent = None
+    if draw(st.booleans()):
+        parent = trace_api.SpanContext(trace_id, draw(ids), is_remote=draw(st.booleans()))
+    return ReadableSpan(
+        name=draw(st.one_of(st.text(max_size=20), st.sampled_from(["\udfff", Text("n")]))),
+        context=trace_api.SpanContext(trace_id, draw(st.one_of(ids, st.just(0))), is_remote=False,
+                                      trace_flags=trace_api.TraceFlags(trace_api.TraceFlags.SAMPLED)),
+        parent=parent,
+        resource=RESOURCES[0],
+        attributes=draw(st.one_of(st.none(), st.dictionaries(st.one_of(st.text(max_size=8), st.just("\ud800")),
+                                                             odd_values, max_size=8))),
+        kind=draw(st.sampled_from(list(SpanKind))),
+        status=draw(st.sampled_from([Status(StatusCode.UNSET), Status(StatusCode.OK), Status(StatusCode.ERROR)])),
+        start_time=draw(odd_times),
+        end_time=draw(odd_times),
+        instrumentation_scope=SCOPES[0],
+    )
+
+
+def python_written(span: ReadableSpan):
+    try:
+        return span_encoding._field(b"\x12", SpanEncoder()._span_fields(span))
+    except Exception:
+        return None
+
+
+@needs_writer
+@settings(max_examples=1000, deadline=None)
+@given(plain_spans())
+def test_where_the_c_writer_answers_it_writes_what_the_python_writer_writes(span: ReadableSpan) -> None:
+    written = span_encoding._write_plain_span(span)
+    if written is not None:
+        assert written == python_written(span)
+
+
+@needs_writer
+@settings(max_examples=300, deadline=None)
+@given(spans())
+def test_the_c_writer_answers_for_every_plain_span_of_ordinary_values(span: ReadableSpan) -> None:
+    ordinary = not (span.events or span.links or span.context.trace_state or span.status.description
+                    or any(type(value) is int and value >= 1 << 63 for value in span.attributes.values())
+                    or any(type(value) is tuple for value in span.attributes.values()))
+    if ordinary:
+        assert span_encoding._write_plain_span(span) == python_written(span)
+    else:
+        assert span_encoding._write_plain_span(span) is None
+
+
+def plain_span(name="forward-compute", trace_id=5, span_id=6, start_time=10, end_time=20, **attributes) -> ReadableSpan:
+    return ReadableSpan(name, trace_api.SpanContext(trace_id, span_id, False), resource=RESOURCES[0],
+                        attributes=attributes, start_time=start_time, end_time=end_time,
+                        instrumentation_scope=SCOPES[0])
+
+
+@needs_writer
+@pytest.mark.parametrize("odd", [
+    {"name": "\udfff"}, {"name": Text("n")}, {"start_time": -1}, {"end_time": 1 << 64}, {"start_time": 1.5},
+    {"end_time": Number(7)}, {"trace_id": -1}, {"trace_id": 1 << 128}, {"trace_id": Number(3)}, {"span_id": 1 << 64},
+    {"value": 1 << 63}, {"value": -(1 << 63) - 1}, {"value": "\ud800"}, {"value": Text("x")}, {"value": Number(5)},
+    {"value": (1, 2)}, {"\ud800": 1},
+], ids=repr)
+def test_the_c_writer_declines_what_only_python_decides(odd: dict) -> None:
+    fields = {key: value for key, value in odd.items()
+              if key in ("name", "trace_id", "span_id", "start_time", "end_time")}
+    attributes = {key: value for key, value in odd.items() if key not in fields}
+    assert span_encoding._write_plain_span(plain_span(**fields, **attributes)) is None
+
+
+@needs_writer
+def test_the_span_builder_spans_take_the_c_writer() -> None:
+    span = plain_span(**{"training.stage": "forward-compute", "training.step": 3, "training.seq": 17,
+                         "training.stage.collective": False, "training.device.duration_ms": 12.5})
+    assert span_encoding._write_plain_span(span) == python_written(span)
+    assert span_encoding._write_plain_span(span) is not None
+
+
+@needs_writer
+def test_spans_larger_than_the_writers_stack_buffer_are_written_alike() -> None:
+    long_name = "stage-" + "x" * 3000
+    span = plain_span(long_name, **{f"key.{index}": "é" * index for index in range(0, 400, 7)},
+                      **{"big": "v" * 20000, "number": -5, "ratio": 0.25})
+    written = span_encoding._write_plain_span(span)
+    assert written is not None and len(written) > 40000
+    assert written == python_written(span)

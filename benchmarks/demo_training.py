@@ -4,7 +4,7 @@ every tensor of the final model and optimizer state, CPU time by thread, and opt
 often a device sync or a collective was called.
 
     python benchmarks/demo_training.py --schedule off,on --steps 20 --out DIR [--world-size 4]
-        [--warmup 0] [--hidden H] [--batch-size B] [--endpoint 127.0.0.1:4317]
+        [--warmup 0 | --warmup 5,5,9,9] [--hidden H] [--batch-size B] [--endpoint 127.0.0.1:4317]
         [--count-calls] [--hot-path-intervals 0]
 
 It mirrors otel_straggler/demo/trainer.py: the same model, data, optimizer, stages and gradient
@@ -58,7 +58,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", required=True, help="arms in the order they run, e.g. off,on,on,off")
     parser.add_argument("--steps", type=int, required=True, help="measured steps per arm")
-    parser.add_argument("--warmup", type=int, default=0, help="steps per arm run before the measured ones")
+    parser.add_argument("--warmup", default="0",
+                        help="steps per arm run before the measured ones: one number, or one per arm (comma-separated)")
     parser.add_argument("--out", type=Path, required=True, help="folder for rank-N.json")
     parser.add_argument("--world-size", type=int, default=1)
     demo = trainer.parse_args([])  # the demo job's own defaults
@@ -73,6 +74,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--timeout-s", type=float, default=900.0, help="launcher: give up on the ranks after this")
     args = parser.parse_args(argv)
     args.schedule = args.schedule.split(",")
+    try:
+        warmups = [int(steps) for steps in args.warmup.split(",")]
+    except ValueError:
+        parser.error(f"--warmup: {args.warmup!r} is not a number or a comma-separated list of numbers")
+    if len(warmups) not in (1, len(args.schedule)) or min(warmups) < 0:
+        parser.error(f"--warmup: give one count of steps (>= 0), or one per arm of --schedule ({len(args.schedule)})")
+    args.warmups = warmups * len(args.schedule) if len(warmups) == 1 else warmups
     unknown = set(args.schedule) - set(ARMS)
     if unknown:
         parser.error(f"--schedule: unknown arms {sorted(unknown)}; use {', '.join(ARMS)}")
@@ -186,8 +194,9 @@ def run_arm(args: argparse.Namespace, rank: int, arm: str, index: int, counter: 
                             device_timing="fake") if arm == "on" else None)
     training = Training(args, rank)
     losses, step_seconds = [], []
-    for n in range(args.warmup + args.steps):
-        if n == args.warmup:
+    warmup = args.warmups[index]
+    for n in range(warmup + args.steps):
+        if n == warmup:
             threads_before, process_before, main_before = thread_cpu_ns(), time.process_time_ns(), time.thread_time_ns()
             collections_before = gc_collections()
         started = time.perf_counter()
@@ -203,7 +212,7 @@ def run_arm(args: argparse.Namespace, rank: int, arm: str, index: int, counter: 
         handle.shutdown(30.0)
     record = {
         "arm": arm, "index": index, "rank": rank,
-        "step_s": step_seconds[args.warmup:], "warmup_step_s": step_seconds[:args.warmup],
+        "step_s": step_seconds[warmup:], "warmup_step_s": step_seconds[:warmup],
         "losses": losses, "state_sha256": state_sha256(training.model, training.optimizer),
         # CPU over the measured steps and the final flush; threads that ended meanwhile are in
         # the process's figure only

@@ -59,20 +59,25 @@ class Workload:
     quick: Protocol
 
 
+# Sized from an OFF-only run of the loop on the 2-core VM (2026-11-29): step times wander by a
+# few % over seconds, so per-pair estimates spread by ~3% (sd) whatever the arm length; shorter
+# arms and more pairs resolve more per minute. 200 pairs make the loop's 95% interval about
+# +-0.4%; the 4-rank job (per-pair sd ~8% there) cannot be resolved on that machine in minutes.
+# Warm-up: at least one build interval (1 s), then up to one more at random (see paired_protocol).
 WORKLOADS = (
     Workload("loop-50ms", world_size=1, hidden=1024, batch_size=256, stages_per_step=4,
-             protocol=Protocol(pairs=16, warmup_steps=5, steps_per_arm=60),
-             quick=Protocol(pairs=2, warmup_steps=2, steps_per_arm=8)),
+             protocol=Protocol(pairs=200, warmup_steps=25, warmup_extra_steps=23, steps_per_arm=30),
+             quick=Protocol(pairs=2, warmup_steps=2, warmup_extra_steps=2, steps_per_arm=8)),
     Workload("ddp-4-ranks", world_size=4, hidden=1024, batch_size=128, stages_per_step=5,
-             protocol=Protocol(pairs=12, warmup_steps=5, steps_per_arm=40),
-             quick=Protocol(pairs=2, warmup_steps=2, steps_per_arm=6)),
+             protocol=Protocol(pairs=12, warmup_steps=12, warmup_extra_steps=11, steps_per_arm=40),
+             quick=Protocol(pairs=2, warmup_steps=2, warmup_extra_steps=2, steps_per_arm=6)),
 )
 HOT_PATH_INTERVALS = {False: 20_000, True: 2_000}  # by --quick
 
 
 def run_workload(workload: Workload, protocol: Protocol, endpoint: str, out_dir: Path, hot_path_intervals: int) -> list[dict]:
     command = [sys.executable, str(HARNESS), "--schedule", ",".join(protocol.schedule()),
-               "--warmup", str(protocol.warmup_steps), "--steps", str(protocol.steps_per_arm),
+               "--warmup", ",".join(map(str, protocol.warmups())), "--steps", str(protocol.steps_per_arm),
                "--world-size", str(workload.world_size), "--hidden", str(workload.hidden),
                "--batch-size", str(workload.batch_size), "--endpoint", endpoint,
                "--job-prefix", f"overhead-{workload.name}", "--out", str(out_dir)]
@@ -116,12 +121,13 @@ def analyze(workload: Workload, protocol: Protocol, ranks: list[dict], detector_
                                                       for index, name in enumerate(schedule) if name == arm
                                                       for arms in arms_by_rank) for generation in range(3)]
                          for arm in (OFF, ON)}
-    on_steps = schedule.count(ON) * (protocol.warmup_steps + protocol.steps_per_arm)
+    on_steps = sum(warmup + protocol.steps_per_arm for warmup, name in zip(protocol.warmups(), schedule) if name == ON)
     intervals_per_step = workload.stages_per_step + 1  # the step() mark counted as one more interval
     hot_path_ms = intervals_per_step * hot_path["ns_per_interval"] / 1e6
-    reference = [(arms[0]["losses"], arms[0]["state_sha256"]) for arms in arms_by_rank]
-    identical = all((arm["losses"], arm["state_sha256"]) == reference[rank]
-                    for rank, arms in enumerate(arms_by_rank) for arm in arms)
+    # ON and OFF of a pair run the same steps (a pair's warm-up is the same for both arms)
+    identical = all((arms[first]["losses"], arms[first]["state_sha256"]) == (arms[first + 1]["losses"],
+                                                                             arms[first + 1]["state_sha256"])
+                    for arms in arms_by_rank for first in range(0, len(schedule), 2))
     lost = [sum(arm["status"]["lost"].values()) for arms in arms_by_rank for arm in arms if arm["status"]]
     return {
         "workload": {"world_size": workload.world_size, "hidden": workload.hidden, "batch_size": workload.batch_size,
@@ -186,7 +192,7 @@ def print_report(report: dict) -> None:
     for name, result in report["workloads"].items():
         print(f"  {name}: " + " ".join(f"{value:+.2f}" for value in result["overhead_rank_mean"]["per_pair_pct"]))
     for name, result in report["workloads"].items():
-        print(f"{name}: losses and final state bit-identical in every arm: "
+        print(f"{name}: losses and final state bit-identical, ON and OFF, in every pair: "
               f"{'yes' if result['losses_and_state_identical_across_arms'] else 'NO'}; spans lost: {result['spans_lost']};"
               f" hot path {result['hot_path']['ns_per_interval']:.0f} ns/interval x {result['hot_path']['intervals_per_step']};"
               f" GC collections per 1000 steps by generation OFF {_rounded(result['gc_collections_per_1000_steps'][OFF])}"

@@ -5,6 +5,12 @@ the steps measured per arm, and the bootstrap. Pairs alternate their order (AB, 
 that a drift of the machine during a pair falls on ON as often as on OFF. The estimate of one
 pair is 100 x (mean ON step time / mean OFF step time - 1); the result is the mean over pairs
 with a 95% percentile-bootstrap interval over pairs.
+
+The warm-up of a pair may be drawn at random (seeded) from a range, the same for both its arms.
+ON's background threads work in bursts timed from the arm's start (a span build every build
+interval); with a fixed warm-up, the measured steps would always fall at the same phase of that
+cycle and hold a fixed number of bursts, more or fewer than their share. A warm-up spread over at
+least one build interval makes the expected number of bursts in the measured steps their share.
 """
 from __future__ import annotations
 
@@ -23,6 +29,8 @@ class Protocol:
     pairs: int
     warmup_steps: int
     steps_per_arm: int
+    warmup_extra_steps: int = 0  # each pair's warm-up: warmup_steps + a uniform draw from 0..this
+    warmup_seed: int = 0
     bootstrap_resamples: int = 10_000
     bootstrap_seed: int = 0
     ci_level: float = 0.95
@@ -31,8 +39,16 @@ class Protocol:
         """Arms in the order they run: OFF,ON for even pairs, ON,OFF for odd ones."""
         return [arm for pair in range(self.pairs) for arm in ((OFF, ON) if pair % 2 == 0 else (ON, OFF))]
 
+    def warmups(self) -> list[int]:
+        """Warm-up steps of each arm, in schedule order: one draw per pair, for both its arms."""
+        draws = np.random.default_rng(self.warmup_seed).integers(0, self.warmup_extra_steps + 1, size=self.pairs)
+        return [self.warmup_steps + int(draw) for draw in draws for _ in range(2)]
+
     def describe(self) -> str:
-        return (f"{self.pairs} pairs in alternating AB/BA order (pair 0: OFF then ON), {self.warmup_steps} warm-up"
+        warmup = (f"{self.warmup_steps}" if not self.warmup_extra_steps else
+                  f"{self.warmup_steps}-{self.warmup_steps + self.warmup_extra_steps} (uniform per pair, seed"
+                  f" {self.warmup_seed})")
+        return (f"{self.pairs} pairs in alternating AB/BA order (pair 0: OFF then ON), {warmup} warm-up"
                 f" steps discarded + {self.steps_per_arm} measured steps per arm; estimate per pair"
                 f" 100 x (mean ON / mean OFF - 1) of step time; {self.ci_level:.0%} percentile bootstrap over pairs"
                 f" ({self.bootstrap_resamples} resamples, seed {self.bootstrap_seed})")

@@ -26,12 +26,20 @@ typedef struct {
     uint8_t stack[1024];
 } Buffer;
 
+/* Room for `more` bytes; -1 with MemoryError set when there is none. */
 static int reserve(Buffer *b, Py_ssize_t more) {
     if (b->len + more <= b->cap) return 0;
+    if (more > PY_SSIZE_T_MAX / 4 - b->len) {
+        PyErr_NoMemory();
+        return -1;
+    }
     Py_ssize_t cap = b->cap;
     while (cap < b->len + more) cap *= 2;
     uint8_t *data = PyMem_Malloc(cap);
-    if (data == NULL) return -1;
+    if (data == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
     memcpy(data, b->data, b->len);
     if (b->data != b->stack) PyMem_Free(b->data);
     b->data = data;
@@ -82,7 +90,7 @@ static int put_bytes_field(Buffer *b, uint8_t tag, const char *bytes, Py_ssize_t
 
 /* Declines (returns 1, no exception set) where the Python encoder would fail or differ. */
 #define DECLINE 1
-#define FAILED (-1)
+#define FAILED (-1) /* with an exception set: out of memory, or a Python call that failed */
 
 /* The UTF-8 bytes of a str; a str that has no UTF-8 form (lone surrogates) declines. */
 static int utf8(PyObject *text, const char **bytes, Py_ssize_t *n) {

@@ -59,14 +59,15 @@ class Workload:
     quick: Protocol
 
 
-# Sized from an OFF-only run of the loop on the 2-core VM (2026-11-29): step times wander by a
-# few % over seconds, so per-pair estimates spread by ~3% (sd) whatever the arm length; shorter
-# arms and more pairs resolve more per minute. 200 pairs make the loop's 95% interval about
-# +-0.4%; the 4-rank job (per-pair sd ~8% there) cannot be resolved on that machine in minutes.
+# Sized from the spread of per-pair estimates on the 2-core VM (2026-11-29), not from any
+# estimate of the effect: step times wander by a few % over seconds, so the loop's per-pair
+# estimates spread by 4.7% (sd, 200 pairs of this design), and 450 pairs make its 95% interval
+# about +-0.43%; the 4-rank job (per-pair sd 6-8% there) cannot be resolved on that machine in
+# minutes and keeps 12 pairs. Shorter arms and more pairs resolve more per minute than long arms.
 # Warm-up: at least one build interval (1 s), then up to one more at random (see paired_protocol).
 WORKLOADS = (
     Workload("loop-50ms", world_size=1, hidden=1024, batch_size=256, stages_per_step=4,
-             protocol=Protocol(pairs=200, warmup_steps=25, warmup_extra_steps=23, steps_per_arm=30),
+             protocol=Protocol(pairs=450, warmup_steps=25, warmup_extra_steps=23, steps_per_arm=30),
              quick=Protocol(pairs=2, warmup_steps=2, warmup_extra_steps=2, steps_per_arm=8)),
     Workload("ddp-4-ranks", world_size=4, hidden=1024, batch_size=128, stages_per_step=5,
              protocol=Protocol(pairs=12, warmup_steps=12, warmup_extra_steps=11, steps_per_arm=40),
@@ -221,6 +222,8 @@ def machine() -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 short pairs per workload")
+    parser.add_argument("--workload", choices=[workload.name for workload in WORKLOADS], action="append",
+                        help="run only this workload (may be given more than once); default: all")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--nice", type=int, default=0,
                         help="run the detector and the workloads (both arms alike) at this niceness; negative puts"
@@ -240,7 +243,7 @@ def main(argv=None) -> int:
         try:
             idle_cpu_per_s = detector_idle_cpu_per_s()
             report["detector_idle_cpu_ms_per_s"] = idle_cpu_per_s / 1e6
-            for workload in WORKLOADS:
+            for workload in (w for w in WORKLOADS if not args.workload or w.name in args.workload):
                 protocol = workload.quick if args.quick else workload.protocol
                 print(f"{workload.name}: {protocol.describe()}", flush=True)
                 cpu_before, wall_before = time.process_time_ns(), time.monotonic()

@@ -1,6 +1,6 @@
 """Training overhead of the instrumentation: ON against OFF, in paired runs, on two workloads.
 
-    python benchmarks/overhead.py [--quick] [--json overhead.json] [--nice N]
+    python benchmarks/overhead.py [--quick] [--workload NAME] [--json overhead.json] [--nice N]
 
 Arms (benchmarks/demo_training.py runs them; same code, same seeds, only the switch differs):
   OFF  the library is not configured: ots.step()/ots.stage() are no-ops

@@ -192,7 +192,8 @@ def timed_arm(on: bool, steps: int, warmup: int) -> float:
 
 def paired_overhead(protocol: Protocol) -> dict:
     """The same paired design and estimator as benchmarks/overhead.py, on one GPU."""
-    arm_means = [timed_arm(arm == ON, protocol.steps_per_arm, protocol.warmup_steps) for arm in protocol.schedule()]
+    arm_means = [timed_arm(arm == ON, protocol.steps_per_arm, warmup)
+                 for arm, warmup in zip(protocol.schedule(), protocol.warmups())]
     return {"protocol": protocol.describe(), **summarize(protocol, arm_means)}
 
 
@@ -202,6 +203,8 @@ def main(argv=None) -> int:
     parser.add_argument("--pairs", type=int, default=6)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--warmup-extra", type=int, default=10,
+                        help="each pair's warm-up adds a seeded uniform draw of 0..this many steps (paired_protocol.py)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device visible; nothing to check", file=sys.stderr)
@@ -212,7 +215,8 @@ def main(argv=None) -> int:
     report["hot_path"] = hot_path(args.intervals)
     report["device_duration"] = device_duration_accuracy(4096, 20)
     report["syncs"] = count_syncs(20)
-    report["overhead"] = paired_overhead(Protocol(pairs=args.pairs, warmup_steps=args.warmup, steps_per_arm=args.steps))
+    report["overhead"] = paired_overhead(Protocol(pairs=args.pairs, warmup_steps=args.warmup,
+                                                         warmup_extra_steps=args.warmup_extra, steps_per_arm=args.steps))
     report["wall_s"] = time.time() - started
 
     hot, accuracy, syncs, overhead = report["hot_path"], report["device_duration"], report["syncs"], report["overhead"]

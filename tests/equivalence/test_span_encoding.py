@@ -201,11 +201,28 @@ def test_the_c_writer_declines_what_only_python_decides(odd: dict) -> None:
 
 
 @needs_writer
-def test_the_span_builder_spans_take_the_c_writer() -> None:
-    span = plain_span(**{"training.stage": "forward-compute", "training.step": 3, "training.seq": 17,
-                         "training.stage.collective": False, "training.device.duration_ms": 12.5})
-    assert span_encoding._write_plain_span(span) == python_written(span)
-    assert span_encoding._write_plain_span(span) is not None
+def test_the_span_builders_spans_take_the_c_writer() -> None:
+    """Spans as the rank's own provider makes them (ProcessorSpans), with and without a parent."""
+    from opentelemetry.sdk.trace import SpanProcessor
+
+    from otel_straggler.instrumentation.span_builder import ProcessorSpans
+
+    class Keep(SpanProcessor):
+        def __init__(self) -> None:
+            self.spans = []
+
+        def on_end(self, span) -> None:
+            self.spans.append(span)
+
+    kept = Keep()
+    builder_spans = ProcessorSpans(kept, RESOURCES[0], "otel_straggler")
+    attributes = {"training.stage": "forward-compute", "training.step": 3, "training.seq": 17,
+                  "training.stage.collective": False, "training.device.duration_ms": 12.5}
+    builder_spans.emit("forward-compute", 5, 6, 7, dict(attributes), 10, 20, None)
+    builder_spans.emit("train.step", 5, 7, None, {"training.step": 3}, 5, 25, None)
+    for span in kept.spans:
+        assert span_encoding._write_plain_span(span) is not None
+        assert span_encoding._write_plain_span(span) == python_written(span)
 
 
 @needs_writer

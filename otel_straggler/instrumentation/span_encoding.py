@@ -4,9 +4,9 @@ The SDK's encoder makes a protobuf object for every span, attribute and value: a
 span in Python, on a thread that holds the GIL the training thread may be waiting for. This one
 writes the same message (same fields and values; tested against the SDK's encoder): the resource
 and scope of a batch are encoded once, and a span's own fields are written by the optional C
-extension _otlp_write (under a µs a span) or, where it is not built or declines a span, in
-Python (about 12 µs), with key/value pairs that repeat (stage names, groups, flags) from a
-bounded cache. A span neither covers (events, links, attribute values other than str, bool, int
+extension _otlp_write or, where it is not built or declines a span, in Python at several times
+the cost (benchmarks/rank_background.py compares the two), with key/value pairs that repeat
+(stage names, groups, flags) from a bounded cache. A span neither covers (events, links, attribute values other than str, bool, int
 and float) goes through the SDK's encoder.
 """
 from __future__ import annotations

@@ -29,7 +29,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -42,6 +41,7 @@ import otel_straggler as ots
 from otel_straggler.demo.launcher import free_port
 from otel_straggler.demo import trainer
 from otel_straggler.demo.trainer import average_gradients, make_model, synthetic_batches
+from thread_cpu import thread_cpu_ns
 
 ARMS = ("off", "on")
 # How the demo sets up its ranks' export (otel_straggler/demo/run.py), for the `on` arm.
@@ -88,27 +88,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 # -- what a rank measures ------------------------------------------------------------------------
-
-def _thread_cpu_clock(tid: int) -> int:
-    """Linux's CPU-time clock id of any thread of this process (MAKE_THREAD_CPUCLOCK(tid, SCHED))."""
-    return ((~tid) << 3) | 6
-
-
-def thread_cpu_ns() -> dict[str, int]:
-    """CPU ns so far of each live thread of this process, summed by name: Python threads by
-    their threading name, the others (gloo, gRPC core) by their kernel name."""
-    python_names = {thread.native_id: thread.name for thread in threading.enumerate()}
-    totals: collections.Counter = collections.Counter()
-    for entry in os.listdir("/proc/self/task"):
-        tid = int(entry)
-        try:
-            cpu_ns = time.clock_gettime_ns(_thread_cpu_clock(tid))
-            name = python_names.get(tid) or Path(f"/proc/self/task/{tid}/comm").read_text().strip()
-        except OSError:
-            continue  # exited meanwhile; its time still counts in the process total
-        totals[name] += cpu_ns
-    return dict(totals)
-
 
 def gc_collections() -> list[int]:
     return [generation["collections"] for generation in gc.get_stats()]

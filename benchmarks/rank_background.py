@@ -5,9 +5,9 @@
 A host loop (a step and four stages, 5 spans a step, fake device events, a few ms a step) runs
 with `ots.configure()` exporting OTLP/gRPC to a live detector in another process: span
 building, device timing, batching, encoding and export, as a rank does by default. It measures
-the CPU of every thread but the loop's own, per span, from the process's clock, and the
-library's threads by name. Arms, each in a fresh process, alternating round by round (the
-machine is noisy):
+the CPU of every thread but the loop's own, per span, from the process's clock, and each
+thread's by name (gRPC's own threads by their kernel names). Arms, each in a fresh process,
+alternating round by round (the machine is noisy):
   C writer       spans written by the optional extension _otlp_write (the default where built)
   Python writer  the same encoder with the extension switched off (the reference: it is what a
                  rank installed without a C compiler runs, and what the extension must equal)
@@ -24,6 +24,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from thread_cpu import thread_cpu_ns
 
 ARMS = {"C writer": "c", "Python writer": "python"}
 STAGES = ("batch-generator", "forward-compute", "backward-compute", "optimizer")
@@ -45,19 +47,23 @@ def arm(writer: str, steps: int, endpoint: str) -> dict:
     for n in range(20):  # warm-up: threads started, the first batch exported
         _step(ots, n)
     handle.flush(30.0)
-    threads_before = _library_threads_ns()
+    threads_before = _background_threads_ns()
     process_before, main_before = time.process_time_ns(), time.thread_time_ns()
     for n in range(20, 20 + steps):
         _step(ots, n)
     handle.flush(60.0)  # everything the measured steps produced is built and exported
     background_ns = (time.process_time_ns() - process_before) - (time.thread_time_ns() - main_before)
-    library = {name: ns - threads_before.get(name, 0) for name, ns in _library_threads_ns().items()}
+    threads = {name: ns - threads_before.get(name, 0) for name, ns in _background_threads_ns().items()}
     status = handle.status()
     handle.shutdown(10.0)
     spans = steps * (1 + len(STAGES))
     return {"background_us_per_span": background_ns / spans / 1e3,
-            "threads_us_per_span": {name: ns / spans / 1e3 for name, ns in library.items()},
+            "threads_us_per_span": {name: ns / spans / 1e3 for name, ns in threads.items()},
             "exported": status["exported"], "lost": sum(status["lost"].values())}
+
+
+def _background_threads_ns() -> dict[str, int]:
+    return {name: ns for name, ns in thread_cpu_ns().items() if name != threading.main_thread().name}
 
 
 def _step(ots, n: int) -> None:
@@ -66,20 +72,6 @@ def _step(ots, n: int) -> None:
         with ots.stage(name):
             pass
     time.sleep(STEP_SLEEP_S)
-
-
-def _library_threads_ns() -> dict[str, int]:
-    totals: dict[str, int] = {}
-    for thread in threading.enumerate():
-        if thread is threading.main_thread() or thread.ident is None:
-            continue
-        try:
-            cpu_ns = time.clock_gettime_ns(time.pthread_getcpuclockid(thread.ident))
-        except OSError:
-            continue
-        name = thread.name.split("-")[0] if thread.name.startswith("Thread-") else thread.name
-        totals[name] = totals.get(name, 0) + cpu_ns
-    return totals
 
 
 def start_detector(scratch: str) -> tuple[subprocess.Popen, str]:
@@ -130,7 +122,7 @@ def main(argv=None) -> int:
           f" fake device events, OTLP/gRPC to a live detector; {os.cpu_count()} cores,"
           f" load average {os.getloadavg()[0]:.1f}")
     reference = statistics.median(run["background_us_per_span"] for run in results["Python writer"])
-    print(f"\n{'arm':16} {'median µs/span':>15} {'min':>7} {'max':>7} {'vs Python writer':>17}  library threads µs/span")
+    print(f"\n{'arm':16} {'median µs/span':>15} {'min':>7} {'max':>7} {'vs Python writer':>17}  threads µs/span")
     summary = {}
     for label, runs in results.items():
         per_span = [run["background_us_per_span"] for run in runs]

@@ -182,35 +182,20 @@ static int put_attribute(Buffer *b, PyObject *key, PyObject *value) {
     return result;
 }
 
+/* The attributes: None or a dict (the span builder's own); any other mapping declines. */
 static int put_attributes(Buffer *b, PyObject *attributes) {
     if (attributes == Py_None) return 0;
+    if (!PyDict_CheckExact(attributes)) return DECLINE;
+    Py_ssize_t position = 0;
+    PyObject *key, *value;
     int result = 0;
-    if (PyDict_CheckExact(attributes)) {
-        Py_ssize_t position = 0;
-        PyObject *key, *value;
-        while (result == 0 && PyDict_Next(attributes, &position, &key, &value)) {
-            Py_INCREF(key); /* a str's or float's encoding runs no Python code, but stay safe */
-            Py_INCREF(value);
-            result = put_attribute(b, key, value);
-            Py_DECREF(key);
-            Py_DECREF(value);
-        }
-        return result;
+    while (result == 0 && PyDict_Next(attributes, &position, &key, &value)) {
+        Py_INCREF(key); /* a str's or float's encoding runs no Python code, but stay safe */
+        Py_INCREF(value);
+        result = put_attribute(b, key, value);
+        Py_DECREF(key);
+        Py_DECREF(value);
     }
-    PyObject *items = PyMapping_Items(attributes); /* in the mapping's own order */
-    if (items == NULL) {
-        PyErr_Clear();
-        return DECLINE;
-    }
-    for (Py_ssize_t i = 0; result == 0 && i < PyList_GET_SIZE(items); i++) {
-        PyObject *item = PyList_GET_ITEM(items, i);
-        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
-            result = DECLINE;
-            break;
-        }
-        result = put_attribute(b, PyTuple_GET_ITEM(item, 0), PyTuple_GET_ITEM(item, 1));
-    }
-    Py_DECREF(items);
     return result;
 }
 

@@ -233,3 +233,14 @@ def test_spans_larger_than_the_writers_stack_buffer_are_written_alike() -> None:
     written = span_encoding._write_plain_span(span)
     assert written is not None and len(written) > 40000
     assert written == python_written(span)
+
+
+@needs_writer
+def test_the_c_writer_declines_attributes_that_are_not_a_dict() -> None:
+    from types import MappingProxyType
+
+    from otel_straggler.instrumentation import _otlp_write
+
+    fields = (5, 6, None, False, "forward-compute", 1, 10, 20)
+    assert _otlp_write.span(*fields, {"training.step": 1}, 0) is not None
+    assert _otlp_write.span(*fields, MappingProxyType({"training.step": 1}), 0) is None

@@ -215,6 +215,14 @@ class Engine:
         return self._judge(lambda cohort: cohort.windows_to_judge(
             now_unix_nano, self._grace_ns, self._config.window_close_lag), now_unix_nano)
 
+    def next_close_unix_nano(self) -> Optional[int]:
+        """The earliest time (same clock as `advance`) at which `advance` could close a window with no
+        more data arriving; None when no window is open, 0 when one is due now. A caller that
+        advances when data comes and otherwise sleeps until this time misses no close."""
+        dues = [due for cohort in self._cohorts.values()
+                if (due := cohort.next_idle_close_unix_nano(self._grace_ns)) is not None]
+        return min(dues, default=None)
+
     def drain(self, now_unix_nano: int) -> list[Verdict]:
         """Closes and judges every open window: end of a replay, or shutdown."""
         self._now = now_unix_nano

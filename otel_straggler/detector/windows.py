@@ -315,6 +315,19 @@ class Cohort:
                 closing.append(self._close(window))
         return closing
 
+    def next_idle_close_unix_nano(self, grace_ns: int) -> Optional[int]:
+        """When the earliest open window goes idle if no data comes (None: no open window); 0 when
+        a window waits to be judged now or has rows the last `windows_to_judge` did not notice."""
+        if self._closed_early:
+            return 0
+        earliest: Optional[int] = None
+        for rows in self.open_windows.values():
+            if rows.rows_noticed != len(rows) or rows.last_data_unix_nano is None:
+                return 0
+            due = rows.last_data_unix_nano + grace_ns
+            earliest = due if earliest is None else min(earliest, due)
+        return earliest
+
     def all_windows(self) -> list[WindowRows]:
         """Takes every window still to be judged, oldest first (end of input)."""
         closing, self._closed_early = self._closed_early, []

@@ -161,6 +161,37 @@ def test_windows_by_step_close_after_grace_on_the_callers_clock():
     assert engine.stats()["windows_closed"] == 1
 
 
+def test_windows_by_step_next_close_tells_when_a_window_could_go_idle():
+    """What lets the service's engine thread sleep instead of polling: no window, no deadline; rows
+    not yet looked at, due now; otherwise the earliest open window's last data plus the grace."""
+    grace_ns = 30 * 10**9
+    engine = Engine(DetectorConfig(window_grace_s=30.0, window_steps=10))
+    assert engine.next_close_unix_nano() is None
+    engine.ingest(observation(0, 0, 0))
+    engine.ingest(observation(1, 0, 0))
+    assert engine.next_close_unix_nano() == 0  # an advance must look at the new rows first
+    engine.advance(START_NS)
+    assert engine.next_close_unix_nano() == START_NS + grace_ns
+    engine.ingest(observation(1, 10, 1))  # window 1 opens; window 0 stays open for rank 0
+    engine.advance(START_NS + 5 * 10**9)
+    assert engine.next_close_unix_nano() == START_NS + grace_ns  # window 0's deadline is the earlier
+    assert engine.advance(START_NS + grace_ns - 1) == [] and engine.stats()["windows_closed"] == 0
+    engine.advance(START_NS + grace_ns)
+    assert engine.stats()["windows_closed"] == 1
+    assert engine.next_close_unix_nano() == START_NS + 5 * 10**9 + grace_ns
+    engine.drain(START_NS + 10**12)
+    assert engine.next_close_unix_nano() is None
+
+
+def test_windows_by_step_next_close_is_now_for_a_window_closed_by_the_bound():
+    engine = Engine(DetectorConfig(window_steps=1, max_open_windows=2))
+    for step in range(3):  # the third window closes the first early, to be judged at the next advance
+        engine.ingest(observation(0, step, step))
+    engine.advance(START_NS)
+    engine.ingest(observation(0, 3, 3))
+    assert engine.next_close_unix_nano() == 0
+
+
 def test_windows_by_step_coverage_gaps_then_silent():
     job = SyntheticJob(ranks=8, seed=4)
     observations = [o for o in job.observations(160) if not (o.rank == 7 and o.step >= 50)]

@@ -1,0 +1,97 @@
+"""The engine thread of the live service (pipeline.SpanPipeline): it advances the engine when spans
+come in and when a window could go idle, and otherwise sleeps, so an idle detector costs almost no
+CPU; and no window waits longer to close than its rule says."""
+from __future__ import annotations
+
+import threading
+import time
+
+from otel_straggler.detector.config import DetectorConfig
+from otel_straggler.detector.decode import DecodedBatch
+from otel_straggler.detector.engine import Engine
+from otel_straggler.detector.pipeline import ADVANCE_INTERVAL_S, IDLE_WAKE_S, EngineDriver, IntakeCounters, SpanPipeline
+
+from .test_engine_rules import observation
+
+
+class CountingEngine(Engine):
+    """The real engine, counting advances and noting when each window closed (monotonic clock)."""
+
+    def __init__(self, config: DetectorConfig) -> None:
+        super().__init__(config)
+        self.advances = 0
+        self.closed_at: list[float] = []
+
+    def advance(self, now_unix_nano: int):
+        self.advances += 1
+        closed_before = self.stats()["windows_closed"]
+        verdicts = super().advance(now_unix_nano)
+        self.closed_at += [time.monotonic()] * (self.stats()["windows_closed"] - closed_before)
+        return verdicts
+
+
+def started(config: DetectorConfig) -> tuple[SpanPipeline, CountingEngine]:
+    engine = CountingEngine(config)
+    pipeline = SpanPipeline(EngineDriver(engine, IntakeCounters(), lambda verdicts: None), config)
+    pipeline.start()
+    return pipeline, engine
+
+
+def wait_for(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_an_idle_engine_thread_wakes_about_once_per_idle_wake_interval_not_every_advance_interval():
+    pipeline, engine = started(DetectorConfig())
+    try:
+        time.sleep(1.5)
+        # polling every ADVANCE_INTERVAL_S would have advanced about 15 times
+        assert engine.advances <= 1.5 / IDLE_WAKE_S + 1 < 1.5 / ADVANCE_INTERVAL_S / 2
+    finally:
+        assert pipeline.stop(5.0)
+
+
+def test_a_window_closes_by_grace_on_time_while_the_thread_sleeps_in_between():
+    grace_s = 0.4
+    pipeline, engine = started(DetectorConfig(window_grace_s=grace_s, window_steps=10))
+    try:
+        time.sleep(0.3)  # let the thread settle into its idle wait first
+        advances_before = engine.advances
+        submitted = time.monotonic()
+        assert pipeline.submit(DecodedBatch(observations=[observation(0, 0, 0), observation(1, 0, 0)]))
+        wait_for(lambda: engine.closed_at)
+        # noticed at the first advance after the batch (within ADVANCE_INTERVAL_S), closed grace_s later
+        delay = engine.closed_at[0] - submitted
+        assert grace_s <= delay < grace_s + ADVANCE_INTERVAL_S + 0.25, delay
+        # one advance to notice the rows, one at the deadline; polling would have made about five
+        assert engine.advances - advances_before <= 3
+    finally:
+        assert pipeline.stop(5.0)
+
+
+def test_spans_that_move_the_cohort_on_close_its_window_within_the_advance_interval():
+    pipeline, engine = started(DetectorConfig(window_grace_s=3600.0, window_steps=10))
+    try:
+        assert pipeline.submit(DecodedBatch(observations=[observation(rank, 0, 0) for rank in range(2)]))
+        time.sleep(0.3)
+        submitted = time.monotonic()
+        assert pipeline.submit(DecodedBatch(observations=[observation(rank, 10, 1) for rank in range(2)]))
+        wait_for(lambda: engine.closed_at)
+        assert engine.closed_at[0] - submitted < ADVANCE_INTERVAL_S + 0.25
+    finally:
+        assert pipeline.stop(5.0)
+
+
+def test_stop_wakes_a_sleeping_engine_thread_and_judges_what_is_open():
+    pipeline, engine = started(DetectorConfig(window_grace_s=3600.0))
+    assert pipeline.submit(DecodedBatch(observations=[observation(0, 0, 0)]))
+    time.sleep(0.3)
+    stopping = threading.Thread(target=pipeline.stop, args=(5.0,))
+    began = time.monotonic()
+    stopping.start()
+    stopping.join(5.0)
+    assert time.monotonic() - began < IDLE_WAKE_S / 2
+    assert engine.stats()["windows_closed"] == 1  # drained

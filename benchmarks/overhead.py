@@ -189,6 +189,13 @@ def print_report(report: dict) -> None:
         print(f"{name + ' (ms, % of step)':28}" + "".join(
             f" {f'{value:.3f} ({100 * value / step_ms:.2f}%)':>{width}}" for value, width in zip(cells, (14, 13, 14, 13)))
             + f" {f'{main[ON] - main[OFF]:+.3f}':>22} {f'{waiting[ON] - waiting[OFF]:+.3f}':>26}")
+    print("\nsecondary, not the verdict (paired_protocol.py): the geometric mean of the pair ratios, and the"
+          " primary's upward bias from noise alone (half the variance of the log pair ratios)")
+    for name, result in report["workloads"].items():
+        secondary = result["overhead_rank_mean"]["secondary"]
+        low, high = secondary["geometric_ci95_pct"]
+        print(f"  {name}: geometric mean {secondary['geometric_mean_pct']:+.3f}% [{low:+.3f}, {high:+.3f}];"
+              f" noise bias of the mean of ratios about {secondary['noise_bias_pct']:+.3f} points")
     print("\nper-pair estimates (%):")
     for name, result in report["workloads"].items():
         print(f"  {name}: " + " ".join(f"{value:+.2f}" for value in result["overhead_rank_mean"]["per_pair_pct"]))

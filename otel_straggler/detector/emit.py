@@ -93,8 +93,6 @@ class VerdictEmitter:
         with self._wake:
             verdicts, self._pending = self._pending, []
         if verdicts:
-            with self._counts_lock:
-                self._verdicts.update(verdict.verdict for verdict in verdicts)
             before = self._evidence.lines_dropped_file_full
             try:
                 self._evidence.append(verdict_line(verdict) for verdict in verdicts)
@@ -106,6 +104,10 @@ class VerdictEmitter:
                     self._telemetry.record_verdicts(verdicts)
                 except Exception:  # noqa: BLE001 - telemetry must not stop the evidence file
                     self._failed("telemetry", 1, "recording verdict telemetry failed")
+            # counted once written and recorded, so a reader who sees the count in status.json
+            # finds the verdicts in the evidence file and in the metrics too
+            with self._counts_lock:
+                self._verdicts.update(verdict.verdict for verdict in verdicts)
         try:
             self._evidence.write_status(self._status())
         except Exception:  # noqa: BLE001

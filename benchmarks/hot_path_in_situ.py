@@ -1,0 +1,158 @@
+"""The hot path inside a training loop, where caches are cold, against the same calls in a tight loop.
+
+    python benchmarks/hot_path_in_situ.py [--rounds 4] [--steps 300] [--json hot_path_in_situ.json]
+
+benchmarks/hot_path.py times stage()/step() back to back, with the interpreter's and the
+recorder's code and data hot in the caches. In training, each call comes after milliseconds of
+matmuls that evicted them. This benchmark runs the overhead benchmark's loop workload (the demo's
+MLP, hidden 1024, batch 256, one thread, four stages and a step() a step) and times each of the
+nine calls of a step with perf_counter_ns, in three arms: `off` (library not configured: the calls
+are no-ops), `on` (fake device events) and `on-host` (device timing off), both exporting over
+OTLP/gRPC to a live detector in this process, as the overhead benchmark's ON arm does. Each arm
+runs in a fresh process, arms alternating over rounds. Per arm: the median over steps of the
+nine calls' time, in the loop and in a tight loop of the same nine calls after it (the reference).
+The timer's own cost is in every arm alike, so the figure to read is an arm's minus `off`'s.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ARMS = ("off", "on", "on-host")
+DEVICE_TIMING = {"on": "fake", "on-host": "off"}
+STAGES = ("batch-generator", "forward-compute", "backward-compute", "optimizer")
+TIGHT_LOOP_STEPS = 300  # its 1,500 spans fit the batch processor's queue (2,048): nothing dropped
+
+
+def timed_steps(steps: int, warmup: int, hidden: int, batch_size: int) -> tuple[list[int], list[int]]:
+    """ns spent in the nine calls of each measured step: in training, then in a tight loop."""
+    import torch
+    import torch.nn.functional as F
+
+    import otel_straggler as ots
+    from otel_straggler.demo.trainer import make_model, synthetic_batches
+
+    torch.manual_seed(0)
+    model = make_model(hidden)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    batches = synthetic_batches(0, 0, batch_size)
+    clock = time.perf_counter_ns
+    work = (lambda: next(batches), lambda data: F.cross_entropy(model(data[0]), data[1]),
+            lambda loss: (optimizer.zero_grad(), loss.backward()), lambda _: optimizer.step())
+
+    def step(n: int, train: bool) -> int:
+        spent = 0
+        began = clock()
+        ots.step(n, samples=batch_size)
+        spent += clock() - began
+        value = None
+        for name, action in zip(STAGES, work):
+            timer = ots.stage(name)
+            began = clock()
+            timer.__enter__()
+            spent += clock() - began
+            if train:
+                value = action() if value is None else action(value)
+            began = clock()
+            timer.__exit__(None, None, None)
+            spent += clock() - began
+        return spent
+
+    in_training = [step(n, True) for n in range(warmup + steps)][warmup:]
+    tight = [step(n, False) for n in range(warmup + steps, warmup + steps + TIGHT_LOOP_STEPS)]
+    return in_training, tight
+
+
+def run_arm(args: argparse.Namespace) -> None:
+    import torch
+
+    import otel_straggler as ots
+
+    torch.set_num_threads(1)
+    handle = None
+    if args.arm != "off":
+        os.environ.update({"OTEL_BSP_SCHEDULE_DELAY": "500", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+                           "OTEL_STRAGGLER_EXPORT_METRICS": "false",
+                           "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{args.endpoint}"})
+        handle = ots.configure(job_id=f"in-situ-{args.arm}", rank=0, world_size=1,
+                               device_timing=DEVICE_TIMING[args.arm])
+    in_training, tight = timed_steps(args.steps, args.warmup, args.hidden, args.batch_size)
+    lost = 0
+    if handle is not None:
+        handle.flush(30.0)
+        lost = sum(handle.status()["lost"].values())
+        handle.shutdown(10.0)
+    print(json.dumps({"arm": args.arm, "in_training_ns": in_training, "tight_loop_ns": tight, "spans_lost": lost}))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of the three arms, order alternating")
+    parser.add_argument("--steps", type=int, default=300, help="measured training steps per arm")
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # one arm, in a child process
+    parser.add_argument("--endpoint", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.arm:
+        run_arm(args)
+        return 0
+
+    from otel_straggler.detector.config import DetectorConfig
+    from otel_straggler.detector.service import DetectorService
+
+    records: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    with tempfile.TemporaryDirectory(prefix="in-situ-") as scratch:
+        detector = DetectorService(DetectorConfig(grpc_port=0, http_port=0, export_metrics=False,
+                                                  evidence_dir=os.path.join(scratch, "evidence")))
+        detector.start()
+        try:
+            for round_index in range(args.rounds):
+                for arm in (ARMS if round_index % 2 == 0 else ARMS[::-1]):
+                    output = subprocess.run(
+                        [sys.executable, __file__, "--arm", arm, "--endpoint", f"127.0.0.1:{detector.bound_ports[0]}",
+                         "--steps", str(args.steps), "--warmup", str(args.warmup), "--hidden", str(args.hidden),
+                         "--batch-size", str(args.batch_size)], check=True, capture_output=True, text=True).stdout
+                    records[arm].append(json.loads(output.strip().splitlines()[-1]))
+                    print(f"round {round_index + 1}/{args.rounds}: {arm} done", flush=True)
+        finally:
+            detector.stop()
+
+    def median_us(arm: str, key: str) -> float:
+        return statistics.median(ns for record in records[arm] for ns in record[key]) / 1e3
+
+    results = {arm: {"in_training_us_per_step": median_us(arm, "in_training_ns"),
+                     "tight_loop_us_per_step": median_us(arm, "tight_loop_ns"),
+                     "spans_lost": sum(record["spans_lost"] for record in records[arm])} for arm in ARMS}
+    report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "cores": os.cpu_count(),
+              "load_average": os.getloadavg(), "rounds": args.rounds, "steps": args.steps, "arms": results}
+    off = results["off"]
+    print(f"\nhot path in situ — {report['date']}, {report['cores']} cores, load average {report['load_average'][0]:.1f};"
+          f" {args.rounds} rounds x {args.steps} steps per arm; median per step of step() + 4 x stage() enter/exit,"
+          f" timer included")
+    print(f"\n{'arm':30} {'in training µs':>15} {'minus off':>10} {'tight loop µs':>14} {'minus off':>10} {'ratio':>6}")
+    for arm, result in results.items():
+        in_training = result["in_training_us_per_step"] - off["in_training_us_per_step"]
+        tight = result["tight_loop_us_per_step"] - off["tight_loop_us_per_step"]
+        ratio = f"{in_training / tight:6.1f}" if arm != "off" and tight > 0 else f"{'':6}"
+        print(f"{arm:30} {result['in_training_us_per_step']:15.1f} {in_training:10.1f}"
+              f" {result['tight_loop_us_per_step']:14.1f} {tight:10.1f} {ratio}")
+    lost = ", ".join(f"{arm} {result['spans_lost']}" for arm, result in results.items() if arm != "off")
+    print(f"\nspans lost: {lost}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

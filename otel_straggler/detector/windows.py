@@ -68,6 +68,10 @@ class WindowRows:
     def __len__(self) -> int:
         return len(self.keys)
 
+    def has_unnoticed_rows(self) -> bool:
+        """Rows came since the last `windows_to_judge` looked (or it never has)."""
+        return self.rows_noticed != len(self.keys) or self.last_data_unix_nano is None
+
     def repair(self) -> None:
         """After an append failed half way: cut every column to the common length."""
         length = min(len(self.keys), len(self.host_ms), len(self.device_ms), len(self.tokens))
@@ -300,7 +304,7 @@ class Cohort:
         """Takes the windows that close now (see the module docstring), oldest first."""
         closing, self._closed_early = self._closed_early, []
         for rows in self.open_windows.values():
-            if rows.rows_noticed != len(rows) or rows.last_data_unix_nano is None:
+            if rows.has_unnoticed_rows():
                 rows.rows_noticed = len(rows)
                 rows.last_data_unix_nano = now_unix_nano
                 self.last_active_unix_nano = now_unix_nano
@@ -322,7 +326,7 @@ class Cohort:
             return 0
         earliest: Optional[int] = None
         for rows in self.open_windows.values():
-            if rows.rows_noticed != len(rows) or rows.last_data_unix_nano is None:
+            if rows.has_unnoticed_rows():
                 return 0
             due = rows.last_data_unix_nano + grace_ns
             earliest = due if earliest is None else min(earliest, due)

@@ -79,9 +79,9 @@ def run_arm(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     handle = None
     if args.arm != "off":
-        os.environ.update({"OTEL_BSP_SCHEDULE_DELAY": "500", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-                           "OTEL_STRAGGLER_EXPORT_METRICS": "false",
-                           "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{args.endpoint}"})
+        from demo_training import DEMO_RANK_ENVIRONMENT  # the overhead benchmark's ON arm, as the demo's ranks
+
+        os.environ.update({**DEMO_RANK_ENVIRONMENT, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{args.endpoint}"})
         handle = ots.configure(job_id=f"in-situ-{args.arm}", rank=0, world_size=1,
                                device_timing=DEVICE_TIMING[args.arm])
     in_training, tight = timed_steps(args.steps, args.warmup, args.hidden, args.batch_size)

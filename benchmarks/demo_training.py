@@ -41,7 +41,7 @@ import otel_straggler as ots
 from otel_straggler.demo.launcher import free_port
 from otel_straggler.demo import trainer
 from otel_straggler.demo.trainer import average_gradients, make_model, synthetic_batches
-from thread_cpu import thread_cpu_ns
+from thread_cpu import thread_cpu_ns, thread_cpu_since
 
 ARMS = ("off", "on")
 # How the demo sets up its ranks' export (otel_straggler/demo/run.py), for the `on` arm.
@@ -186,7 +186,7 @@ def run_arm(args: argparse.Namespace, rank: int, arm: str, index: int, counter: 
     if handle is not None:
         handle.flush(60.0)  # whatever the measured steps left to build and export is counted below
         status = handle.status()
-    threads_after, process_after, collections_after = thread_cpu_ns(), time.process_time_ns(), gc_collections()
+    threads, process_after, collections_after = thread_cpu_since(threads_before), time.process_time_ns(), gc_collections()
     if handle is not None:
         handle.shutdown(30.0)
     record = {
@@ -197,8 +197,7 @@ def run_arm(args: argparse.Namespace, rank: int, arm: str, index: int, counter: 
         # the process's figure only
         "training_thread_cpu_ns": main_cpu_ns,
         "process_cpu_ns": process_after - process_before,
-        "thread_cpu_ns": {name: cpu - threads_before.get(name, 0) for name, cpu in threads_after.items()
-                          if cpu - threads_before.get(name, 0) > 0},
+        "thread_cpu_ns": threads,
         # garbage collections by generation: a full one (2) stops every thread of the process
         "gc_collections": [after - before for after, before in zip(collections_after, collections_before)],
         # the whole arm, configure() and warm-up included

@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from thread_cpu import thread_cpu_ns
+from thread_cpu import thread_cpu_ns, thread_cpu_since
 
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.service import DetectorService
@@ -32,9 +32,8 @@ def cpu_by_thread(seconds: float) -> dict[str, float]:
     """ms of CPU per second of each thread of this process over `seconds`, by thread name."""
     before, started = thread_cpu_ns(), time.monotonic()
     time.sleep(seconds)
-    after, elapsed = thread_cpu_ns(), time.monotonic() - started
-    return {name: (cpu - before.get(name, 0)) / 1e6 / elapsed for name, cpu in after.items()
-            if cpu - before.get(name, 0) > 0}
+    spent, elapsed = thread_cpu_since(before), time.monotonic() - started
+    return {name: cpu / 1e6 / elapsed for name, cpu in spent.items()}
 
 
 def polling_reference(seconds: float) -> dict[str, float]:

@@ -25,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from thread_cpu import thread_cpu_ns
+from thread_cpu import thread_cpu_ns, thread_cpu_since
 
 ARMS = {"C writer": "c", "Python writer": "python"}
 STAGES = ("batch-generator", "forward-compute", "backward-compute", "optimizer")
@@ -47,23 +47,20 @@ def arm(writer: str, steps: int, endpoint: str) -> dict:
     for n in range(20):  # warm-up: threads started, the first batch exported
         _step(ots, n)
     handle.flush(30.0)
-    threads_before = _background_threads_ns()
+    threads_before = thread_cpu_ns()
     process_before, main_before = time.process_time_ns(), time.thread_time_ns()
     for n in range(20, 20 + steps):
         _step(ots, n)
     handle.flush(60.0)  # everything the measured steps produced is built and exported
     background_ns = (time.process_time_ns() - process_before) - (time.thread_time_ns() - main_before)
-    threads = {name: ns - threads_before.get(name, 0) for name, ns in _background_threads_ns().items()}
+    threads = thread_cpu_since(threads_before)
+    threads.pop(threading.main_thread().name, None)  # the training thread: not background
     status = handle.status()
     handle.shutdown(10.0)
     spans = steps * (1 + len(STAGES))
     return {"background_us_per_span": background_ns / spans / 1e3,
             "threads_us_per_span": {name: ns / spans / 1e3 for name, ns in threads.items()},
             "exported": status["exported"], "lost": sum(status["lost"].values())}
-
-
-def _background_threads_ns() -> dict[str, int]:
-    return {name: ns for name, ns in thread_cpu_ns().items() if name != threading.main_thread().name}
 
 
 def _step(ots, n: int) -> None:

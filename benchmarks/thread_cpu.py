@@ -28,3 +28,10 @@ def thread_cpu_ns() -> dict[str, int]:
             continue  # exited meanwhile; its time still counts in the process total
         totals[name] += cpu_ns
     return dict(totals)
+
+
+def thread_cpu_since(before: dict[str, int]) -> dict[str, int]:
+    """CPU ns of each thread since the `thread_cpu_ns()` snapshot `before`; threads that spent none
+    are left out."""
+    spent = {name: cpu - before.get(name, 0) for name, cpu in thread_cpu_ns().items()}
+    return {name: cpu for name, cpu in spent.items() if cpu > 0}

@@ -12,83 +12,46 @@ import threading
 from typing import Any, Callable, Mapping, Optional
 
 from otel_straggler import contract
-from otel_straggler.instrumentation import identity
-from otel_straggler.instrumentation.recorder import IntervalRecorder, SlowdownInjection
+from otel_straggler.instrumentation import hot_path, identity
+from otel_straggler.instrumentation.hot_path import IntervalRecorder
+from otel_straggler.instrumentation.recorder import SlowdownInjection
 from otel_straggler.instrumentation.settings import DEFAULTS, SETTINGS
 from otel_straggler.settings import ConfigError, parse_bool, resolve
 
-# The one recorder of this process while the instrumentation is on; read on the hot path.
+# The one recorder of this process while the instrumentation is on (also installed in hot_path).
 _recorder: Optional[IntervalRecorder] = None
 _instrumentation: Optional["Instrumentation"] = None
 _configure_lock = threading.Lock()
 
 
-class stage:
+class stage(hot_path.Stage):
     """Times a stage: `with stage("forward-compute"):` or `@stage("data")`.
 
     `collective=True` marks a blocking collective (its duration includes waiting for peers);
     left as None, Megatron's known names decide and anything else is not a collective.
+    `__enter__`/`__exit__` are the hot path's (hot_path.py: C where built, else Python).
     """
 
-    __slots__ = ("name", "collective", "_open")
-
-    def __init__(self, name: str, collective: Optional[bool] = None) -> None:
-        self.name = name
-        self.collective = collective
-        self._open = None
-
-    def __enter__(self) -> "stage":
-        recorder = _recorder
-        if recorder is not None:
-            self._open = recorder.start(self.name, self.collective)
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> bool:
-        opened = self._open
-        if opened is not None:
-            self._open = None
-            recorder = _recorder
-            if recorder is not None:
-                recorder.stop(opened)
-        return False
+    __slots__ = ()
 
     def __call__(self, function: Callable) -> Callable:
         name, collective = self.name, self.collective
 
         @functools.wraps(function)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            recorder = _recorder
-            opened = recorder.start(name, collective) if recorder is not None else None
-            try:
+            with stage(name, collective):
                 return function(*args, **kwargs)
-            finally:
-                if opened is not None:
-                    recorder.stop(opened)
 
         return timed
 
 
-class step:
-    """Binds optimizer step `n` and this rank's workload to every interval that ENDS from now
-    on, and starts the rank's `train.step` span. Call it at the start of each step, or use it
-    as `with step(n, tokens=...):` to end the step span explicitly."""
+class step(hot_path.Step):
+    """`step(n, tokens=..., samples=...)` binds optimizer step `n` and this rank's workload to
+    every interval that ENDS from now on, and starts the rank's `train.step` span. Call it at
+    the start of each step, or use it as `with step(n, tokens=...):` to end the step span
+    explicitly."""
 
-    __slots__ = ("number",)
-
-    def __init__(self, n: int, tokens: Optional[int] = None, samples: Optional[int] = None) -> None:
-        self.number = n
-        recorder = _recorder
-        if recorder is not None:
-            recorder.begin_step(n, tokens, samples)
-
-    def __enter__(self) -> "step":
-        return self
-
-    def __exit__(self, *exc_info: Any) -> bool:
-        recorder = _recorder
-        if recorder is not None:
-            recorder.end_step(self.number)
-        return False
+    __slots__ = ()
 
 
 class Instrumentation:
@@ -119,11 +82,9 @@ class Instrumentation:
             return False
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        global _recorder, _instrumentation
         with _configure_lock:
             if _instrumentation is self:
-                _recorder = None
-                _instrumentation = None
+                _use(None, None)
         if self._pipeline is None or self._shut_down:
             return
         self._shut_down = True  # status() keeps answering with the final counters
@@ -158,7 +119,6 @@ def configure(
     durations are then attached only if you pass the CudaEventSpanProcessor you installed on it
     as `device_processor`.
     """
-    global _recorder, _instrumentation
     environ = os.environ if environ is None else environ
     with _configure_lock:
         if _instrumentation is not None:
@@ -179,8 +139,7 @@ def configure(
         handle.recorder = IntervalRecorder(options["queue_size"], injection=_injection(options, attributes))
         handle._pipeline = RankPipeline(handle.recorder, options, attributes, endpoint, protocol,
                                         tracer_provider, device_processor, environ)
-        _instrumentation = handle
-        _recorder = handle.recorder
+        _use(handle, handle.recorder)
         atexit.register(handle.shutdown, 5.0)
         return handle
 
@@ -199,9 +158,14 @@ def current() -> Optional[Instrumentation]:
 
 def _forget_in_child() -> None:
     """A forked child (a DataLoader worker) has no builder thread: record nothing there."""
+    _use(None, None)
+
+
+def _use(handle: Optional[Instrumentation], recorder: Optional[IntervalRecorder]) -> None:
+    """The running handle and the recorder stage(), step() and the timers record on."""
     global _recorder, _instrumentation
-    _recorder = None
-    _instrumentation = None
+    _instrumentation, _recorder = handle, recorder
+    hot_path.install(recorder)
 
 
 if hasattr(os, "register_at_fork"):

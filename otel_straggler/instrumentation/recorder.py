@@ -1,4 +1,6 @@
-"""The training-thread hot path (DESIGN §2).
+"""The training-thread hot path (DESIGN §2), in Python: the reference for the C extension
+_hot_path, which has the same IntervalRecorder, Stage, Step and install() and is what runs where
+it was built (hot_path.py chooses).
 
 `start()` and `stop()` may only read the host clock, record a CUDA event from the pool, bind
 the current step and workload, and append to a bounded queue. They build no span, take no lock,
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from otel_straggler.processors.device_events import EventPool
 
@@ -128,3 +130,66 @@ class IntervalRecorder:
         for event in events:
             if event is not None:
                 self.event_pool.release(event)
+
+
+# The recorder Stage and Step record on: set by install(), None while the instrumentation is off.
+_installed: Optional[IntervalRecorder] = None
+
+
+def install(recorder: Optional[IntervalRecorder]) -> None:
+    global _installed
+    _installed = recorder
+
+
+def use_clock(clock: Optional[Callable[[], int]]) -> None:
+    """Tests only: a callable returning ns stands in for the clock; None restores it."""
+    global _time_ns
+    _time_ns = time.time_ns if clock is None else clock
+
+
+class Stage:
+    """`with Stage(name):` times its block on the installed recorder (api.stage's base)."""
+
+    __slots__ = ("name", "collective", "_open")
+
+    def __init__(self, name: str, collective: Optional[bool] = None) -> None:
+        self.name = name
+        self.collective = collective
+        self._open = None
+
+    def __enter__(self) -> "Stage":
+        recorder = _installed
+        if recorder is not None:
+            self._open = recorder.start(self.name, self.collective)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> bool:
+        opened = self._open
+        if opened is not None:
+            self._open = None
+            recorder = _installed
+            if recorder is not None:
+                recorder.stop(opened)
+        return False
+
+
+class Step:
+    """`Step(n, tokens, samples)` binds step n on the installed recorder; its `with` block ends
+    the step (api.step's base)."""
+
+    __slots__ = ("number",)
+
+    def __init__(self, n: int, tokens: Any = None, samples: Any = None) -> None:
+        self.number = n
+        recorder = _installed
+        if recorder is not None:
+            recorder.begin_step(n, tokens, samples)
+
+    def __enter__(self) -> "Step":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> bool:
+        recorder = _installed
+        if recorder is not None:
+            recorder.end_step(self.number)
+        return False

@@ -8,11 +8,12 @@ import inspect
 import pickle
 import time
 import types
+from typing import Iterator
 
 import pytest
 
 import otel_straggler
-from otel_straggler.instrumentation import megatron_timers, recorder
+from otel_straggler.instrumentation import hot_path, megatron_timers
 from otel_straggler.instrumentation.megatron_timers import Timer, Timers
 from otel_straggler.instrumentation.span_builder import trace_id_for_step
 
@@ -60,11 +61,12 @@ class FakeClock:
 
 
 @pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+def clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeClock]:
     fake = FakeClock()
     monkeypatch.setattr(megatron_timers, "time", types.SimpleNamespace(perf_counter_ns=fake.read_ns))
-    monkeypatch.setattr(recorder, "_time_ns", fake.read_ns)
-    return fake
+    hot_path.use_clock(fake.read_ns)
+    yield fake
+    hot_path.use_clock(None)
 
 
 def test_elapsed_reset_and_active_time_follow_megatron(clock):

@@ -1,0 +1,21 @@
+"""Which hot path this process runs: the C extension _hot_path where it was built, else the
+Python reference in recorder.py. Both have the same IntervalRecorder, Stage, Step, install() and
+use_clock(),
+and the instrumentation tests run against both (tests/instrumentation/test_python_hot_path.py).
+"""
+from __future__ import annotations
+
+try:
+    from otel_straggler.instrumentation import _hot_path as _implementation
+
+    IMPLEMENTATION = "c"
+except ImportError:  # not built: no C compiler where the package was installed
+    from otel_straggler.instrumentation import recorder as _implementation
+
+    IMPLEMENTATION = "python"
+
+IntervalRecorder = _implementation.IntervalRecorder
+Stage = _implementation.Stage
+Step = _implementation.Step
+install = _implementation.install
+use_clock = _implementation.use_clock  # tests only: a fake clock

@@ -1,0 +1,39 @@
+"""The hot path has two implementations with one behaviour: the C extension _hot_path, which runs
+where it was built, and the Python reference in recorder.py, which runs where it was not. The
+instrumentation tests run here with whichever is built; this runs them again with the Python one,
+in a process where importing the extension fails as it does without a C compiler."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from otel_straggler.instrumentation import hot_path
+
+REPO = Path(__file__).resolve().parents[2]
+WITHOUT_THE_EXTENSION = (
+    "import sys; sys.modules['otel_straggler.instrumentation._hot_path'] = None; import pytest; "
+    "code = pytest.main(sys.argv[1:]); "
+    "from otel_straggler.instrumentation import hot_path; print('hot path:', hot_path.IMPLEMENTATION); "
+    "sys.exit(code)"
+)
+
+
+def test_the_c_hot_path_is_built_in_ci():
+    if os.environ.get("CI") != "true":
+        pytest.skip("only CI promises a C compiler")
+    assert hot_path.IMPLEMENTATION == "c"
+
+
+@pytest.mark.slow
+def test_the_python_reference_passes_the_instrumentation_tests():
+    result = subprocess.run(
+        [sys.executable, "-c", WITHOUT_THE_EXTENSION, "-q", "-p", "no:cacheprovider", "-m", "not services and not slow",
+         "--ignore", str(Path(__file__).relative_to(REPO)), "tests/instrumentation"],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "hot path: python" in result.stdout
+    assert " passed" in result.stdout and " failed" not in result.stdout

@@ -6,12 +6,14 @@ benchmarks/hot_path.py times stage()/step() back to back, with the interpreter's
 recorder's code and data hot in the caches. In training, each call comes after milliseconds of
 matmuls that evicted them. This benchmark runs the overhead benchmark's loop workload (the demo's
 MLP, hidden 1024, batch 256, one thread, four stages and a step() a step) and times each of the
-nine calls of a step with perf_counter_ns, in three arms: `off` (library not configured: the calls
-are no-ops), `on` (fake device events) and `on-host` (device timing off), both exporting over
-OTLP/gRPC to a live detector in this process, as the overhead benchmark's ON arm does. Each arm
-runs in a fresh process, arms alternating over rounds. Per arm: the median over steps of the
-nine calls' time, in the loop and in a tight loop of the same nine calls after it (the reference).
-The timer's own cost is in every arm alike, so the figure to read is an arm's minus `off`'s.
+nine calls of a step with perf_counter_ns (step(); each stage's construction with its __enter__;
+its __exit__), in four arms: `off` (library not configured: the calls are no-ops), `on` (fake
+device events), `on-host` (device timing off) and `on-python` (as `on`, with the Python reference
+hot path instead of the C extension), all exporting over OTLP/gRPC to a live detector in this
+process, as the overhead benchmark's ON arm does. Each arm runs in a fresh process, arms alternating
+over rounds. Per arm: the median over steps of the nine calls' time, in the loop and in a tight
+loop of the same nine calls after it (the reference). The timer's own cost is in every arm alike,
+so the figure to read is an arm's minus `off`'s.
 """
 from __future__ import annotations
 
@@ -26,8 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ARMS = ("off", "on", "on-host")
-DEVICE_TIMING = {"on": "fake", "on-host": "off"}
+ARMS = ("off", "on", "on-host", "on-python")
+DEVICE_TIMING = {"on": "fake", "on-host": "off", "on-python": "fake"}
 STAGES = ("batch-generator", "forward-compute", "backward-compute", "optimizer")
 TIGHT_LOOP_STEPS = 300  # its 1,500 spans fit the batch processor's queue (2,048): nothing dropped
 
@@ -55,8 +57,8 @@ def timed_steps(steps: int, warmup: int, hidden: int, batch_size: int) -> tuple[
         spent += clock() - began
         value = None
         for name, action in zip(STAGES, work):
-            timer = ots.stage(name)
             began = clock()
+            timer = ots.stage(name)
             timer.__enter__()
             spent += clock() - began
             if train:
@@ -72,9 +74,12 @@ def timed_steps(steps: int, warmup: int, hidden: int, batch_size: int) -> tuple[
 
 
 def run_arm(args: argparse.Namespace) -> None:
+    if args.arm == "on-python":  # as where the extension is not built: its import fails
+        sys.modules["otel_straggler.instrumentation._hot_path"] = None
     import torch
 
     import otel_straggler as ots
+    from otel_straggler.instrumentation import hot_path
 
     torch.set_num_threads(1)
     handle = None
@@ -90,7 +95,8 @@ def run_arm(args: argparse.Namespace) -> None:
         handle.flush(30.0)
         lost = sum(handle.status()["lost"].values())
         handle.shutdown(10.0)
-    print(json.dumps({"arm": args.arm, "in_training_ns": in_training, "tight_loop_ns": tight, "spans_lost": lost}))
+    print(json.dumps({"arm": args.arm, "hot_path": hot_path.IMPLEMENTATION, "in_training_ns": in_training,
+                      "tight_loop_ns": tight, "spans_lost": lost}))
 
 
 def main(argv=None) -> int:
@@ -133,19 +139,21 @@ def main(argv=None) -> int:
 
     results = {arm: {"in_training_us_per_step": median_us(arm, "in_training_ns"),
                      "tight_loop_us_per_step": median_us(arm, "tight_loop_ns"),
-                     "spans_lost": sum(record["spans_lost"] for record in records[arm])} for arm in ARMS}
+                     "spans_lost": sum(record["spans_lost"] for record in records[arm]),
+                     "hot_path": sorted({record["hot_path"] for record in records[arm]})} for arm in ARMS}
     report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "cores": os.cpu_count(),
               "load_average": os.getloadavg(), "rounds": args.rounds, "steps": args.steps, "arms": results}
     off = results["off"]
     print(f"\nhot path in situ — {report['date']}, {report['cores']} cores, load average {report['load_average'][0]:.1f};"
-          f" {args.rounds} rounds x {args.steps} steps per arm; median per step of step() + 4 x stage() enter/exit,"
+          f" {args.rounds} rounds x {args.steps} steps per arm; median per step of step() + 4 x stage() made, entered and exited,"
           f" timer included")
-    print(f"\n{'arm':30} {'in training µs':>15} {'minus off':>10} {'tight loop µs':>14} {'minus off':>10} {'ratio':>6}")
+    print(f"\n{'arm':20} {'hot path':9} {'in training µs':>15} {'minus off':>10} {'tight loop µs':>14} {'minus off':>10}"
+          f" {'ratio':>6}")
     for arm, result in results.items():
         in_training = result["in_training_us_per_step"] - off["in_training_us_per_step"]
         tight = result["tight_loop_us_per_step"] - off["tight_loop_us_per_step"]
         ratio = f"{in_training / tight:6.1f}" if arm != "off" and tight > 0 else f"{'':6}"
-        print(f"{arm:30} {result['in_training_us_per_step']:15.1f} {in_training:10.1f}"
+        print(f"{arm:20} {'/'.join(result['hot_path']):9} {result['in_training_us_per_step']:15.1f} {in_training:10.1f}"
               f" {result['tight_loop_us_per_step']:14.1f} {tight:10.1f} {ratio}")
     lost = ", ".join(f"{arm} {result['spans_lost']}" for arm, result in results.items() if arm != "off")
     print(f"\nspans lost: {lost}")

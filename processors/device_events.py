@@ -141,6 +141,10 @@ class EventPool:
         self.backend = backend
         self.size = size
         self._free = collections.deque(backend.create_event() for _ in range(size))
+        # record() as its two calls, for a caller that makes them itself: the C hot path, which
+        # saves a Python frame an event this way (an empty pool: take() raises IndexError)
+        self.take = self._free.pop
+        self.record_event = backend.record
 
     def record(self) -> Optional[Any]:
         """Takes a free event and records it on the current stream; None when exhausted."""

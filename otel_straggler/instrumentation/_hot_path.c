@@ -36,6 +36,8 @@ typedef struct {
     PyObject *completed_append; /* its bound append */
     Py_ssize_t capacity;
     PyObject *event_pool;       /* None until the first step() makes it (device timing on) */
+    PyObject *pool_take;        /* the pool's record() in two calls, where it offers them (EventPool */
+    PyObject *pool_record_event;/* does): a Python frame less per event; else NULL */
     PyObject *injection;        /* test-only SlowdownInjection, or None */
     PyObject *open_intervals;   /* list, innermost last */
     PyObject *binding;          /* (step, tokens, samples), replaced whole */
@@ -91,6 +93,32 @@ static int enqueue(Recorder *self, PyObject *record) {
     return 0;
 }
 
+/* The next event, recorded on the current stream; None when the pool is exhausted (the interval
+   is timed host-only, as EventPool.record does); NULL with an error set. */
+static PyObject *record_event(Recorder *self) {
+    if (self->pool_take == NULL) return PyObject_CallMethodNoArgs(self->event_pool, str_record);
+    PyObject *event = PyObject_CallNoArgs(self->pool_take);
+    if (event == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_IndexError)) return NULL;
+        PyErr_Clear();
+        return Py_NewRef(Py_None);
+    }
+    PyObject *result = PyObject_CallOneArg(self->pool_record_event, event);
+    if (result == NULL) {
+        Py_DECREF(event);
+        return NULL;
+    }
+    Py_DECREF(result);
+    return event;
+}
+
+static int give_back(Recorder *self, PyObject *event) {
+    if (!is_set(event)) return 0;
+    PyObject *result = PyObject_CallMethodOneArg(self->event_pool, str_release, event);
+    Py_XDECREF(result);
+    return result == NULL ? -1 : 0;
+}
+
 /* A new open interval, or None when it could not be timed; NULL only for a non-Exception error. */
 static PyObject *recorder_start_interval(Recorder *self, PyObject *name, PyObject *collective) {
     PyObject *opened = self->open_intervals;
@@ -103,8 +131,7 @@ static PyObject *recorder_start_interval(Recorder *self, PyObject *name, PyObjec
     int64_t start;
     PyObject *start_ns = NULL, *start_event = NULL, *interval = NULL;
     if (now_ns(&start) < 0 || (start_ns = PyLong_FromLongLong(start)) == NULL) goto failed;
-    start_event = is_set(self->event_pool) ? PyObject_CallMethodNoArgs(self->event_pool, str_record)
-                                           : Py_NewRef(Py_None);
+    start_event = is_set(self->event_pool) ? record_event(self) : Py_NewRef(Py_None);
     if (start_event == NULL) goto failed;
     interval = PyTuple_Pack(OPEN_INTERVAL_SIZE, name, collective, enclosing, start_step, start_ns, start_event);
     if (interval == NULL || PyList_Append(opened, interval) < 0) goto failed;
@@ -120,13 +147,6 @@ failed:
     Py_XDECREF(start_event);
     Py_XDECREF(interval);
     return swallow(self) < 0 ? NULL : Py_NewRef(Py_None);
-}
-
-static int give_back(Recorder *self, PyObject *event) {
-    if (!is_set(event)) return 0;
-    PyObject *result = PyObject_CallMethodOneArg(self->event_pool, str_release, event);
-    Py_XDECREF(result);
-    return result == NULL ? -1 : 0;
 }
 
 /* Takes `interval` out of the open ones: the innermost, or wherever it is (timers may stop out of
@@ -157,7 +177,7 @@ static int recorder_stop_interval(Recorder *self, PyObject *interval, int64_t *d
     if (start_event == Py_None) {
         end_event = Py_NewRef(Py_None);
     } else if (is_set(self->event_pool)) {
-        end_event = PyObject_CallMethodNoArgs(self->event_pool, str_record);
+        end_event = record_event(self);
         if (end_event == NULL) goto failed;
     } else {
         PyErr_SetString(PyExc_AttributeError, "an interval with a device event but no event pool");
@@ -243,6 +263,8 @@ static int recorder_end(Recorder *self, PyObject *step) {
 
 static PyObject *deque_type;
 
+static int Recorder_set_event_pool(Recorder *self, PyObject *pool, void *closure);
+
 static int Recorder_init(Recorder *self, PyObject *args, PyObject *kwds) {
     static char *keywords[] = {"capacity", "event_pool", "injection", NULL};
     Py_ssize_t capacity;
@@ -265,7 +287,7 @@ static int Recorder_init(Recorder *self, PyObject *args, PyObject *kwds) {
     Py_XSETREF(self->completed_append, append);
     Py_XSETREF(self->open_intervals, opened);
     Py_XSETREF(self->binding, binding);
-    Py_XSETREF(self->event_pool, Py_NewRef(event_pool));
+    if (Recorder_set_event_pool(self, event_pool, NULL) < 0) return -1;
     Py_XSETREF(self->injection, Py_NewRef(injection));
     Py_XSETREF(self->on_first_step, Py_NewRef(Py_None));
     self->capacity = capacity;
@@ -277,6 +299,8 @@ static int Recorder_traverse(Recorder *self, visitproc visit, void *arg) {
     Py_VISIT(self->completed);
     Py_VISIT(self->completed_append);
     Py_VISIT(self->event_pool);
+    Py_VISIT(self->pool_take);
+    Py_VISIT(self->pool_record_event);
     Py_VISIT(self->injection);
     Py_VISIT(self->open_intervals);
     Py_VISIT(self->binding);
@@ -288,6 +312,8 @@ static int Recorder_clear(Recorder *self) {
     Py_CLEAR(self->completed);
     Py_CLEAR(self->completed_append);
     Py_CLEAR(self->event_pool);
+    Py_CLEAR(self->pool_take);
+    Py_CLEAR(self->pool_record_event);
     Py_CLEAR(self->injection);
     Py_CLEAR(self->open_intervals);
     Py_CLEAR(self->binding);
@@ -362,7 +388,6 @@ static PyMethodDef Recorder_methods[] = {
 static PyMemberDef Recorder_members[] = {
     {"completed", T_OBJECT, offsetof(Recorder, completed), READONLY},
     {"capacity", T_PYSSIZET, offsetof(Recorder, capacity), READONLY},
-    {"event_pool", T_OBJECT, offsetof(Recorder, event_pool), 0},
     {"injection", T_OBJECT, offsetof(Recorder, injection), 0},
     {"open_intervals", T_OBJECT, offsetof(Recorder, open_intervals), READONLY},
     {"binding", T_OBJECT, offsetof(Recorder, binding), READONLY},
@@ -370,6 +395,33 @@ static PyMemberDef Recorder_members[] = {
     {"dropped_queue_full", T_PYSSIZET, offsetof(Recorder, dropped_queue_full), 0},
     {"dropped_step_records", T_PYSSIZET, offsetof(Recorder, dropped_step_records), 0},
     {"internal_errors", T_PYSSIZET, offsetof(Recorder, internal_errors), 0},
+    {NULL},
+};
+
+static PyObject *Recorder_get_event_pool(Recorder *self, void *closure) {
+    return Py_NewRef(self->event_pool ? self->event_pool : Py_None);
+}
+
+/* Sets the pool and, where it offers them, its `take` and `record_event`. */
+static int Recorder_set_event_pool(Recorder *self, PyObject *pool, void *closure) {
+    if (pool == NULL) pool = Py_None;
+    PyObject *take = NULL, *record = NULL;
+    if (pool != Py_None && PyObject_HasAttrString(pool, "take") && PyObject_HasAttrString(pool, "record_event")) {
+        take = PyObject_GetAttrString(pool, "take");
+        record = take ? PyObject_GetAttrString(pool, "record_event") : NULL;
+        if (record == NULL) {
+            Py_XDECREF(take);
+            return -1;
+        }
+    }
+    Py_XSETREF(self->event_pool, Py_NewRef(pool));
+    Py_XSETREF(self->pool_take, take);
+    Py_XSETREF(self->pool_record_event, record);
+    return 0;
+}
+
+static PyGetSetDef Recorder_getset[] = {
+    {"event_pool", (getter)Recorder_get_event_pool, (setter)Recorder_set_event_pool, NULL, NULL},
     {NULL},
 };
 
@@ -386,6 +438,7 @@ static PyTypeObject RecorderType = {
     .tp_dealloc = (destructor)Recorder_dealloc,
     .tp_methods = Recorder_methods,
     .tp_members = Recorder_members,
+    .tp_getset = Recorder_getset,
 };
 
 /* -- Stage: `with stage(name):`, api.stage's base ------------------------------------------------ */

@@ -97,6 +97,7 @@ C_ALLOWED_CALLS = {
     "PyErr_ExceptionMatches", "PyErr_Clear", "PyErr_Occurred", "PyErr_SetString",
     "PyObject_Length", "PyObject_CallOneArg", "PyObject_CallNoArgs", "PyObject_CallMethodNoArgs",
     "PyObject_CallMethodOneArg", "PyObject_CallMethodObjArgs", "PyObject_RichCompareBool", "PyObject_GetAttrString",
+    "PyObject_HasAttrString",
     "PyObject_TypeCheck", "PyObject_GC_UnTrack",
     "PyLong_FromLongLong", "PyLong_AsLongLong", "PyLong_FromLong", "PyTuple_Pack", "PyTuple_Check",
     "PyTuple_GET_SIZE", "PyTuple_GET_ITEM", "PyList_New", "PyList_Append", "PyList_SetSlice", "PyList_GET_SIZE",

@@ -213,3 +213,28 @@ def test_a_stage_uninstalled_while_open_is_left_alone(hot_path):
     with hot_path.Stage("forward-compute"):
         hot_path.install(None)  # the instrumentation shut down inside the block
     assert not recorder.completed and recorder.internal_errors == 0
+
+
+def test_an_exhausted_event_pool_times_host_only_without_an_error(hot_path):
+    pool = EventPool(FakeDeviceEvents(auto_complete=True), 3)
+    recorder = hot_path.IntervalRecorder(16, pool)
+    first = recorder.start("forward-compute")
+    second = recorder.start("backward-compute")  # the third event: its end finds the pool empty
+    recorder.stop(second)
+    recorder.stop(first)
+    starts = {record[1][0]: (record[1][5], record[3]) for record in recorder.completed}
+    assert starts["forward-compute"][0] is not None and starts["forward-compute"][1] is None
+    assert None not in starts["backward-compute"]
+    assert recorder.start("optimizer")[5] is None
+    assert recorder.internal_errors == 0
+
+
+def test_a_failing_device_backend_behind_an_event_pool_is_counted(hot_path):
+    backend = FakeDeviceEvents(auto_complete=True)
+    pool = EventPool(backend, 8)
+    recorder = hot_path.IntervalRecorder(16, pool)
+    backend.record = lambda event: 1 / 0  # as a CUDA error in cudaEventRecord would
+    pool.record_event = backend.record
+    recorder.event_pool = pool  # takes the pool's calls again
+    assert recorder.start("forward-compute") is None
+    assert recorder.internal_errors == 1 and recorder.open_intervals == []

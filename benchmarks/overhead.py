@@ -160,7 +160,7 @@ def print_report(report: dict) -> None:
     print(f"\notel-straggler training overhead, ON vs OFF — {report['date']}, {machine['cores']} cores"
           f" ({machine['processor']}), python {machine['python']}, torch {machine['torch']},"
           f" load average {machine['load_before'][0]:.1f} before / {machine['load_after'][0]:.1f} after,"
-          f" niceness {report['niceness']}")
+          f" niceness {report['niceness']}, hot path in {machine.get('hot_path', 'python')}")
     print(f"target: mean < {TARGET_POINT_PCT}% and 95% CI upper bound < {TARGET_CI_HIGH_PCT}%")
     if report["quick"]:
         print("--quick: a smoke run of the machinery; its figures are not a result")
@@ -222,8 +222,11 @@ def detector_idle_cpu_per_s(seconds: float = 3.0) -> float:
 def machine() -> dict:
     import torch
 
+    from otel_straggler.instrumentation import hot_path  # the ranks run in this installation too
+
     return {"cores": os.cpu_count(), "processor": platform.processor() or platform.machine(),
-            "python": platform.python_version(), "torch": torch.__version__, "load_before": os.getloadavg()}
+            "python": platform.python_version(), "torch": torch.__version__, "load_before": os.getloadavg(),
+            "hot_path": hot_path.IMPLEMENTATION}
 
 
 def main(argv=None) -> int:

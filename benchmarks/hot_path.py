@@ -32,6 +32,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 import otel_straggler as ots
+from otel_straggler.instrumentation import hot_path
 from otel_straggler.processors.cuda_event_span_processor import CudaEventSpanProcessor
 from otel_straggler.processors.device_events import FakeDeviceEvents
 
@@ -192,7 +193,7 @@ def main(argv=None) -> int:
     reference = statistics.median(drained["plain OTel SDK span (reference)"])
 
     print(f"hot path, ns per interval (start+stop), median of {args.rounds} rounds x {args.intervals} intervals"
-          f" drained every {args.drain_every}, python {sys.version.split()[0]}")
+          f" drained every {args.drain_every}, python {sys.version.split()[0]}, hot path in {hot_path.IMPLEMENTATION}")
     print(f"{'arm':34} {'median ns':>10} {'min ns':>10} {'max ns':>10} {'x cheaper than SDK span':>24}"
           f" {'background ns':>14} {'undrained ns':>13}")
     results = {}
@@ -214,7 +215,7 @@ def main(argv=None) -> int:
           f" lost {burst_result['lost']}")
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"arms": results, "burst": burst_result}, out, indent=2)
+            json.dump({"hot_path": hot_path.IMPLEMENTATION, "arms": results, "burst": burst_result}, out, indent=2)
     return 0
 
 

@@ -33,7 +33,9 @@ def test_the_python_reference_passes_the_instrumentation_tests():
     result = subprocess.run(
         [sys.executable, "-c", WITHOUT_THE_EXTENSION, "-q", "-p", "no:cacheprovider", "-m", "not services and not slow",
          "--ignore", str(Path(__file__).relative_to(REPO)), "tests/instrumentation"],
-        cwd=REPO, capture_output=True, text=True, timeout=600)
+        # without CI=true: the tests that need the extension there skip, as where it is not built
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+        env={name: value for name, value in os.environ.items() if name != "CI"})
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "hot path: python" in result.stdout
     assert " passed" in result.stdout and " failed" not in result.stdout

@@ -30,6 +30,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 import otel_straggler as ots
 from otel_straggler import contract
+from otel_straggler.instrumentation import hot_path as hot_path_choice
 from otel_straggler.processors.cuda_event_span_processor import CudaEventSpanProcessor
 from otel_straggler.processors.device_events import TorchCudaEvents
 
@@ -211,7 +212,7 @@ def main(argv=None) -> int:
         return 2
     gpu = torch.cuda.get_device_name(0)
     started = time.time()
-    report = {"gpu": gpu, "torch": torch.__version__}
+    report = {"gpu": gpu, "torch": torch.__version__, "hot_path_implementation": hot_path_choice.IMPLEMENTATION}
     report["hot_path"] = hot_path(args.intervals)
     report["device_duration"] = device_duration_accuracy(4096, 20)
     report["syncs"] = count_syncs(20)
@@ -220,7 +221,8 @@ def main(argv=None) -> int:
     report["wall_s"] = time.time() - started
 
     hot, accuracy, syncs, overhead = report["hot_path"], report["device_duration"], report["syncs"], report["overhead"]
-    print(f"GPU check on {gpu} (torch {torch.__version__}), {report['wall_s']:.0f} s")
+    print(f"GPU check on {gpu} (torch {torch.__version__}, hot path in {hot_path_choice.IMPLEMENTATION}),"
+          f" {report['wall_s']:.0f} s")
     print(f"{'check':44} {'result':>40}")
     print(f"{'hot path, real CUDA events (ns/interval)':44} {hot['cuda_events_ns']:40.0f}")
     print(f"{'plain OTel SDK span (ns), same run':44} {hot['sdk_span_ns']:40.0f}")

@@ -25,6 +25,9 @@
 #include <time.h>
 
 enum { INTERVAL = 0, STEP_BEGIN = 1, STEP_END = 2 };
+/* recorder.MAX_OPEN_INTERVALS: deeper nesting is stages never exited; beyond it an interval is
+   timed and recorded but not kept as a parent, so the open list stays bounded */
+#define MAX_OPEN_INTERVALS 256
 enum { NAME, COLLECTIVE, ENCLOSING, START_STEP, START_NS, START_EVENT, OPEN_INTERVAL_SIZE };
 
 static PyObject *str_record, *str_release, *str_stretch;
@@ -42,7 +45,7 @@ typedef struct {
     PyObject *open_intervals;   /* list, innermost last */
     PyObject *binding;          /* (step, tokens, samples), replaced whole */
     PyObject *on_first_step;
-    Py_ssize_t dropped_queue_full, dropped_step_records, internal_errors;
+    Py_ssize_t dropped_queue_full, dropped_step_records, internal_errors, untracked_open_intervals;
 } Recorder;
 
 /* The recorder stage() and step() use: set by install(), None while the instrumentation is off. */
@@ -134,7 +137,12 @@ static PyObject *recorder_start_interval(Recorder *self, PyObject *name, PyObjec
     start_event = is_set(self->event_pool) ? record_event(self) : Py_NewRef(Py_None);
     if (start_event == NULL) goto failed;
     interval = PyTuple_Pack(OPEN_INTERVAL_SIZE, name, collective, enclosing, start_step, start_ns, start_event);
-    if (interval == NULL || PyList_Append(opened, interval) < 0) goto failed;
+    if (interval == NULL) goto failed;
+    if (PyList_GET_SIZE(opened) >= MAX_OPEN_INTERVALS) {
+        self->untracked_open_intervals++;
+    } else if (PyList_Append(opened, interval) < 0) {
+        goto failed;
+    }
     Py_DECREF(enclosing);
     Py_DECREF(start_step);
     Py_DECREF(start_ns);
@@ -292,6 +300,7 @@ static int Recorder_init(Recorder *self, PyObject *args, PyObject *kwds) {
     Py_XSETREF(self->on_first_step, Py_NewRef(Py_None));
     self->capacity = capacity;
     self->dropped_queue_full = self->dropped_step_records = self->internal_errors = 0;
+    self->untracked_open_intervals = 0;
     return 0;
 }
 
@@ -395,6 +404,7 @@ static PyMemberDef Recorder_members[] = {
     {"dropped_queue_full", T_PYSSIZET, offsetof(Recorder, dropped_queue_full), 0},
     {"dropped_step_records", T_PYSSIZET, offsetof(Recorder, dropped_step_records), 0},
     {"internal_errors", T_PYSSIZET, offsetof(Recorder, internal_errors), 0},
+    {"untracked_open_intervals", T_PYSSIZET, offsetof(Recorder, untracked_open_intervals), 0},
     {NULL},
 };
 
@@ -649,7 +659,8 @@ PyMODINIT_FUNC PyInit__hot_path(void) {
     if (PyType_Ready(&RecorderType) < 0 || PyType_Ready(&StageType) < 0 || PyType_Ready(&StepType) < 0) return NULL;
     PyObject *module = PyModule_Create(&hot_path_module);
     if (module == NULL) return NULL;
-    if (PyModule_AddObjectRef(module, "IntervalRecorder", (PyObject *)&RecorderType) < 0 ||
+    if (PyModule_AddIntConstant(module, "MAX_OPEN_INTERVALS", MAX_OPEN_INTERVALS) < 0 ||
+        PyModule_AddObjectRef(module, "IntervalRecorder", (PyObject *)&RecorderType) < 0 ||
         PyModule_AddObjectRef(module, "Stage", (PyObject *)&StageType) < 0 ||
         PyModule_AddObjectRef(module, "Step", (PyObject *)&StepType) < 0) {
         Py_DECREF(module);

@@ -259,6 +259,9 @@ class RankPipeline:
             "spans_built": built["spans_built"],
             "steps_built": built["steps_built"],
             "parent_ids_forgotten": built["parent_ids_forgotten"],  # spans kept, a parent link may dangle
+            # intervals nested deeper than recorder.MAX_OPEN_INTERVALS (stages never exited):
+            # spans kept, each one's children point at an enclosing interval instead
+            "open_intervals_untracked": recorder.untracked_open_intervals,
             "device_timed": device.get("device_timed", 0),
             "exported": self.exporter.exported if self.exporter else None,
             "pending_build": pending,

@@ -22,6 +22,10 @@ from typing import Any, Callable, Optional
 from otel_straggler.processors.device_events import EventPool
 
 INTERVAL, STEP_BEGIN, STEP_END = 0, 1, 2
+# Deeper nesting than this is stages entered and never exited: an interval opened beyond it is
+# timed and recorded but not kept as a parent, so the open list (and the chain of enclosing
+# intervals it holds) stays bounded; counted in untracked_open_intervals.
+MAX_OPEN_INTERVALS = 256
 _time_ns = time.time_ns
 
 # an open interval: (name, collective, enclosing open interval or None, start step, start_ns, start_event)
@@ -48,7 +52,7 @@ class SlowdownInjection:
 class IntervalRecorder:
     # slots: the hot path reads several attributes per call, and slot reads are the cheapest
     __slots__ = ("completed", "capacity", "event_pool", "injection", "open_intervals", "binding", "on_first_step",
-                 "dropped_queue_full", "dropped_step_records", "internal_errors")
+                 "dropped_queue_full", "dropped_step_records", "internal_errors", "untracked_open_intervals")
 
     def __init__(
         self,
@@ -66,6 +70,7 @@ class IntervalRecorder:
         self.dropped_queue_full = 0  # intervals
         self.dropped_step_records = 0  # step begin/end marks: their train.step spans are lost
         self.internal_errors = 0
+        self.untracked_open_intervals = 0
 
     def start(self, name: str, collective: Optional[bool] = None) -> Optional[OpenInterval]:
         try:
@@ -74,7 +79,10 @@ class IntervalRecorder:
             # clock first, then the event: the event sits as close as it can to the stage's kernels
             interval = (name, collective, opened[-1] if opened else None, self.binding[0], _time_ns(),
                         None if pool is None else pool.record())
-            opened.append(interval)
+            if len(opened) < MAX_OPEN_INTERVALS:
+                opened.append(interval)
+            else:
+                self.untracked_open_intervals += 1
             return interval
         except Exception:
             self.internal_errors += 1

@@ -105,6 +105,7 @@ C_ALLOWED_CALLS = {
     "PyArg_ParseTupleAndKeywords", "Py_INCREF", "Py_DECREF", "Py_XDECREF", "Py_NewRef", "Py_SETREF", "Py_XSETREF",
     "Py_CLEAR", "Py_VISIT", "Py_TYPE", "Py_RETURN_NONE", "Py_RETURN_FALSE", "PyVarObject_HEAD_INIT",
     "PyImport_ImportModule", "PyType_Ready", "PyModule_Create", "PyModule_AddObjectRef", "PyMODINIT_FUNC",
+    "PyModule_AddIntConstant",
     "tp_alloc", "tp_free",  # the type's own allocator, through its slots
 }
 C_KEYWORDS = {"if", "for", "while", "return", "switch", "sizeof", "defined", "void"}  # void: a cast

@@ -238,3 +238,19 @@ def test_a_failing_device_backend_behind_an_event_pool_is_counted(hot_path):
     recorder.event_pool = pool  # takes the pool's calls again
     assert recorder.start("forward-compute") is None
     assert recorder.internal_errors == 1 and recorder.open_intervals == []
+
+
+def test_nesting_beyond_the_bound_is_timed_but_not_kept_as_a_parent(hot_path):
+    assert hot_path.MAX_OPEN_INTERVALS == python_hot_path.MAX_OPEN_INTERVALS
+    bound = hot_path.MAX_OPEN_INTERVALS
+    recorder = hot_path.IntervalRecorder(16)
+    hot_path.install(recorder)
+    never_exited = [hot_path.Stage(f"leaked-{n}").__enter__() for n in range(bound + 10)]
+    assert len(recorder.open_intervals) == bound and recorder.untracked_open_intervals == 10
+    deepest_tracked = recorder.open_intervals[-1]
+    with hot_path.Stage("inner"):
+        pass
+    (record,) = recorder.completed
+    assert record[1][0] == "inner" and record[1][2] is deepest_tracked  # its parent: the deepest kept
+    never_exited[-1].__exit__(None, None, None)  # an untracked one ending is recorded like any other
+    assert len(recorder.completed) == 2 and recorder.internal_errors == 0

@@ -210,3 +210,14 @@ def test_parents_that_never_end_are_remembered_up_to_a_bound(in_memory, monkeypa
     assert child_of(5) == first[5] and child_of(2) == first[2]  # remembered: the same parent
     assert child_of(0) != first[0]  # forgotten: a new id, and one more forgotten to make room
     assert handle.status()["parent_ids_forgotten"] == 3
+
+
+def test_stages_never_exited_stay_bounded_and_are_counted(in_memory):
+    from otel_straggler.instrumentation.recorder import MAX_OPEN_INTERVALS
+
+    handle = in_memory.configure(build_interval_ms=60_000)
+    otel_straggler.step(0)
+    for index in range(MAX_OPEN_INTERVALS + 4):
+        otel_straggler.stage(f"never-exited-{index}").__enter__()
+    assert len(handle.recorder.open_intervals) == MAX_OPEN_INTERVALS
+    assert handle.status()["open_intervals_untracked"] == 4

@@ -7,13 +7,18 @@ recorder's code and data hot in the caches. In training, each call comes after m
 matmuls that evicted them. This benchmark runs the overhead benchmark's loop workload (the demo's
 MLP, hidden 1024, batch 256, one thread, four stages and a step() a step) and times each of the
 nine calls of a step with perf_counter_ns (step(); each stage's construction with its __enter__;
-its __exit__), in four arms: `off` (library not configured: the calls are no-ops), `on` (fake
-device events), `on-host` (device timing off) and `on-python` (as `on`, with the Python reference
-hot path instead of the C extension), all exporting over OTLP/gRPC to a live detector in this
-process, as the overhead benchmark's ON arm does. Each arm runs in a fresh process, arms alternating
-over rounds. Per arm: the median over steps of the nine calls' time, in the loop and in a tight
-loop of the same nine calls after it (the reference). The timer's own cost is in every arm alike,
-so the figure to read is an arm's minus `off`'s.
+its __exit__), in five arms: `off` (library not configured: the calls are no-ops), `on` (fake
+device events), `on-host` (device timing off), `on-python` (as `on`, with the Python reference
+hot path instead of the C extension) and `on-deferred` (as `on`, with a 60 s build interval: the
+library's threads do no work during the measured steps, the records wait in the queue for the
+flush after them), all exporting over OTLP/gRPC to a live detector in this process, as the
+overhead benchmark's ON arm does. Each arm runs in a fresh process, arms alternating over rounds.
+Per arm: the median over steps of the nine calls' time, in the loop and in a tight loop of the
+same nine calls after it (the reference); the timer's own cost is in every arm alike, so the
+figure to read is an arm's minus `off`'s. Also per arm: the training thread's waiting, the mean
+over steps of a step's wall time minus the thread's own CPU time (for the GIL or a core), which
+`on-deferred` against `on` splits into what the library's threads working costs and what their
+mere presence does.
 """
 from __future__ import annotations
 
@@ -28,14 +33,20 @@ import tempfile
 import time
 from pathlib import Path
 
-ARMS = ("off", "on", "on-host", "on-python")
-DEVICE_TIMING = {"on": "fake", "on-host": "off", "on-python": "fake"}
+ARMS = ("off", "on", "on-host", "on-python", "on-deferred")
+DEVICE_TIMING = {"on": "fake", "on-host": "off", "on-python": "fake", "on-deferred": "fake"}
+# on-deferred: a build interval longer than an arm, so nothing is built before the flush; its
+# records hold their device events and the flush hands the export queue all of an arm's ~3,000
+# spans at once: room for both, so it loses nothing
+DEFERRED = {"build_interval_ms": 60_000.0, "event_pool_size": 16_384}
+DEFERRED_EXPORT_QUEUE = "8192"
 STAGES = ("batch-generator", "forward-compute", "backward-compute", "optimizer")
 TIGHT_LOOP_STEPS = 300  # its 1,500 spans fit the batch processor's queue (2,048): nothing dropped
 
 
-def timed_steps(steps: int, warmup: int, hidden: int, batch_size: int) -> tuple[list[int], list[int]]:
-    """ns spent in the nine calls of each measured step: in training, then in a tight loop."""
+def timed_steps(steps: int, warmup: int, hidden: int, batch_size: int) -> tuple[list[int], list[int], list[int]]:
+    """ns spent in the nine calls of each measured step, in training and then in a tight loop,
+    and ns the training thread waited in each measured training step."""
     import torch
     import torch.nn.functional as F
 
@@ -52,7 +63,8 @@ def timed_steps(steps: int, warmup: int, hidden: int, batch_size: int) -> tuple[
 
     def step(n: int, train: bool) -> int:
         spent = 0
-        began = clock()
+        step_began, cpu_began = clock(), time.thread_time_ns()
+        began = step_began
         ots.step(n, samples=batch_size)
         spent += clock() - began
         value = None
@@ -66,11 +78,14 @@ def timed_steps(steps: int, warmup: int, hidden: int, batch_size: int) -> tuple[
             began = clock()
             timer.__exit__(None, None, None)
             spent += clock() - began
+        waited.append((clock() - step_began) - (time.thread_time_ns() - cpu_began))
         return spent
 
+    waited: list[int] = []
     in_training = [step(n, True) for n in range(warmup + steps)][warmup:]
+    waiting = waited[warmup:]
     tight = [step(n, False) for n in range(warmup + steps, warmup + steps + TIGHT_LOOP_STEPS)]
-    return in_training, tight
+    return in_training, tight, waiting
 
 
 def run_arm(args: argparse.Namespace) -> None:
@@ -87,16 +102,19 @@ def run_arm(args: argparse.Namespace) -> None:
         from demo_training import DEMO_RANK_ENVIRONMENT  # the overhead benchmark's ON arm, as the demo's ranks
 
         os.environ.update({**DEMO_RANK_ENVIRONMENT, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{args.endpoint}"})
+        if args.arm == "on-deferred":
+            os.environ["OTEL_BSP_MAX_QUEUE_SIZE"] = DEFERRED_EXPORT_QUEUE
         handle = ots.configure(job_id=f"in-situ-{args.arm}", rank=0, world_size=1,
-                               device_timing=DEVICE_TIMING[args.arm])
-    in_training, tight = timed_steps(args.steps, args.warmup, args.hidden, args.batch_size)
+                               device_timing=DEVICE_TIMING[args.arm],
+                               **(DEFERRED if args.arm == "on-deferred" else {}))
+    in_training, tight, waiting = timed_steps(args.steps, args.warmup, args.hidden, args.batch_size)
     lost = 0
     if handle is not None:
         handle.flush(30.0)
         lost = sum(handle.status()["lost"].values())
         handle.shutdown(10.0)
     print(json.dumps({"arm": args.arm, "hot_path": hot_path.IMPLEMENTATION, "in_training_ns": in_training,
-                      "tight_loop_ns": tight, "spans_lost": lost}))
+                      "tight_loop_ns": tight, "waiting_ns": waiting, "spans_lost": lost}))
 
 
 def main(argv=None) -> int:
@@ -139,6 +157,8 @@ def main(argv=None) -> int:
 
     results = {arm: {"in_training_us_per_step": median_us(arm, "in_training_ns"),
                      "tight_loop_us_per_step": median_us(arm, "tight_loop_ns"),
+                     "waiting_us_per_step": statistics.mean(ns for record in records[arm] for ns in record["waiting_ns"]) / 1e3,
+                     "waiting_us_per_step_by_round": [statistics.mean(record["waiting_ns"]) / 1e3 for record in records[arm]],
                      "spans_lost": sum(record["spans_lost"] for record in records[arm]),
                      "hot_path": sorted({record["hot_path"] for record in records[arm]})} for arm in ARMS}
     report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "cores": os.cpu_count(),
@@ -146,15 +166,16 @@ def main(argv=None) -> int:
     off = results["off"]
     print(f"\nhot path in situ — {report['date']}, {report['cores']} cores, load average {report['load_average'][0]:.1f};"
           f" {args.rounds} rounds x {args.steps} steps per arm; median per step of step() + 4 x stage() made, entered and exited,"
-          f" timer included")
+          f" timer included; waiting: mean per step of wall minus the training thread's CPU")
     print(f"\n{'arm':20} {'hot path':9} {'in training µs':>15} {'minus off':>10} {'tight loop µs':>14} {'minus off':>10}"
-          f" {'ratio':>6}")
+          f" {'ratio':>6} {'waiting µs':>11}  by round")
     for arm, result in results.items():
         in_training = result["in_training_us_per_step"] - off["in_training_us_per_step"]
         tight = result["tight_loop_us_per_step"] - off["tight_loop_us_per_step"]
         ratio = f"{in_training / tight:6.1f}" if arm != "off" and tight > 0 else f"{'':6}"
         print(f"{arm:20} {'/'.join(result['hot_path']):9} {result['in_training_us_per_step']:15.1f} {in_training:10.1f}"
-              f" {result['tight_loop_us_per_step']:14.1f} {tight:10.1f} {ratio}")
+              f" {result['tight_loop_us_per_step']:14.1f} {tight:10.1f} {ratio} {result['waiting_us_per_step']:11.1f}"
+              f"  {' '.join(f'{us:.1f}' for us in result['waiting_us_per_step_by_round'])}")
     lost = ", ".join(f"{arm} {result['spans_lost']}" for arm, result in results.items() if arm != "off")
     print(f"\nspans lost: {lost}")
     if args.json:

@@ -1,7 +1,7 @@
 """Which hot path this process runs: the C extension _hot_path where it was built, else the
 Python reference in recorder.py. Both have the same IntervalRecorder, Stage, Step, install() and
-use_clock(),
-and the instrumentation tests run against both (tests/instrumentation/test_python_hot_path.py).
+use_clock(), and the instrumentation tests run against both
+(tests/instrumentation/test_recorder.py, test_hot_path_implementations.py).
 """
 from __future__ import annotations
 

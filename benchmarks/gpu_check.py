@@ -1,26 +1,35 @@
-"""The checks that need a real GPU, in one short command (well under 5 minutes on one GPU):
+"""The checks that need a real GPU, in one short command (about 3 minutes on one GPU):
 
-    python benchmarks/gpu_check.py [--pairs 6] [--steps 60]
+    python benchmarks/gpu_check.py [--pairs 20] [--steps 60]
 
 1. hot path with real CUDA events: ns per interval (start+stop, one event recorded at each end)
-   against a plain OTel SDK span, in the same run;
+   against a plain OTel SDK span, in the same run; and what one `torch.cuda.Event.record()`
+   costs by itself, with the current-stream lookup it makes, to say where the time goes;
 2. device durations are right: a matmul of known size timed in isolation (CUDA events around
    it, then a synchronize, outside the library) against the `training.stage.device_duration_ms`
    our spans carry for the same matmul;
 3. no device syncs added: synchronizing CUDA calls counted with torch's sync debug mode plus a
    spy on torch.cuda.synchronize, over the same loop with the library off and on (must be equal);
 4. overhead on a single-GPU training loop: ON/OFF pairs in alternating order, the per-pair
-   estimate 100 x (mean ON / mean OFF - 1) of step time, and its 95% bootstrap CI.
-Prints a table and writes gpu_check.json into $OUT (or the working directory).
+   estimate 100 x (mean ON / mean OFF - 1) of step time, and its 95% bootstrap CI. ON is the
+   full path: stages with real CUDA events, span building, batching and OTLP/gRPC export to a
+   live detector (`otel-straggler detect`, started here as its own process, as in a real job).
+Each check runs on its own: one that fails is reported as failed (exit code 1) and the others
+still run. Prints a table and writes gpu_check.json into $OUT (or the working directory).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
+import select
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+import traceback
 import warnings
 
 import torch
@@ -76,6 +85,29 @@ def hot_path(intervals: int) -> dict:
     sdk_ns = (time.perf_counter_ns() - start) / intervals
     return {"cuda_events_ns": cuda_ns, "sdk_span_ns": sdk_ns, "ratio": sdk_ns / cuda_ns,
             "pool_exhausted": status["lost"]["pool_exhausted"]}
+
+
+def record_cost(calls: int) -> dict:
+    """What the backend's record() is made of: `torch.cuda.Event.record()` looks up the current
+    stream (a Python-level Stream object) on each call, then enqueues the event on it."""
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(1000)]
+    stream = torch.cuda.current_stream()
+
+    def per_call_ns(call) -> float:
+        for event in events:
+            call(event)
+        torch.cuda.synchronize()  # outside the timed loop: nothing queued from the warm-up
+        start = time.perf_counter_ns()
+        for i in range(calls):
+            call(events[i % 1000])
+        elapsed = time.perf_counter_ns() - start
+        torch.cuda.synchronize()
+        return elapsed / calls
+
+    return {"event_record_ns": per_call_ns(lambda event: event.record()),
+            "event_record_given_stream_ns": per_call_ns(lambda event: event.record(stream)),
+            "current_stream_ns": per_call_ns(lambda event: torch.cuda.current_stream()),
+            "calls": calls}
 
 
 def device_duration_accuracy(size: int, repeats: int) -> dict:
@@ -139,7 +171,9 @@ class SyncCounter:
 
 def make_training(seed: int = 0):
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(*[layer for _ in range(8) for layer in (torch.nn.Linear(4096, 4096), torch.nn.GELU())]).cuda()
+    # made on the GPU: a CPU init of these 134M parameters would take longer than the arm
+    model = torch.nn.Sequential(*[layer for _ in range(8)
+                                  for layer in (torch.nn.Linear(4096, 4096, device="cuda"), torch.nn.GELU())])
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
     inputs = torch.randn(2048, 4096, device="cuda")
 
@@ -173,9 +207,44 @@ def count_syncs(steps: int) -> dict:
     return results
 
 
-def timed_arm(on: bool, steps: int, warmup: int) -> float:
-    """Mean step time (s) of one arm: warm-up steps discarded, one sync per measured block."""
-    handle = configure_in_memory()[0] if on else None
+class Detector:
+    """`otel-straggler detect` as its own process on free loopback ports, as a job would run it."""
+
+    def __init__(self, evidence_dir: str) -> None:
+        self.evidence_dir = evidence_dir
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "otel_straggler.cli", "detect", "--grpc-port", "0", "--http-port", "0",
+             "--evidence-dir", evidence_dir, "--export-metrics", "false"],
+            # cwd: not the checkout, whose otel_straggler/ folder would shadow the installed package
+            cwd=evidence_dir, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        ready, _, _ = select.select([self.process.stdout], [], [], 60)
+        line = self.process.stdout.readline() if ready else ""
+        found = re.search(r"OTLP/gRPC ([0-9.]+:[0-9]+)", line)
+        if not found:
+            self.stop()
+            raise RuntimeError(f"the detector did not start: {line!r}")
+        self.endpoint = found.group(1)
+
+    def spans(self) -> dict:
+        with open(os.path.join(self.evidence_dir, "status.json")) as status:
+            return json.load(status)["spans"]
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(30)
+
+
+# the rank's settings in a real job, as the demo sets its ranks up (and benchmarks/overhead.py)
+RANK_ENVIRONMENT = {"OTEL_BSP_SCHEDULE_DELAY": "500", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
+
+
+def timed_arm(endpoint: str | None, index: int, steps: int, warmup: int) -> tuple[float, dict]:
+    """Mean step time (s) of one arm (ON when an endpoint is given): warm-up steps discarded,
+    one sync per measured block; and the ON arm's lost spans by reason."""
+    handle = None
+    if endpoint is not None:
+        handle = ots.configure(job_id=f"gpu-check-arm{index}", rank=0, world_size=1, endpoint=f"http://{endpoint}",
+                               protocol="grpc", device_timing="cuda", export_metrics=False)
     try:
         train_step = make_training()
         for n in range(warmup):
@@ -185,7 +254,12 @@ def timed_arm(on: bool, steps: int, warmup: int) -> float:
         for n in range(warmup, warmup + steps):
             train_step(n)
         torch.cuda.synchronize()
-        return (time.perf_counter() - start) / steps
+        elapsed = (time.perf_counter() - start) / steps
+        lost = {}
+        if handle is not None:
+            handle.flush(60)
+            lost = {reason: count for reason, count in handle.status()["lost"].items() if count}
+        return elapsed, lost
     finally:
         if handle is not None:
             handle.shutdown(30)
@@ -193,15 +267,83 @@ def timed_arm(on: bool, steps: int, warmup: int) -> float:
 
 def paired_overhead(protocol: Protocol) -> dict:
     """The same paired design and estimator as benchmarks/overhead.py, on one GPU."""
-    arm_means = [timed_arm(arm == ON, protocol.steps_per_arm, warmup)
-                 for arm, warmup in zip(protocol.schedule(), protocol.warmups())]
-    return {"protocol": protocol.describe(), **summarize(protocol, arm_means)}
+    os.environ.update(RANK_ENVIRONMENT)
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as evidence_dir:
+        detector = Detector(evidence_dir)
+        try:
+            arm_means, lost = [], {}
+            for index, (arm, warmup) in enumerate(zip(protocol.schedule(), protocol.warmups())):
+                mean, arm_lost = timed_arm(detector.endpoint if arm == ON else None, index,
+                                           protocol.steps_per_arm, warmup)
+                arm_means.append(mean)
+                for reason, count in arm_lost.items():
+                    lost[reason] = lost.get(reason, 0) + count
+            time.sleep(2.5)  # status.json is refreshed once a second
+            intake = detector.spans()
+        finally:
+            detector.stop()
+    return {"protocol": protocol.describe(), "step_ms_off": 1e3 * statistics.mean(
+                mean for arm, mean in zip(protocol.schedule(), arm_means) if arm != ON),
+            "step_ms_on": 1e3 * statistics.mean(mean for arm, mean in zip(protocol.schedule(), arm_means) if arm == ON),
+            "spans_lost": lost, "detector_spans": intake, **summarize(protocol, arm_means)}
+
+
+def run_check(report: dict, name: str, check, *args) -> None:
+    """One check on its own: a failure is reported with its traceback, and the others still run."""
+    started = time.time()
+    try:
+        report[name] = check(*args)
+    except Exception as error:  # noqa: BLE001 - a failed check is a result to print, not a reason to stop
+        traceback.print_exc()
+        report[name] = {"error": f"{type(error).__name__}: {error}"}
+    report[name]["wall_s"] = time.time() - started
+    print(f"{name}: done in {report[name]['wall_s']:.0f} s{' (FAILED)' if 'error' in report[name] else ''}", flush=True)
+
+
+def print_report(report: dict) -> None:
+    print(f"GPU check on {report['gpu']} (torch {report['torch']}, hot path in {report['hot_path_implementation']}),"
+          f" {report['wall_s']:.0f} s")
+    rows = []
+    hot, record, accuracy, syncs, overhead = (report[name] for name in ("hot_path", "record_cost", "device_duration",
+                                                                         "syncs", "overhead"))
+    if "error" not in hot:
+        rows += [("hot path, real CUDA events (ns/interval)", f"{hot['cuda_events_ns']:.0f}"),
+                 ("plain OTel SDK span (ns), same run", f"{hot['sdk_span_ns']:.0f}"),
+                 ("SDK span / ours", f"{hot['ratio']:.1f}")]
+    if "error" not in record:
+        rows += [("torch.cuda.Event.record() (ns/call)", f"{record['event_record_ns']:.0f}"),
+                 ("  of which torch.cuda.current_stream() (ns)", f"{record['current_stream_ns']:.0f}"),
+                 ("  Event.record(stream), stream given (ns)", f"{record['event_record_given_stream_ns']:.0f}")]
+    if "error" not in accuracy:
+        rows += [(f"matmul {accuracy['matmul']} isolated (ms)", f"{accuracy['isolated_ms']:.3f}"),
+                 ("same matmul, span device_duration_ms", f"{accuracy['span_ms']:.3f}"),
+                 ("device duration error (%)", f"{accuracy['error_pct']:.2f}")]
+    if "error" not in syncs:
+        rows.append(("synchronizing calls, library off / on", f"{syncs['off']} / {syncs['on']}"))
+    if "error" not in overhead:
+        low, high = overhead["ci95_pct"]
+        rows += [("step time OFF / ON (ms)", f"{overhead['step_ms_off']:.3f} / {overhead['step_ms_on']:.3f}"),
+                 ("overhead ON vs OFF, mean of pairs (%)", f"{overhead['mean_pct']:.3f}"),
+                 ("overhead 95% bootstrap CI (%)", f"[{low:.3f}, {high:.3f}]"),
+                 ("verdict", overhead["verdict"]),
+                 ("spans lost (ON arms)", str(sum(overhead["spans_lost"].values()))),
+                 ("spans accepted by the detector", str(overhead["detector_spans"].get("accepted")))]
+    rows += [(f"{name}: FAILED", report[name]["error"][:60]) for name in CHECKS if "error" in report[name]]
+    print(f"{'check':46} {'result':>40}")
+    for label, value in rows:
+        print(f"{label:46} {value:>40}")
+    if "error" not in overhead:
+        print(f"protocol: {overhead['protocol']}")
+
+
+CHECKS = ("hot_path", "record_cost", "device_duration", "syncs", "overhead")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--intervals", type=int, default=50_000)
-    parser.add_argument("--pairs", type=int, default=6)
+    # the overhead protocol, fixed before the first run on a GPU
+    parser.add_argument("--pairs", type=int, default=20)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--warmup-extra", type=int, default=10,
@@ -210,36 +352,22 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device visible; nothing to check", file=sys.stderr)
         return 2
-    gpu = torch.cuda.get_device_name(0)
     started = time.time()
-    report = {"gpu": gpu, "torch": torch.__version__, "hot_path_implementation": hot_path_choice.IMPLEMENTATION}
-    report["hot_path"] = hot_path(args.intervals)
-    report["device_duration"] = device_duration_accuracy(4096, 20)
-    report["syncs"] = count_syncs(20)
-    report["overhead"] = paired_overhead(Protocol(pairs=args.pairs, warmup_steps=args.warmup,
-                                                         warmup_extra_steps=args.warmup_extra, steps_per_arm=args.steps))
+    report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "hot_path_implementation": hot_path_choice.IMPLEMENTATION}
+    run_check(report, "hot_path", hot_path, args.intervals)
+    run_check(report, "record_cost", record_cost, args.intervals)
+    run_check(report, "device_duration", device_duration_accuracy, 4096, 20)
+    run_check(report, "syncs", count_syncs, 20)
+    run_check(report, "overhead", paired_overhead, Protocol(pairs=args.pairs, warmup_steps=args.warmup,
+                                                              warmup_extra_steps=args.warmup_extra,
+                                                              steps_per_arm=args.steps))
     report["wall_s"] = time.time() - started
-
-    hot, accuracy, syncs, overhead = report["hot_path"], report["device_duration"], report["syncs"], report["overhead"]
-    print(f"GPU check on {gpu} (torch {torch.__version__}, hot path in {hot_path_choice.IMPLEMENTATION}),"
-          f" {report['wall_s']:.0f} s")
-    print(f"{'check':44} {'result':>40}")
-    print(f"{'hot path, real CUDA events (ns/interval)':44} {hot['cuda_events_ns']:40.0f}")
-    print(f"{'plain OTel SDK span (ns), same run':44} {hot['sdk_span_ns']:40.0f}")
-    print(f"{'SDK span / ours':44} {hot['ratio']:40.1f}")
-    print(f"{'matmul ' + accuracy['matmul'] + ' isolated (ms)':44} {accuracy['isolated_ms']:40.3f}")
-    print(f"{'same matmul, span device_duration_ms':44} {accuracy['span_ms']:40.3f}")
-    print(f"{'device duration error (%)':44} {accuracy['error_pct']:40.2f}")
-    print(f"{'synchronizing calls, library off / on':44} {str(syncs['off']) + ' / ' + str(syncs['on']):>40}")
-    print(f"{'overhead ON vs OFF, mean of pairs (%)':44} {overhead['mean_pct']:40.3f}")
-    ci = overhead["ci95_pct"]
-    print(f"{'overhead 95% bootstrap CI (%)':44} {f'[{ci[0]:.3f}, {ci[1]:.3f}]':>40}")
-    print(f"{'verdict':44} {overhead['verdict']:>40}")
-    print(f"protocol: {overhead['protocol']}")
+    print_report(report)
     out_dir = os.environ.get("OUT") or "."
     with open(os.path.join(out_dir, "gpu_check.json"), "w") as out:
         json.dump(report, out, indent=2)
-    return 0
+    return 1 if any("error" in report[name] for name in CHECKS) else 0
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ completion under the test's control, so every CUDA path is tested on CPU.
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 from typing import Any, Optional, Protocol
 
@@ -31,7 +32,14 @@ class DeviceEventBackend(Protocol):
 
 
 class TorchCudaEvents:
-    """`torch.cuda.Event(enable_timing=True)` on the current stream."""
+    """Timing CUDA events, recorded on the current stream of the current device.
+
+    Where torch has the device-generic `torch.Event` with `elapsed_time`, its events are used:
+    their `record()` finds the current stream in C, in one call, where `torch.cuda.Event.record()`
+    first builds a Python `Stream` through `torch.cuda.current_stream()` (several Python frames;
+    that lookup was 5.2 of its 7.5 us on an H200 host, benchmarks/gpu_check.py). Both record on
+    the same stream and time the same device work; older torch gets `torch.cuda.Event`.
+    """
 
     name = "cuda"
 
@@ -40,10 +48,17 @@ class TorchCudaEvents:
 
         if not torch.cuda.is_available():
             raise RuntimeError("CUDA is not available")
-        self._event_type = torch.cuda.Event
+        generic = getattr(torch, "Event", None)
+        if generic is not None and hasattr(generic, "elapsed_time"):
+            self.event_api = "torch.Event"
+            self._new_event = functools.partial(generic, "cuda", enable_timing=True)
+            self.record = generic.record  # the C method itself: record(event), no Python frame
+        else:
+            self.event_api = "torch.cuda.Event"
+            self._new_event = functools.partial(torch.cuda.Event, enable_timing=True)
 
     def create_event(self) -> Any:
-        return self._event_type(enable_timing=True)
+        return self._new_event()
 
     def record(self, event: Any) -> None:
         event.record()

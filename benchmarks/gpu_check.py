@@ -3,8 +3,10 @@
     python benchmarks/gpu_check.py [--pairs 20] [--steps 60]
 
 1. hot path with real CUDA events: ns per interval (start+stop, one event recorded at each end)
-   against a plain OTel SDK span, in the same run; and what one `torch.cuda.Event.record()`
-   costs by itself, with the current-stream lookup it makes, to say where the time goes;
+   by benchmarks/hot_path.py's method, against host-only timing and a plain OTel SDK span, in
+   the same run; what one record costs (`torch.cuda.Event.record()`, the current-stream lookup
+   it makes in Python, and `torch.Event.record()`, which the backend uses where torch has it);
+   and that the backend's events land on the current stream (a side stream, not the default);
 2. device durations are right: a matmul of known size timed in isolation (CUDA events around
    it, then a synchronize, outside the library) against the `training.stage.device_duration_ms`
    our spans carry for the same matmul;
@@ -44,6 +46,7 @@ from otel_straggler.processors.cuda_event_span_processor import CudaEventSpanPro
 from otel_straggler.processors.device_events import TorchCudaEvents
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hot_path as hot_path_bench  # noqa: E402
 from paired_protocol import ON, Protocol, summarize  # noqa: E402
 
 
@@ -57,43 +60,38 @@ def configure_in_memory():
     return handle, exporter
 
 
-def hot_path(intervals: int) -> dict:
-    handle, _ = configure_in_memory()
-    try:
-        ots.step(0)  # makes the event pool on the current device
-        stage = ots.stage
-        for _ in range(1000):
-            with stage("forward-compute"):
-                pass
-        handle.flush(30)
-        start = time.perf_counter_ns()
-        for i in range(intervals):
-            if i % 2000 == 0:
-                ots.step(i // 2000 + 1)  # keep the pool from running dry: events come back per step
-            with stage("forward-compute"):
-                pass
-        cuda_ns = (time.perf_counter_ns() - start) / intervals
-        status = handle.status()
-    finally:
-        handle.shutdown(30)
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(InMemorySpanExporter()))
-    tracer = provider.get_tracer("reference")
-    start = time.perf_counter_ns()
-    for _ in range(intervals):
-        tracer.start_span("forward-compute").end()
-    sdk_ns = (time.perf_counter_ns() - start) / intervals
-    return {"cuda_events_ns": cuda_ns, "sdk_span_ns": sdk_ns, "ratio": sdk_ns / cuda_ns,
-            "pool_exhausted": status["lost"]["pool_exhausted"]}
+def hot_path_cost(intervals: int, rounds: int = 3) -> dict:
+    """The training thread's cost of one `with stage():` with real CUDA events, by
+    benchmarks/hot_path.py's method (builder held back while timed, drained between chunks of
+    1,000 intervals), against host-only timing and a plain SDK span, rounds interleaved; medians."""
+    arms = {"cuda_events_ns": hot_path_bench.instrumented_arm(hot_path_bench.stage_loop, device=True,
+                                                              events_factory=TorchCudaEvents),
+            "host_only_ns": hot_path_bench.instrumented_arm(hot_path_bench.stage_loop, device=False),
+            "sdk_span_ns": hot_path_bench.sdk_span_arm}
+    results = {name: [] for name in arms}
+    background = []
+    for _ in range(rounds):
+        for name, arm in arms.items():
+            ns, background_ns = arm(intervals, 1000)
+            results[name].append(ns)
+            if name == "cuda_events_ns":
+                background.append(background_ns)
+    report = {name: statistics.median(values) for name, values in results.items()}
+    report["background_ns_per_span"] = statistics.median(background)
+    report["ratio"] = report["sdk_span_ns"] / report["cuda_events_ns"]
+    report["event_api"] = TorchCudaEvents().event_api
+    return report
 
 
 def record_cost(calls: int) -> dict:
-    """What the backend's record() is made of: `torch.cuda.Event.record()` looks up the current
-    stream (a Python-level Stream object) on each call, then enqueues the event on it."""
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(1000)]
+    """What one record costs: `torch.cuda.Event.record()` looks the current stream up in Python
+    (a `Stream` object made by torch.cuda.current_stream()) and then records; `torch.Event.record()`
+    does both in C. The backend uses the latter where torch has it (processors/device_events.py)."""
+    cuda_events = [torch.cuda.Event(enable_timing=True) for _ in range(1000)]
+    generic_events = [torch.Event("cuda", enable_timing=True) for _ in range(1000)] if hasattr(torch, "Event") else []
     stream = torch.cuda.current_stream()
 
-    def per_call_ns(call) -> float:
+    def per_call_ns(call, events) -> float:
         for event in events:
             call(event)
         torch.cuda.synchronize()  # outside the timed loop: nothing queued from the warm-up
@@ -104,10 +102,36 @@ def record_cost(calls: int) -> dict:
         torch.cuda.synchronize()
         return elapsed / calls
 
-    return {"event_record_ns": per_call_ns(lambda event: event.record()),
-            "event_record_given_stream_ns": per_call_ns(lambda event: event.record(stream)),
-            "current_stream_ns": per_call_ns(lambda event: torch.cuda.current_stream()),
-            "calls": calls}
+    report = {"cuda_event_record_ns": per_call_ns(lambda event: event.record(), cuda_events),
+              "current_stream_ns": per_call_ns(lambda event: torch.cuda.current_stream(), cuda_events),
+              "cuda_event_record_given_stream_ns": per_call_ns(lambda event: event.record(stream), cuda_events),
+              "calls": calls}
+    if generic_events:
+        report["torch_event_record_ns"] = per_call_ns(torch.Event.record, generic_events)
+    return report
+
+
+def records_on_current_stream() -> dict:
+    """The backend's events land on the current stream, not the default one: with a side stream
+    current and about 100 ms of matmuls queued on it, its event stays pending while one recorded
+    on the idle default stream completes; its elapsed time then covers the queued work."""
+    backend = TorchCudaEvents()
+    a = torch.randn(8192, 8192, device="cuda")
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    before, after, on_default = backend.create_event(), backend.create_event(), backend.create_event()
+    with torch.cuda.stream(side):
+        backend.record(before)
+        for _ in range(40):
+            a @ a
+        backend.record(after)
+    backend.record(on_default)
+    on_default.synchronize()
+    pending_on_side = not backend.query(after)
+    torch.cuda.synchronize()
+    queued_ms = backend.elapsed_ms(before, after)
+    return {"event_api": backend.event_api, "side_event_pending_after_default_completed": pending_on_side,
+            "side_event_covers_queued_ms": queued_ms, "passed": pending_on_side and queued_ms > 20}
 
 
 def device_duration_accuracy(size: int, repeats: int) -> dict:
@@ -303,17 +327,22 @@ def run_check(report: dict, name: str, check, *args) -> None:
 def print_report(report: dict) -> None:
     print(f"GPU check on {report['gpu']} (torch {report['torch']}, hot path in {report['hot_path_implementation']}),"
           f" {report['wall_s']:.0f} s")
+    hot, record, stream, accuracy, syncs, overhead = (report[name] for name in CHECKS)
     rows = []
-    hot, record, accuracy, syncs, overhead = (report[name] for name in ("hot_path", "record_cost", "device_duration",
-                                                                         "syncs", "overhead"))
     if "error" not in hot:
-        rows += [("hot path, real CUDA events (ns/interval)", f"{hot['cuda_events_ns']:.0f}"),
+        rows += [(f"stage(), real CUDA events ({hot['event_api']}) ns", f"{hot['cuda_events_ns']:.0f}"),
+                 ("stage(), host-only timing (ns)", f"{hot['host_only_ns']:.0f}"),
                  ("plain OTel SDK span (ns), same run", f"{hot['sdk_span_ns']:.0f}"),
-                 ("SDK span / ours", f"{hot['ratio']:.1f}")]
+                 ("SDK span / ours with CUDA events", f"{hot['ratio']:.1f}"),
+                 ("background per span, off the training thread", f"{hot['background_ns_per_span']:.0f}")]
     if "error" not in record:
-        rows += [("torch.cuda.Event.record() (ns/call)", f"{record['event_record_ns']:.0f}"),
-                 ("  of which torch.cuda.current_stream() (ns)", f"{record['current_stream_ns']:.0f}"),
-                 ("  Event.record(stream), stream given (ns)", f"{record['event_record_given_stream_ns']:.0f}")]
+        rows += [("torch.cuda.Event.record() (ns/call)", f"{record['cuda_event_record_ns']:.0f}"),
+                 ("  torch.cuda.current_stream() alone (ns)", f"{record['current_stream_ns']:.0f}"),
+                 ("  torch.cuda.Event.record(stream) (ns)", f"{record['cuda_event_record_given_stream_ns']:.0f}"),
+                 ("torch.Event.record() (ns/call)", f"{record.get('torch_event_record_ns', float('nan')):.0f}")]
+    if "error" not in stream:
+        rows += [("records on the current (side) stream", "yes" if stream["passed"] else "NO"),
+                 ("  side-stream event spans queued work (ms)", f"{stream['side_event_covers_queued_ms']:.1f}")]
     if "error" not in accuracy:
         rows += [(f"matmul {accuracy['matmul']} isolated (ms)", f"{accuracy['isolated_ms']:.3f}"),
                  ("same matmul, span device_duration_ms", f"{accuracy['span_ms']:.3f}"),
@@ -336,12 +365,12 @@ def print_report(report: dict) -> None:
         print(f"protocol: {overhead['protocol']}")
 
 
-CHECKS = ("hot_path", "record_cost", "device_duration", "syncs", "overhead")
+CHECKS = ("hot_path", "record_cost", "current_stream", "device_duration", "syncs", "overhead")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--intervals", type=int, default=50_000)
+    parser.add_argument("--intervals", type=int, default=20_000, help="per round of the hot-path arms (3 rounds)")
     # the overhead protocol, fixed before the first run on a GPU
     parser.add_argument("--pairs", type=int, default=20)
     parser.add_argument("--steps", type=int, default=60)
@@ -355,8 +384,9 @@ def main(argv=None) -> int:
     started = time.time()
     report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "hot_path_implementation": hot_path_choice.IMPLEMENTATION}
-    run_check(report, "hot_path", hot_path, args.intervals)
+    run_check(report, "hot_path", hot_path_cost, args.intervals)
     run_check(report, "record_cost", record_cost, args.intervals)
+    run_check(report, "current_stream", records_on_current_stream)
     run_check(report, "device_duration", device_duration_accuracy, 4096, 20)
     run_check(report, "syncs", count_syncs, 20)
     run_check(report, "overhead", paired_overhead, Protocol(pairs=args.pairs, warmup_steps=args.warmup,

@@ -85,12 +85,13 @@ def timer_loop(count: int) -> None:
             timer.stop()
 
 
-def configure(device: bool):
+def configure(device: bool, events=None):
+    """`events`: the device-event backend when `device` (default: the CPU fake, auto-completing)."""
     provider = TracerProvider()
     batch = BatchSpanProcessor(NoOpExporter(), max_queue_size=65536)
     processor = None
     if device:
-        processor = CudaEventSpanProcessor(batch, FakeDeviceEvents(auto_complete=True))
+        processor = CudaEventSpanProcessor(batch, events or FakeDeviceEvents(auto_complete=True))
         provider.add_span_processor(processor)
     else:
         provider.add_span_processor(batch)
@@ -100,9 +101,11 @@ def configure(device: bool):
     return handle
 
 
-def instrumented_arm(loop, device: bool):
+def instrumented_arm(loop, device: bool, events_factory=None):
+    """`events_factory`: makes the device-event backend of each run (benchmarks/gpu_check.py
+    passes the real CUDA one); default, the fake."""
     def run(count: int, chunk: int) -> tuple[float, float]:
-        handle = configure(device)
+        handle = configure(device, events_factory() if events_factory else None)
         try:
             ots.step(0)
             loop(1000)  # warm-up, and the event pool is made at the first step

@@ -113,7 +113,7 @@ def record_cost(calls: int) -> dict:
 
 def records_on_current_stream() -> dict:
     """The backend's events land on the current stream, not the default one: with a side stream
-    current and about 100 ms of matmuls queued on it, its event stays pending while one recorded
+    current and about a second of matmuls queued on it, its event stays pending while one recorded
     on the idle default stream completes; its elapsed time then covers the queued work."""
     backend = TorchCudaEvents()
     a = torch.randn(8192, 8192, device="cuda")

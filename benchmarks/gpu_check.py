@@ -1,6 +1,6 @@
 """The checks that need a real GPU, in one short command (about 3 minutes on one GPU):
 
-    python benchmarks/gpu_check.py [--pairs 20] [--steps 60]
+    python benchmarks/gpu_check.py [--pairs 20] [--steps 60] [--checks equivalence,syncs]
 
 1. hot path with real CUDA events: ns per interval (start+stop, one event recorded at each end)
    by benchmarks/hot_path.py's method, against host-only timing and a plain OTel SDK span, in
@@ -12,6 +12,7 @@
    our spans carry for the same matmul;
 3. no device syncs added: synchronizing CUDA calls counted with torch's sync debug mode plus a
    spy on torch.cuda.synchronize, over the same loop with the library off and on (must be equal);
+   and training is unchanged: the loop's losses and final state bit-identical OFF and ON;
 4. overhead on a single-GPU training loop: ON/OFF pairs in alternating order, the per-pair
    estimate 100 x (mean ON / mean OFF - 1) of step time, and its 95% bootstrap CI. ON is the
    full path: stages with real CUDA events, span building, batching and OTLP/gRPC export to a
@@ -47,6 +48,7 @@ from otel_straggler.processors.device_events import TorchCudaEvents
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hot_path as hot_path_bench  # noqa: E402
+from demo_training import state_sha256  # noqa: E402
 from paired_protocol import ON, Protocol, summarize  # noqa: E402
 
 
@@ -204,7 +206,7 @@ def make_training(seed: int = 0):
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
     inputs = torch.randn(2048, 4096, device="cuda")
 
-    def train_step(n: int) -> None:
+    def train_step(n: int) -> torch.Tensor:
         ots.step(n, tokens=inputs.shape[0])
         with ots.stage("forward-compute"):
             loss = model(inputs).pow(2).mean()
@@ -213,8 +215,34 @@ def make_training(seed: int = 0):
             loss.backward()
         with ots.stage("optimizer"):
             optimizer.step()
+        return loss.detach()  # still on the device: reading it here would sync
 
+    train_step.state = lambda: state_sha256(model, optimizer)
     return train_step
+
+
+def training_equivalence(steps: int) -> dict:
+    """ON changes nothing about training on a GPU either: the same seeded loop run OFF, OFF
+    again and ON (real CUDA events), and its loss sequence and final state (sha256 of every
+    tensor) compared bit for bit. The second OFF run says whether this GPU and library are
+    deterministic for the loop at all; if they are not, the ON comparison is inconclusive."""
+    runs = {}
+    for arm in ("off", "off-again", "on"):
+        handle = configure_in_memory()[0] if arm == "on" else None
+        try:
+            train_step = make_training()
+            losses = torch.stack([train_step(n) for n in range(steps)]).cpu()
+            runs[arm] = (losses, train_step.state())
+        finally:
+            if handle is not None:
+                handle.shutdown(30)
+
+    def identical(a: str, b: str) -> bool:
+        return bool(torch.equal(runs[a][0], runs[b][0])) and runs[a][1] == runs[b][1]
+
+    deterministic, same = identical("off", "off-again"), identical("off", "on")
+    return {"steps": steps, "off_runs_identical": deterministic, "on_identical_to_off": same,
+            "passed": same, "final_loss": float(runs["off"][0][-1])}
 
 
 def count_syncs(steps: int) -> dict:
@@ -330,7 +358,8 @@ def run_check(report: dict, name: str, check, *args) -> None:
 def print_report(report: dict) -> None:
     print(f"GPU check on {report['gpu']} (torch {report['torch']}, hot path in {report['hot_path_implementation']}),"
           f" {report['wall_s']:.0f} s")
-    hot, record, stream, accuracy, syncs, overhead = (report[name] for name in CHECKS)
+    hot, record, stream, accuracy, syncs, equivalence, overhead = (report.get(name, {"error": "not run"})
+                                                                    for name in CHECKS)
     rows = []
     if "error" not in hot:
         rows += [(f"stage(), real CUDA events ({hot['event_api']}) ns", f"{hot['cuda_events_ns']:.0f}"),
@@ -352,6 +381,10 @@ def print_report(report: dict) -> None:
                  ("device duration error (%)", f"{accuracy['error_pct']:.2f}")]
     if "error" not in syncs:
         rows.append(("synchronizing calls, library off / on", f"{syncs['off']} / {syncs['on']}"))
+    if "error" not in equivalence:
+        verdict = ("yes" if equivalence["on_identical_to_off"] else "NO") if equivalence["off_runs_identical"] \
+            else "inconclusive (OFF runs differ)"
+        rows.append((f"losses and state ON = OFF, {equivalence['steps']} steps", verdict))
     if "error" not in overhead:
         low, high = overhead["ci95_pct"]
         rows += [("step time OFF / ON (ms)", f"{overhead['step_ms_off']:.3f} / {overhead['step_ms_on']:.3f}"),
@@ -360,7 +393,7 @@ def print_report(report: dict) -> None:
                  ("verdict", overhead["verdict"]),
                  ("spans lost (ON arms)", str(sum(overhead["spans_lost"].values()))),
                  ("spans accepted by the detector", str(overhead["detector_spans"].get("accepted")))]
-    rows += [(f"{name}: FAILED", report[name]["error"][:60]) for name in CHECKS if "error" in report[name]]
+    rows += [(f"{name}: FAILED", report[name]["error"][:60]) for name in CHECKS if "error" in report.get(name, {})]
     print(f"{'check':46} {'result':>40}")
     for label, value in rows:
         print(f"{label:46} {value:>40}")
@@ -368,7 +401,7 @@ def print_report(report: dict) -> None:
         print(f"protocol: {overhead['protocol']}")
 
 
-CHECKS = ("hot_path", "record_cost", "current_stream", "device_duration", "syncs", "overhead")
+CHECKS = ("hot_path", "record_cost", "current_stream", "device_duration", "syncs", "equivalence", "overhead")
 
 
 def main(argv=None) -> int:
@@ -380,27 +413,31 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--warmup-extra", type=int, default=10,
                         help="each pair's warm-up adds a seeded uniform draw of 0..this many steps (paired_protocol.py)")
+    parser.add_argument("--checks", type=lambda text: text.split(","), default=list(CHECKS),
+                        help=f"comma-separated subset of: {','.join(CHECKS)} (default: all)")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.checks) - set(CHECKS))
+    if unknown:
+        parser.error(f"--checks: unknown {', '.join(unknown)}; choose from {', '.join(CHECKS)}")
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device visible; nothing to check", file=sys.stderr)
         return 2
     started = time.time()
     report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "hot_path_implementation": hot_path_choice.IMPLEMENTATION}
-    run_check(report, "hot_path", hot_path_cost, args.intervals)
-    run_check(report, "record_cost", record_cost, args.intervals)
-    run_check(report, "current_stream", records_on_current_stream)
-    run_check(report, "device_duration", device_duration_accuracy, 4096, 20)
-    run_check(report, "syncs", count_syncs, 20)
-    run_check(report, "overhead", paired_overhead, Protocol(pairs=args.pairs, warmup_steps=args.warmup,
-                                                              warmup_extra_steps=args.warmup_extra,
-                                                              steps_per_arm=args.steps))
+    checks = {"hot_path": (hot_path_cost, args.intervals), "record_cost": (record_cost, args.intervals),
+              "current_stream": (records_on_current_stream,), "device_duration": (device_duration_accuracy, 4096, 20),
+              "syncs": (count_syncs, 20), "equivalence": (training_equivalence, 20),
+              "overhead": (paired_overhead, Protocol(pairs=args.pairs, warmup_steps=args.warmup,
+                                                     warmup_extra_steps=args.warmup_extra, steps_per_arm=args.steps))}
+    for name in args.checks:
+        run_check(report, name, *checks[name])
     report["wall_s"] = time.time() - started
     print_report(report)
     out_dir = os.environ.get("OUT") or "."
     with open(os.path.join(out_dir, "gpu_check.json"), "w") as out:
         json.dump(report, out, indent=2)
-    return 1 if any("error" in report[name] for name in CHECKS) else 0
+    return 1 if any("error" in report[name] for name in args.checks) else 0
 
 
 if __name__ == "__main__":

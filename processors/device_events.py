@@ -39,6 +39,10 @@ class TorchCudaEvents:
     first builds a Python `Stream` through `torch.cuda.current_stream()` (several Python frames;
     that lookup was 5.2 of its 7.5 us on an H200 host, benchmarks/gpu_check.py). Both record on
     the same stream and time the same device work; older torch gets `torch.cuda.Event`.
+
+    `torch.Event.elapsed_time` switches to the event's device and back to the calling thread's; on
+    the reader thread, which never chose a device, "back" would be device 0, and setting it opens a
+    CUDA context there. So the reader first adopts the device the pool's events were made on.
     """
 
     name = "cuda"
@@ -48,6 +52,9 @@ class TorchCudaEvents:
 
         if not torch.cuda.is_available():
             raise RuntimeError("CUDA is not available")
+        self._cuda = torch.cuda
+        self._device: Optional[int] = None  # the device current when the pool's events were made
+        self._reader = threading.local()  # per reading thread: the device it has adopted
         generic = getattr(torch, "Event", None)
         if generic is not None and hasattr(generic, "elapsed_time"):
             self.event_api = "torch.Event"
@@ -58,6 +65,7 @@ class TorchCudaEvents:
             self._new_event = functools.partial(torch.cuda.Event, enable_timing=True)
 
     def create_event(self) -> Any:
+        self._device = self._cuda.current_device()  # the pool is made on the training thread
         return self._new_event()
 
     def record(self, event: Any) -> None:
@@ -67,6 +75,9 @@ class TorchCudaEvents:
         return event.query()
 
     def elapsed_ms(self, start: Any, end: Any) -> float:
+        if self._device is not None and getattr(self._reader, "device", None) != self._device:
+            self._cuda.set_device(self._device)
+            self._reader.device = self._device
         return start.elapsed_time(end)
 
 

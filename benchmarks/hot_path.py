@@ -27,6 +27,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Optional
 
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
@@ -91,7 +92,7 @@ def configure(device: bool, events=None):
     batch = BatchSpanProcessor(NoOpExporter(), max_queue_size=65536)
     processor = None
     if device:
-        processor = CudaEventSpanProcessor(batch, events or FakeDeviceEvents(auto_complete=True))
+        processor = CudaEventSpanProcessor(batch, events if events is not None else FakeDeviceEvents(auto_complete=True))
         provider.add_span_processor(processor)
     else:
         provider.add_span_processor(batch)
@@ -101,9 +102,10 @@ def configure(device: bool, events=None):
     return handle
 
 
-def instrumented_arm(loop, device: bool, events_factory=None):
+def instrumented_arm(loop, device: bool, events_factory=None, statuses: Optional[list] = None):
     """`events_factory`: makes the device-event backend of each run (benchmarks/gpu_check.py
-    passes the real CUDA one); default, the fake."""
+    passes the real CUDA one); default, the fake. `statuses`: each run's handle.status() is
+    appended there, for a caller that checks what was timed and lost."""
     def run(count: int, chunk: int) -> tuple[float, float]:
         handle = configure(device, events_factory() if events_factory else None)
         try:
@@ -119,6 +121,8 @@ def instrumented_arm(loop, device: bool, events_factory=None):
                 background_ns += time.perf_counter_ns() - started
 
             per_interval = time_loop(loop, count, chunk, drain)
+            if statuses is not None:
+                statuses.append(handle.status())
             return per_interval, background_ns / count
         finally:
             handle.shutdown(10.0)

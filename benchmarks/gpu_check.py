@@ -382,7 +382,7 @@ def print_report(report: dict) -> None:
                  ("stage(), host-only timing (ns)", f"{hot['host_only_ns']:.0f}"),
                  ("plain OTel SDK span (ns), same run", f"{hot['sdk_span_ns']:.0f}"),
                  ("SDK span / ours with CUDA events", f"{hot['ratio']:.1f}"),
-                 ("background per span, off the training thread", f"{hot['background_ns_per_span']:.0f}"),
+                 ("drain between chunks, wall ns per span", f"{hot['background_ns_per_span']:.0f}"),
                  ("  intervals device-timed / lost", f"{hot['device_timed']} / {sum(hot['lost'].values())}")]
     if "error" not in record:
         rows += [("torch.cuda.Event.record() (ns/call)", f"{record['cuda_event_record_ns']:.0f}"),

@@ -13,11 +13,16 @@ if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip
 fi
-# Skip pip when neither the dependency list, the C extensions (built in place by the editable
-# install) nor the checkout's location changed.
+# Skip pip when neither the dependency list, the C extensions' sources nor the checkout's location
+# changed, and the extensions are built in this checkout (the editable install builds them in
+# place: a fresh clone at the same path has the same stamp but none of them).
 stamp="$venv/.otel-straggler-installed"
 want="$(cat "$repo/pyproject.toml" "$repo/setup.py" "$repo"/otel_straggler/*/*.c | sha256sum | cut -d' ' -f1) $repo"
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+built=yes
+for source in "$repo"/otel_straggler/*/_*.c; do
+  compgen -G "${source%.c}.*.so" > /dev/null || built=no
+done
+if [ "$built" = no ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "installing otel-straggler and its test dependencies into $venv"
   "$venv/bin/python" -m pip install -q -e "$repo[test]"
   echo "$want" > "$stamp"

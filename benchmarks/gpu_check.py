@@ -17,6 +17,8 @@
    estimate 100 x (mean ON / mean OFF - 1) of step time, and its 95% bootstrap CI. ON is the
    full path: stages with real CUDA events, span building, batching and OTLP/gRPC export to a
    live detector (`otel-straggler detect`, started here as its own process, as in a real job).
+   Two loops: a GPU-bound one (`overhead`, about 30 ms steps on an H200) and a launch-bound one
+   (`overhead_small`, 96 small layers: the host's kernel launches are the bottleneck, the worst case).
 Each check runs on its own: one that breaks is reported as failed and the others still run; the
 exit code is 1 when a check broke or answered no (events off the current stream, added syncs,
 training changed). Prints a table and writes gpu_check.json into $OUT (or the working directory).
@@ -207,13 +209,21 @@ class SyncCounter:
         self.count += sum("synchroniz" in str(warning.message) for warning in self._caught)
 
 
-def make_training(seed: int = 0):
+# The loops the overhead is measured on: (layers, width, batch). "large" keeps the GPU busy (the
+# host runs ahead and its share is hidden); "small" is many small layers, launch-bound, the host
+# the bottleneck (hundreds of kernel launches a step), so every microsecond the hot path adds on
+# the training thread shows: the worst case for a GPU job.
+LOOPS = {"large": (8, 4096, 2048), "small": (96, 512, 64)}
+
+
+def make_training(seed: int = 0, loop: str = "large"):
     torch.manual_seed(seed)
+    layers, width, batch = LOOPS[loop]
     # made on the GPU: a CPU init of these 134M parameters would take longer than the arm
-    model = torch.nn.Sequential(*[layer for _ in range(8)
-                                  for layer in (torch.nn.Linear(4096, 4096, device="cuda"), torch.nn.GELU())])
+    model = torch.nn.Sequential(*[layer for _ in range(layers)
+                                  for layer in (torch.nn.Linear(width, width, device="cuda"), torch.nn.GELU())])
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-    inputs = torch.randn(2048, 4096, device="cuda")
+    inputs = torch.randn(batch, width, device="cuda")
 
     def train_step(n: int) -> torch.Tensor:
         ots.step(n, tokens=inputs.shape[0])
@@ -309,7 +319,7 @@ class Detector:
 RANK_ENVIRONMENT = {"OTEL_BSP_SCHEDULE_DELAY": "500", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
 
 
-def timed_arm(endpoint: str | None, index: int, steps: int, warmup: int) -> tuple[float, dict]:
+def timed_arm(endpoint: str | None, index: int, steps: int, warmup: int, loop: str) -> tuple[float, dict]:
     """Mean step time (s) of one arm (ON when an endpoint is given): warm-up steps discarded,
     one sync per measured block; and the ON arm's lost spans by reason."""
     handle = None
@@ -317,7 +327,7 @@ def timed_arm(endpoint: str | None, index: int, steps: int, warmup: int) -> tupl
         handle = ots.configure(job_id=f"gpu-check-arm{index}", rank=0, world_size=1, endpoint=f"http://{endpoint}",
                                protocol="grpc", device_timing="cuda", export_metrics=False)
     try:
-        train_step = make_training()
+        train_step = make_training(loop=loop)
         for n in range(warmup):
             train_step(n)
         torch.cuda.synchronize()
@@ -336,7 +346,7 @@ def timed_arm(endpoint: str | None, index: int, steps: int, warmup: int) -> tupl
             handle.shutdown(30)
 
 
-def paired_overhead(protocol: Protocol) -> dict:
+def paired_overhead(protocol: Protocol, loop: str = "large") -> dict:
     """The same paired design and estimator as benchmarks/overhead.py, on one GPU."""
     os.environ.update(RANK_ENVIRONMENT)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as evidence_dir:
@@ -345,7 +355,7 @@ def paired_overhead(protocol: Protocol) -> dict:
             arm_means, lost = [], {}
             for index, (arm, warmup) in enumerate(zip(protocol.schedule(), protocol.warmups())):
                 mean, arm_lost = timed_arm(detector.endpoint if arm == ON else None, index,
-                                           protocol.steps_per_arm, warmup)
+                                           protocol.steps_per_arm, warmup, loop)
                 arm_means.append(mean)
                 for reason, count in arm_lost.items():
                     lost[reason] = lost.get(reason, 0) + count
@@ -353,7 +363,7 @@ def paired_overhead(protocol: Protocol) -> dict:
             intake = detector.spans()
         finally:
             detector.stop()
-    return {"protocol": protocol.describe(), "step_ms_off": 1e3 * statistics.mean(
+    return {"loop": loop, "protocol": protocol.describe(), "step_ms_off": 1e3 * statistics.mean(
                 mean for arm, mean in zip(protocol.schedule(), arm_means) if arm != ON),
             "step_ms_on": 1e3 * statistics.mean(mean for arm, mean in zip(protocol.schedule(), arm_means) if arm == ON),
             "spans_lost": lost, "detector_spans": intake, **summarize(protocol, arm_means)}
@@ -374,8 +384,8 @@ def run_check(report: dict, name: str, check, *args) -> None:
 def print_report(report: dict) -> None:
     print(f"GPU check on {report['gpu']} (torch {report['torch']}, hot path in {report['hot_path_implementation']}),"
           f" {report['wall_s']:.0f} s")
-    hot, record, stream, accuracy, syncs, equivalence, overhead = (report.get(name, {"error": "not run"})
-                                                                    for name in CHECKS)
+    hot, record, stream, accuracy, syncs, equivalence, overhead, overhead_small = (
+        report.get(name, {"error": "not run"}) for name in CHECKS)
     rows = []
     if "error" not in hot:
         rows += [(f"stage(), real CUDA events ({hot['event_api']}) ns", f"{hot['cuda_events_ns']:.0f}"),
@@ -404,23 +414,28 @@ def print_report(report: dict) -> None:
         verdict = ("yes" if equivalence["on_identical_to_off"] else "NO") if equivalence["off_runs_identical"] \
             else "inconclusive (OFF runs differ)"
         rows.append((f"losses and state ON = OFF, {equivalence['steps']} steps", verdict))
-    if "error" not in overhead:
-        low, high = overhead["ci95_pct"]
-        rows += [("step time OFF / ON (ms)", f"{overhead['step_ms_off']:.3f} / {overhead['step_ms_on']:.3f}"),
-                 ("overhead ON vs OFF, mean of pairs (%)", f"{overhead['mean_pct']:.3f}"),
-                 ("overhead 95% bootstrap CI (%)", f"[{low:.3f}, {high:.3f}]"),
-                 ("verdict", overhead["verdict"]),
-                 ("spans lost (ON arms)", str(sum(overhead["spans_lost"].values()))),
-                 ("spans accepted by the detector", str(overhead["detector_spans"].get("accepted")))]
+    for result in (overhead, overhead_small):
+        if "error" in result:
+            continue
+        low, high = result["ci95_pct"]
+        loop = result["loop"]
+        rows += [(f"{loop} loop: step time OFF / ON (ms)", f"{result['step_ms_off']:.3f} / {result['step_ms_on']:.3f}"),
+                 (f"{loop} loop: overhead ON vs OFF, mean (%)", f"{result['mean_pct']:.3f}"),
+                 (f"{loop} loop: overhead 95% bootstrap CI (%)", f"[{low:.3f}, {high:.3f}]"),
+                 (f"{loop} loop: verdict", result["verdict"]),
+                 (f"{loop} loop: spans lost / accepted", f"{sum(result['spans_lost'].values())} / "
+                                                        f"{result['detector_spans'].get('accepted')}")]
     rows += [(f"{name}: FAILED", report[name]["error"][:60]) for name in CHECKS if "error" in report.get(name, {})]
     print(f"{'check':46} {'result':>40}")
     for label, value in rows:
         print(f"{label:46} {value:>40}")
-    if "error" not in overhead:
-        print(f"protocol: {overhead['protocol']}")
+    for result in (overhead, overhead_small):
+        if "error" not in result:
+            print(f"{result['loop']} loop protocol: {result['protocol']}")
 
 
-CHECKS = ("hot_path", "record_cost", "current_stream", "device_duration", "syncs", "equivalence", "overhead")
+CHECKS = ("hot_path", "record_cost", "current_stream", "device_duration", "syncs", "equivalence", "overhead",
+          "overhead_small")
 
 
 def main(argv=None) -> int:
@@ -448,7 +463,10 @@ def main(argv=None) -> int:
               "current_stream": (records_on_current_stream,), "device_duration": (device_duration_accuracy, 4096, 20),
               "syncs": (count_syncs, 20), "equivalence": (training_equivalence, 20),
               "overhead": (paired_overhead, Protocol(pairs=args.pairs, warmup_steps=args.warmup,
-                                                     warmup_extra_steps=args.warmup_extra, steps_per_arm=args.steps))}
+                                                     warmup_extra_steps=args.warmup_extra, steps_per_arm=args.steps)),
+              # fixed before its first run: steps of a few milliseconds, so more of them per arm
+              "overhead_small": (paired_overhead, Protocol(pairs=20, warmup_steps=20, warmup_extra_steps=20,
+                                                           steps_per_arm=200), "small")}
     for name in args.checks:
         run_check(report, name, *checks[name])
     report["wall_s"] = time.time() - started

@@ -76,6 +76,7 @@ class EngineDriver:
         self._on_ingest_lag = on_ingest_lag
         self._engine_lock = threading.RLock()
         self._logged_engine_error = False
+        self._logged_late = False
         self._stats: dict[str, int] = dict(engine.stats())
         self._next_close: Optional[int] = self._engine_next_close()
 
@@ -94,6 +95,12 @@ class EngineDriver:
             self.counters.add(dropped=len(observations))
             return
         self.counters.add(**outcomes)
+        if outcomes.get("late") and not self._logged_late:  # once: the counter has the rest
+            self._logged_late = True
+            _log.warning("%d spans arrived after their window was judged: counted as late, not judged "
+                         "(spans.late). Where steps are fast, the window closed before every rank's export "
+                         "burst came; raise --window-steps so that window_close_lag windows span a few "
+                         "seconds (docs/detector.md, Fast steps)", outcomes["late"])
         if self._on_ingest_lag is not None:
             # one sample per batch: the age of its last span when the engine took it
             self._on_ingest_lag(max(0.0, (now_unix_nano - observations[-1].end_unix_nano) / 1e9))

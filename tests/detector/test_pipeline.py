@@ -3,6 +3,7 @@ come in and when a window could go idle, and otherwise sleeps, so an idle detect
 CPU; and no window waits longer to close than its rule says."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -95,3 +96,20 @@ def test_stop_wakes_a_sleeping_engine_thread_and_judges_what_is_open():
     stopping.join(5.0)
     assert time.monotonic() - began < IDLE_WAKE_S / 2
     assert engine.stats()["windows_closed"] == 1  # drained
+
+
+def test_the_first_late_spans_are_explained_once_in_the_log(caplog):
+    """Late spans usually mean windows close before every rank's export burst arrives (fast
+    steps): the first ones get one warning that says what to change; the counter has the rest."""
+    config = DetectorConfig(window_steps=1, window_close_lag=1, min_cohort_size=2)
+    driver = EngineDriver(Engine(config), IntakeCounters(), lambda verdicts: None)
+    now = 10**18
+    on_time = [observation(rank=rank, step=step, seq=step) for rank in range(3) for step in range(3)]
+    driver.ingest(DecodedBatch(on_time, 0, 0), now)
+    driver.advance(now)  # every rank is past window 0: it is judged
+    with caplog.at_level(logging.WARNING, logger="otel_straggler.detector.pipeline"):
+        driver.ingest(DecodedBatch([observation(rank=3, step=0)], 0, 0), now)
+        driver.ingest(DecodedBatch([observation(rank=4, step=0)], 0, 0), now)
+    assert driver.counters.snapshot()["spans"]["late"] == 2
+    warnings = [record for record in caplog.records if "late" in record.getMessage()]
+    assert len(warnings) == 1 and "--window-steps" in warnings[0].getMessage()

@@ -48,7 +48,8 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
     def on_end(self, span) -> None:
         batch = getattr(self, "_batch_processor", None)
         queue = getattr(batch, "_queue", None)
-        if queue is not None and queue.maxlen is not None and len(queue) >= queue.maxlen:
+        full = queue is not None and queue.maxlen is not None and len(queue) >= queue.maxlen
+        if full:
             self.dropped_queue_full += 1
         if self._prewrite is None or batch is None or not (span.context and span.context.trace_flags.sampled):
             super().on_end(span)
@@ -57,6 +58,16 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
             item = self._prewrite(span)
         except Exception:
             item = span  # the exporter encodes it then
+        awaken = getattr(batch, "_worker_awaken", None)
+        if full and awaken is not None and not getattr(batch, "_shutdown", True):
+            # What the SDK's emit() does with a full queue (the oldest span makes room, the worker
+            # is woken), without its "Queue full" warning: making that log record (duplicates are
+            # filtered only afterwards) cost the builder more than the span itself, on every span
+            # of an exporter outage. The loss is counted above.
+            queue.appendleft(item)
+            if not awaken.is_set():
+                awaken.set()
+            return
         batch.emit(item)
 
     def shutdown(self) -> None:

@@ -28,10 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import select
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,6 +48,7 @@ from otel_straggler.processors.device_events import TorchCudaEvents
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hot_path as hot_path_bench  # noqa: E402
+from detector_process import DetectorProcess  # noqa: E402
 from demo_training import state_sha256  # noqa: E402
 from paired_protocol import ON, Protocol, summarize  # noqa: E402
 
@@ -284,37 +282,6 @@ def count_syncs(steps: int) -> dict:
     return results
 
 
-class Detector:
-    """`otel-straggler detect` as its own process on free loopback ports, as a job would run it."""
-
-    def __init__(self, evidence_dir: str) -> None:
-        self.evidence_dir = evidence_dir
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "otel_straggler.cli", "detect", "--grpc-port", "0", "--http-port", "0",
-             "--evidence-dir", evidence_dir, "--export-metrics", "false"],
-            # cwd: not the checkout, whose otel_straggler/ folder would shadow the installed package
-            cwd=evidence_dir, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        ready, _, _ = select.select([self.process.stdout], [], [], 60)
-        line = self.process.stdout.readline() if ready else ""
-        found = re.search(r"OTLP/gRPC ([0-9.]+:[0-9]+)", line)
-        if not found:
-            self.stop()
-            raise RuntimeError(f"the detector did not start: {line!r}")
-        self.endpoint = found.group(1)
-
-    def spans(self) -> dict:
-        with open(os.path.join(self.evidence_dir, "status.json")) as status:
-            return json.load(status)["spans"]
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(45)  # its shutdown may take its own 30 s budget, and a second more
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-
 # the rank's settings in a real job, as the demo sets its ranks up (and benchmarks/overhead.py)
 RANK_ENVIRONMENT = {"OTEL_BSP_SCHEDULE_DELAY": "500", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
 
@@ -350,7 +317,7 @@ def paired_overhead(protocol: Protocol, loop: str = "large") -> dict:
     """The same paired design and estimator as benchmarks/overhead.py, on one GPU."""
     os.environ.update(RANK_ENVIRONMENT)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as evidence_dir:
-        detector = Detector(evidence_dir)
+        detector = DetectorProcess(evidence_dir)
         try:
             arm_means, lost = [], {}
             for index, (arm, warmup) in enumerate(zip(protocol.schedule(), protocol.warmups())):

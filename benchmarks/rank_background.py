@@ -25,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+from detector_process import DetectorProcess
 from thread_cpu import thread_cpu_ns, thread_cpu_since
 
 ARMS = {"C writer": "c", "Python writer": "python"}
@@ -71,26 +72,6 @@ def _step(ots, n: int) -> None:
     time.sleep(STEP_SLEEP_S)
 
 
-def start_detector(scratch: str) -> tuple[subprocess.Popen, str]:
-    ready = Path(scratch) / "port"
-    code = ("import sys, time\n"
-            "from otel_straggler.detector.config import DetectorConfig\n"
-            "from otel_straggler.detector.service import DetectorService\n"
-            f"service = DetectorService(DetectorConfig(grpc_port=0, http_port=0, evidence_dir={scratch!r} + '/evidence',"
-            " export_metrics=False))\n"
-            "service.start()\n"
-            f"open({str(ready)!r}, 'w').write(str(service.bound_ports[0]))\n"
-            "sys.stdin.read()\n"
-            "service.stop()\n")
-    process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
-    deadline = time.monotonic() + 60
-    while not ready.exists() or not ready.read_text():
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit("the detector did not start")
-        time.sleep(0.05)
-    return process, f"127.0.0.1:{ready.read_text()}"
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -104,7 +85,8 @@ def main(argv=None) -> int:
         return 0
     results: dict[str, list[dict]] = {label: [] for label in ARMS}
     with tempfile.TemporaryDirectory(prefix="rank-background-") as scratch:
-        detector, endpoint = start_detector(scratch)
+        detector = DetectorProcess(scratch)
+        endpoint = detector.endpoint
         try:
             for round_number in range(args.rounds):
                 order = list(ARMS) if round_number % 2 == 0 else list(reversed(ARMS))
@@ -113,8 +95,7 @@ def main(argv=None) -> int:
                                             "--endpoint", endpoint], check=True, capture_output=True, text=True)
                     results[label].append(json.loads(child.stdout.strip().splitlines()[-1]))
         finally:
-            detector.stdin.close()
-            detector.wait(30)
+            detector.stop()
     print(f"\nrank background CPU per span: {args.rounds} rounds x {args.steps} steps x {1 + len(STAGES)} spans,"
           f" fake device events, OTLP/gRPC to a live detector; {os.cpu_count()} cores,"
           f" load average {os.getloadavg()[0]:.1f}")

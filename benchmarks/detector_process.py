@@ -1,0 +1,40 @@
+"""`otel-straggler detect` as its own process on free loopback ports, as a job runs it: the live
+detector the rank-side benchmarks export to (rank_background.py, gpu_check.py)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import subprocess
+import sys
+
+
+class DetectorProcess:
+    def __init__(self, evidence_dir: str) -> None:
+        self.evidence_dir = evidence_dir
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "otel_straggler.cli", "detect", "--grpc-port", "0", "--http-port", "0",
+             "--evidence-dir", evidence_dir, "--export-metrics", "false"],
+            # cwd: not a checkout, whose otel_straggler/ folder would shadow the installed package
+            cwd=evidence_dir, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        ready, _, _ = select.select([self.process.stdout], [], [], 60)
+        line = self.process.stdout.readline() if ready else ""
+        found = re.search(r"OTLP/gRPC ([0-9.]+:[0-9]+)", line)
+        if not found:
+            self.stop()
+            raise RuntimeError(f"the detector did not start: {line!r}")
+        self.endpoint = found.group(1)
+
+    def spans(self) -> dict:
+        """The intake counters of its status.json (refreshed once a second)."""
+        with open(os.path.join(self.evidence_dir, "status.json")) as status:
+            return json.load(status)["spans"]
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(45)  # its shutdown may take its own 30 s budget, and a second more
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()

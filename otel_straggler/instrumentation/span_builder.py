@@ -196,11 +196,14 @@ class SpanBuilder:
         # were built first. Holding the interval keeps its id() from being reused meanwhile.
         self._ids_of_open_parents: dict[int, tuple] = {}
 
-    def build_pending(self, close_open_step: bool = False) -> None:
-        """Builds every record queued so far; `close_open_step` ends the running step's span
-        too (at shutdown). Not thread-safe: one caller at a time."""
+    def build_pending(self, close_open_step: bool = False, limit: Optional[int] = None) -> bool:
+        """Builds the records queued so far, at most `limit` of them; `close_open_step` ends the
+        running step's span too (at shutdown, with no limit). Says whether records remain.
+        Not thread-safe: one caller at a time."""
         completed = self.recorder.completed
-        while completed:
+        left = -1 if limit is None else limit
+        while completed and left != 0:
+            left -= 1
             record = completed.popleft()
             try:
                 kind = record[0]
@@ -213,8 +216,9 @@ class SpanBuilder:
                     self._close_step(record[2])
             except Exception:
                 self.counters["build_errors"] += 1
-        if close_open_step and self._open_step is not None:
+        if close_open_step and not completed and self._open_step is not None:
             self._close_step(max(self._last_end_ns, self._open_step[1]))
+        return bool(completed)
 
     def _trace_id(self, step: Any) -> int:
         last_step, trace_id = self._trace_of_step

@@ -1,24 +1,26 @@
 """The hot path inside a training loop, where caches are cold, against the same calls in a tight loop.
 
-    python benchmarks/hot_path_in_situ.py [--rounds 4] [--steps 300] [--json hot_path_in_situ.json]
+    python benchmarks/hot_path_in_situ.py [--rounds 4] [--steps 300] [--arms off,on,...] [--json out.json]
 
 benchmarks/hot_path.py times stage()/step() back to back, with the interpreter's and the
 recorder's code and data hot in the caches. In training, each call comes after milliseconds of
 matmuls that evicted them. This benchmark runs the overhead benchmark's loop workload (the demo's
 MLP, hidden 1024, batch 256, one thread, four stages and a step() a step) and times each of the
 nine calls of a step with perf_counter_ns (step(); each stage's construction with its __enter__;
-its __exit__), in five arms: `off` (library not configured: the calls are no-ops), `on` (fake
+its __exit__), in six arms: `off` (library not configured: the calls are no-ops), `on` (fake
 device events), `on-host` (device timing off), `on-python` (as `on`, with the Python reference
 hot path instead of the C extension) and `on-deferred` (as `on`, with a 60 s build interval: the
 library's threads do no work during the measured steps, the records wait in the queue for the
-flush after them), all exporting over OTLP/gRPC to a live detector in this process, as the
+flush after them) and `on-one-burst` (as `on`, with each build done in one burst, as before the
+builder thread paused between bursts of pipeline.BUILD_BURST_RECORDS records), all exporting over
+OTLP/gRPC to a live detector in this process, as the
 overhead benchmark's ON arm does. Each arm runs in a fresh process, arms alternating over rounds.
 Per arm: the median over steps of the nine calls' time, in the loop and in a tight loop of the
 same nine calls after it (the reference); the timer's own cost is in every arm alike, so the
 figure to read is an arm's minus `off`'s. Also per arm: the training thread's waiting, the mean
 over steps of a step's wall time minus the thread's own CPU time (for the GIL or a core), which
 `on-deferred` against `on` splits into what the library's threads working costs and what their
-mere presence does.
+mere presence does, and `on-one-burst` against `on` shows what the pauses between bursts save.
 """
 from __future__ import annotations
 
@@ -33,8 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ARMS = ("off", "on", "on-host", "on-python", "on-deferred")
-DEVICE_TIMING = {"on": "fake", "on-host": "off", "on-python": "fake", "on-deferred": "fake"}
+ARMS = ("off", "on", "on-host", "on-python", "on-deferred", "on-one-burst")
+DEVICE_TIMING = {"on": "fake", "on-host": "off", "on-python": "fake", "on-deferred": "fake", "on-one-burst": "fake"}
 # on-deferred: a build interval longer than an arm, so nothing is built before the flush; its
 # records hold their device events and the flush hands the export queue all of an arm's ~3,000
 # spans at once: room for both, so it loses nothing
@@ -97,6 +99,10 @@ def run_arm(args: argparse.Namespace) -> None:
     from otel_straggler.instrumentation import hot_path
 
     torch.set_num_threads(1)
+    if args.arm == "on-one-burst":
+        from otel_straggler.instrumentation import pipeline
+
+        pipeline.BUILD_BURST_RECORDS = None  # each build takes every record queued, in one go
     handle = None
     if args.arm != "off":
         from demo_training import DEMO_RANK_ENVIRONMENT  # the overhead benchmark's ON arm, as the demo's ranks
@@ -119,7 +125,8 @@ def run_arm(args: argparse.Namespace) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=4, help="rounds of the three arms, order alternating")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of the arms, order alternating")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"a subset of {','.join(ARMS)} (off is always run)")
     parser.add_argument("--steps", type=int, default=300, help="measured training steps per arm")
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--hidden", type=int, default=1024)
@@ -128,6 +135,10 @@ def main(argv=None) -> int:
     parser.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # one arm, in a child process
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    arms = tuple(arm for arm in ARMS if arm == "off" or arm in args.arms.split(","))
+    unknown = set(args.arms.split(",")) - set(ARMS)
+    if unknown:
+        parser.error(f"--arms: unknown {', '.join(sorted(unknown))}; choose from {', '.join(ARMS)}")
     if args.arm:
         run_arm(args)
         return 0
@@ -135,14 +146,14 @@ def main(argv=None) -> int:
     from otel_straggler.detector.config import DetectorConfig
     from otel_straggler.detector.service import DetectorService
 
-    records: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    records: dict[str, list[dict]] = {arm: [] for arm in arms}
     with tempfile.TemporaryDirectory(prefix="in-situ-") as scratch:
         detector = DetectorService(DetectorConfig(grpc_port=0, http_port=0, export_metrics=False,
                                                   evidence_dir=os.path.join(scratch, "evidence")))
         detector.start()
         try:
             for round_index in range(args.rounds):
-                for arm in (ARMS if round_index % 2 == 0 else ARMS[::-1]):
+                for arm in (arms if round_index % 2 == 0 else arms[::-1]):
                     output = subprocess.run(
                         [sys.executable, __file__, "--arm", arm, "--endpoint", f"127.0.0.1:{detector.bound_ports[0]}",
                          "--steps", str(args.steps), "--warmup", str(args.warmup), "--hidden", str(args.hidden),
@@ -160,7 +171,7 @@ def main(argv=None) -> int:
                      "waiting_us_per_step": statistics.mean(ns for record in records[arm] for ns in record["waiting_ns"]) / 1e3,
                      "waiting_us_per_step_by_round": [statistics.mean(record["waiting_ns"]) / 1e3 for record in records[arm]],
                      "spans_lost": sum(record["spans_lost"] for record in records[arm]),
-                     "hot_path": sorted({record["hot_path"] for record in records[arm]})} for arm in ARMS}
+                     "hot_path": sorted({record["hot_path"] for record in records[arm]})} for arm in arms}
     report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "cores": os.cpu_count(),
               "load_average": os.getloadavg(), "rounds": args.rounds, "steps": args.steps, "arms": results}
     off = results["off"]

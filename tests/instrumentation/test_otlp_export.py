@@ -176,3 +176,32 @@ def test_two_ranks_put_a_step_in_one_trace(grpc_receiver, configure, monkeypatch
             assert by_rank_and_step[rank, number, "forward-compute"].parent_span_id == step_span.span_id
     assert {item.resource[contract.JOB_ID] for item in received} == {JOB}
     assert {item.resource[contract.WORLD_SIZE] for item in received} == {2}
+
+
+def test_grpc_sends_the_encoded_request_as_it_is_also_after_a_reconnect(grpc_receiver):
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceServiceStub
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    from otel_straggler.instrumentation.exporting import span_exporter
+
+    exporter = span_exporter(grpc_receiver.endpoint, "grpc")
+    tracer = TracerProvider().get_tracer("test")
+
+    def export(name: str) -> None:
+        span = tracer.start_span(name)
+        span.end()
+        assert exporter.export([exporter.prewrite(span)]) == SpanExportResult.SUCCESS
+
+    try:
+        encoded_export = type(exporter._client)
+        assert encoded_export is not TraceServiceStub  # bytes go out unparsed, not through the stub
+        export("first")
+        exporter._initialize_channel_and_stub()  # what the SDK does to reconnect after UNAVAILABLE
+        assert type(exporter._client) is encoded_export
+        export("after-reconnect")
+        exporter._client = TraceServiceStub(exporter._channel)  # a stub made where we did not replace it
+        export("through-the-stub")
+    finally:
+        exporter.shutdown()
+    assert [received.span.name for received in grpc_receiver.spans()] == ["first", "after-reconnect", "through-the-stub"]

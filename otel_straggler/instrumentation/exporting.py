@@ -67,10 +67,13 @@ def _grpc_span_exporter_class() -> type:
             super().__init__(**kwargs)
             self._encoder = SpanEncoder()
             self.prewrite = self._encoder.prewrite
-            self._client = EncodedExport(self._channel)
+            channel = getattr(self, "_channel", None)  # SDK 1.30 keeps no channel: its stub stays
+            if channel is not None:
+                self._client = EncodedExport(channel)
 
         def _initialize_channel_and_stub(self) -> None:
-            # the SDK makes a new channel and stub here to reconnect after UNAVAILABLE
+            # the SDK (1.40 and later) makes a new channel and stub here, also to reconnect after
+            # UNAVAILABLE; earlier releases never call it
             super()._initialize_channel_and_stub()
             self._client = EncodedExport(self._channel)
 

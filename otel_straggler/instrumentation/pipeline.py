@@ -28,7 +28,7 @@ from otel_straggler.processors.cuda_event_span_processor import CudaEventSpanPro
 from otel_straggler.processors.device_events import EventPool, make_backend
 
 _SCOPE = "otel_straggler"
-BUILD_BURST_RECORDS = 16  # records built while holding the GIL, ~10 us each
+BUILD_BURST_RECORDS = 16  # records built while holding the GIL, 10-15 us each
 BUILD_PAUSE_S = 0.0005  # between bursts: long enough for a thread waiting on the GIL to wake and take it
 _IDENTITY_KEYS_ON_SPANS = (contract.JOB_ID, contract.RANK, contract.COHORT, contract.TOPOLOGY_EPOCH,
                            contract.WORLD_SIZE, contract.LOCAL_RANK)
@@ -200,10 +200,13 @@ class RankPipeline:
             self._wake.clear()
             # A burst of building holds the GIL throughout, and the training thread, back from a
             # kernel or an op, waits for the rest of it: short bursts with a pause between them,
-            # in which a waiting thread wakes and takes the GIL, keep that wait short.
+            # in which a waiting thread wakes and takes the GIL, keep that wait short. A build
+            # still running half an interval after it began, or a backlog of half the queue,
+            # goes on without pauses: keeping up comes first (a full queue drops records).
+            pauses_until = time.monotonic() + interval_s / 2
             while self._build(limit=BUILD_BURST_RECORDS) and not self._stopping:
-                if len(self.recorder.completed) < self.recorder.capacity // 2:
-                    time.sleep(BUILD_PAUSE_S)  # else catching up comes first: a full queue drops records
+                if time.monotonic() < pauses_until and len(self.recorder.completed) < self.recorder.capacity // 2:
+                    time.sleep(BUILD_PAUSE_S)
 
     def _build(self, close_open_step: bool = False, limit: Optional[int] = None) -> bool:
         """Builds queued records (at most `limit`); says whether any remain."""

@@ -216,7 +216,7 @@ class SpanBuilder:
                     self._close_step(record[2])
             except Exception:
                 self.counters["build_errors"] += 1
-        if close_open_step and not completed and self._open_step is not None:
+        if close_open_step and (limit is None or not completed) and self._open_step is not None:
             self._close_step(max(self._last_end_ns, self._open_step[1]))
         return bool(completed)
 

@@ -1,5 +1,6 @@
 """The builder thread works in short bursts with pauses between them, so a training thread that
-wants the GIL back never waits for a whole build interval's worth of spans."""
+wants the GIL back never waits for a whole build interval's worth of spans; it stops pausing when
+it must catch up."""
 from __future__ import annotations
 
 import time
@@ -10,38 +11,51 @@ from otel_straggler.instrumentation import pipeline
 STAGES = ("forward-compute", "backward-compute", "optimizer")
 
 
-def test_the_builder_thread_builds_in_bounded_bursts_with_pauses_and_loses_nothing(in_memory, wait_until):
-    handle = in_memory.configure(build_interval_ms=60_000.0)  # the thread waits for a wake-up
+def count_bursts(handle) -> list[tuple[float, float, int]]:
+    """(when it began, when it ended, records it took) of each build_pending call from here on;
+    the builder is made first (lazily, by a flush)."""
     with ots.step(0):
         with ots.stage("forward-compute"):
             pass
-    assert handle.flush(timeout_s=5.0)  # makes the builder (lazily) and builds all at once
+    assert handle.flush(timeout_s=5.0)
     builder = handle._pipeline.builder
-    bursts: list[tuple[float, int]] = []  # (when it began, records it took)
+    bursts: list[tuple[float, float, int]] = []
     build_pending = builder.build_pending
 
     def counted(*args, **kwargs):
         began, queued = time.monotonic(), len(builder.recorder.completed)
         remaining = build_pending(*args, **kwargs)
-        bursts.append((began, queued - len(builder.recorder.completed)))
+        bursts.append((began, time.monotonic(), queued - len(builder.recorder.completed)))
         return remaining
 
     builder.build_pending = counted
+    return bursts
+
+
+def pauses(bursts: list[tuple[float, float, int]]) -> list[float]:
+    """From the end of each burst to the start of the next."""
+    return [later[0] - earlier[1] for earlier, later in zip(bursts, bursts[1:])]
+
+
+def test_the_builder_thread_builds_in_bounded_bursts_with_pauses_and_loses_nothing(in_memory, wait_until, monkeypatch):
+    monkeypatch.setattr(pipeline, "BUILD_PAUSE_S", 0.01)  # well above a burst's own time here
+    handle = in_memory.configure(build_interval_ms=60_000.0)  # the thread waits for a wake-up
+    bursts = count_bursts(handle)
+    completed = handle._pipeline.recorder.completed
     for n in range(1, 101):
         with ots.step(n):
             for name in STAGES:
                 with ots.stage(name):
                     pass
-    queued = len(builder.recorder.completed)
+    queued = len(completed)
     assert queued >= 400  # a step's begin record and its three intervals, per step
     handle._pipeline._wake.set()
-    assert wait_until(lambda: not builder.recorder.completed, timeout_s=10.0)
+    assert wait_until(lambda: not completed, timeout_s=10.0)
 
-    assert sum(taken for _, taken in bursts) == queued
-    assert max(taken for _, taken in bursts) == pipeline.BUILD_BURST_RECORDS
+    assert sum(taken for _, _, taken in bursts) == queued
+    assert max(taken for _, _, taken in bursts) == pipeline.BUILD_BURST_RECORDS
     assert len(bursts) >= queued // pipeline.BUILD_BURST_RECORDS
-    gaps = [later - earlier for (earlier, _), (later, _) in zip(bursts, bursts[1:])]
-    assert min(gaps) >= pipeline.BUILD_PAUSE_S
+    assert min(pauses(bursts)) >= pipeline.BUILD_PAUSE_S
     spans = in_memory.spans()
     assert len([span for span in spans if span.name != "train.step"]) == 1 + 100 * len(STAGES)
     assert sum(handle.status()["lost"].values()) == 0
@@ -50,24 +64,36 @@ def test_the_builder_thread_builds_in_bounded_bursts_with_pauses_and_loses_nothi
 def test_a_backlog_over_half_the_queue_is_built_without_pauses(in_memory, wait_until, monkeypatch):
     monkeypatch.setattr(pipeline, "BUILD_PAUSE_S", 0.2)  # long enough to tell a pause from none
     handle = in_memory.configure(build_interval_ms=60_000.0, queue_size=64)
-    with ots.step(0):
-        with ots.stage("forward-compute"):
-            pass
-    assert handle.flush(timeout_s=5.0)
-    builder = handle._pipeline.builder
-    completed = builder.recorder.completed
-    began: list[float] = []
-    build_pending = builder.build_pending
-    builder.build_pending = lambda *args, **kwargs: began.append(time.monotonic()) or build_pending(*args, **kwargs)
+    bursts = count_bursts(handle)
+    completed = handle._pipeline.recorder.completed
     with ots.step(1):
         while len(completed) < 64:
             with ots.stage("forward-compute"):
                 pass
     handle._pipeline._wake.set()
-    assert wait_until(lambda: not completed and len(began) == 4, timeout_s=10.0)
+    assert wait_until(lambda: not completed and len(bursts) == 4, timeout_s=10.0)
 
     # 64 -> 48 -> 32 records left: still half the queue or more, so no pause; 16 left: a pause
-    gaps = [later - earlier for earlier, later in zip(began, began[1:])]
+    gaps = pauses(bursts)
     assert gaps[0] < pipeline.BUILD_PAUSE_S and gaps[1] < pipeline.BUILD_PAUSE_S
     assert gaps[2] >= pipeline.BUILD_PAUSE_S
     assert handle.status()["lost"]["queue_full"] == 0
+
+
+def test_a_build_running_past_half_its_interval_goes_on_without_pauses(in_memory, wait_until, monkeypatch):
+    monkeypatch.setattr(pipeline, "BUILD_PAUSE_S", 0.2)
+    handle = in_memory.configure(build_interval_ms=1_000.0)  # pauses only in a build's first 0.5 s
+    bursts = count_bursts(handle)
+    completed = handle._pipeline.recorder.completed
+    for n in range(1, 51):
+        with ots.step(n):
+            for name in STAGES:
+                with ots.stage(name):
+                    pass
+    handle._pipeline._wake.set()
+    assert wait_until(lambda: not completed, timeout_s=10.0)
+
+    # 200 records, 13 bursts: with a pause after every burst they would take 2.4 s
+    long_pauses = [gap for gap in pauses(bursts) if gap >= pipeline.BUILD_PAUSE_S]
+    assert 1 <= len(long_pauses) <= 3
+    assert sum(handle.status()["lost"].values()) == 0

@@ -11,8 +11,9 @@ its __exit__), in six arms: `off` (library not configured: the calls are no-ops)
 device events), `on-host` (device timing off), `on-python` (as `on`, with the Python reference
 hot path instead of the C extension) and `on-deferred` (as `on`, with a 60 s build interval: the
 library's threads do no work during the measured steps, the records wait in the queue for the
-flush after them) and `on-one-burst` (as `on`, with each build done in one burst, as before the
-builder thread paused between bursts of pipeline.BUILD_BURST_RECORDS records), all exporting over
+flush after them) and `on-one-burst` (as `on`, with each build taking every record queued in one
+burst, as before the builder thread paused between bursts of pipeline.BUILD_BURST_RECORDS
+records; the few that arrive during it follow after a pause), all exporting over
 OTLP/gRPC to a live detector in this process, as the
 overhead benchmark's ON arm does. Each arm runs in a fresh process, arms alternating over rounds.
 Per arm: the median over steps of the nine calls' time, in the loop and in a tight loop of the

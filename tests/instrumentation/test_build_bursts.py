@@ -32,6 +32,15 @@ def count_bursts(handle) -> list[tuple[float, float, int]]:
     return bursts
 
 
+def record_steps(count: int) -> None:
+    """Steps 1..count with their stages: a step's begin record and an interval per stage each."""
+    for n in range(1, count + 1):
+        with ots.step(n):
+            for name in STAGES:
+                with ots.stage(name):
+                    pass
+
+
 def pauses(bursts: list[tuple[float, float, int]]) -> list[float]:
     """From the end of each burst to the start of the next."""
     return [later[0] - earlier[1] for earlier, later in zip(bursts, bursts[1:])]
@@ -42,11 +51,7 @@ def test_the_builder_thread_builds_in_bounded_bursts_with_pauses_and_loses_nothi
     handle = in_memory.configure(build_interval_ms=60_000.0)  # the thread waits for a wake-up
     bursts = count_bursts(handle)
     completed = handle._pipeline.recorder.completed
-    for n in range(1, 101):
-        with ots.step(n):
-            for name in STAGES:
-                with ots.stage(name):
-                    pass
+    record_steps(100)
     queued = len(completed)
     assert queued >= 400  # a step's begin record and its three intervals, per step
     handle._pipeline._wake.set()
@@ -85,11 +90,7 @@ def test_a_build_running_past_half_its_interval_goes_on_without_pauses(in_memory
     handle = in_memory.configure(build_interval_ms=1_000.0)  # pauses only in a build's first 0.5 s
     bursts = count_bursts(handle)
     completed = handle._pipeline.recorder.completed
-    for n in range(1, 51):
-        with ots.step(n):
-            for name in STAGES:
-                with ots.stage(name):
-                    pass
+    record_steps(50)
     handle._pipeline._wake.set()
     assert wait_until(lambda: not completed, timeout_s=10.0)
 

@@ -67,8 +67,10 @@ def _grpc_span_exporter_class() -> type:
             super().__init__(**kwargs)
             self._encoder = SpanEncoder()
             self.prewrite = self._encoder.prewrite
-            channel = getattr(self, "_channel", None)  # SDK 1.30 keeps no channel: its stub stays
-            if channel is not None:
+            # SDK 1.40+ replaced the stub already (in _initialize_channel_and_stub, below);
+            # 1.30 keeps no channel, so its stub stays
+            channel = getattr(self, "_channel", None)
+            if channel is not None and not isinstance(self._client, EncodedExport):
                 self._client = EncodedExport(channel)
 
         def _initialize_channel_and_stub(self) -> None:

@@ -67,15 +67,10 @@ def _grpc_span_exporter_class() -> type:
             super().__init__(**kwargs)
             self._encoder = SpanEncoder()
             self.prewrite = self._encoder.prewrite
-            # SDK 1.40+ replaced the stub already (in _initialize_channel_and_stub, below);
-            # 1.30 keeps no channel, so its stub stays
-            channel = getattr(self, "_channel", None)
-            if channel is not None and not isinstance(self._client, EncodedExport):
-                self._client = EncodedExport(channel)
 
         def _initialize_channel_and_stub(self) -> None:
-            # the SDK (1.40 and later) makes a new channel and stub here, also to reconnect after
-            # UNAVAILABLE; earlier releases never call it
+            # the SDK makes its channel and stub here, in __init__ and again to reconnect after
+            # UNAVAILABLE: each new channel gets the bytes-taking Export
             super()._initialize_channel_and_stub()
             self._client = EncodedExport(self._channel)
 
@@ -83,8 +78,8 @@ def _grpc_span_exporter_class() -> type:
             encoded = self._encoder.encode(data)
             if isinstance(self._client, EncodedExport):
                 return encoded
-            # a stub the SDK made that we did not replace: parsing the bytes back is C code,
-            # far cheaper than building the message in Python
+            # a stub we did not replace (an SDK that makes it elsewhere): parsing the bytes back
+            # is C code, far cheaper than building the message in Python
             return ExportTraceServiceRequest.FromString(encoded)
 
     return PrewrittenOTLPSpanExporter

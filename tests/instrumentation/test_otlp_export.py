@@ -179,7 +179,6 @@ def test_two_ranks_put_a_step_in_one_trace(grpc_receiver, configure, monkeypatch
 
 
 def test_grpc_sends_the_encoded_request_as_it_is_also_after_a_reconnect(grpc_receiver):
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc import TraceServiceStub
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExportResult
@@ -194,25 +193,17 @@ def test_grpc_sends_the_encoded_request_as_it_is_also_after_a_reconnect(grpc_rec
         span.end()
         assert exporter.export([exporter.prewrite(span)]) == SpanExportResult.SUCCESS
 
-    keeps_channel = getattr(exporter, "_channel", None) is not None  # SDK 1.31 and later; 1.30 keeps its stub
-    # the SDK releases (1.40 and later) that re-make their channel and stub, also to reconnect
-    reconnects = keeps_channel and hasattr(OTLPSpanExporter, "_initialize_channel_and_stub")
-    expected = ["first"]
+    expected = ["first", "after-reconnect", "through-the-stub"]
     try:
-        encoded_export = type(exporter._client)
         # bytes go out unparsed, not through the stub (which gets them parsed into a message)
-        assert (encoded_export is not TraceServiceStub) is keeps_channel
+        assert type(exporter._client) is not TraceServiceStub
         export("first")
-        if reconnects:
-            exporter._channel.close()  # as the SDK does before it re-makes them
-            exporter._initialize_channel_and_stub()
-            assert type(exporter._client) is encoded_export
-            export("after-reconnect")
-            expected.append("after-reconnect")
-        if keeps_channel:
-            exporter._client = TraceServiceStub(exporter._channel)  # a stub made where we did not replace it
-            export("through-the-stub")
-            expected.append("through-the-stub")
+        exporter._channel.close()  # as the SDK does before it re-makes channel and stub to reconnect
+        exporter._initialize_channel_and_stub()
+        assert type(exporter._client) is not TraceServiceStub
+        export("after-reconnect")
+        exporter._client = TraceServiceStub(exporter._channel)  # a stub made where we did not replace it
+        export("through-the-stub")
     finally:
         exporter.shutdown()
     assert [received.span.name for received in grpc_receiver.spans()] == expected

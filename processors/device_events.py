@@ -178,7 +178,11 @@ class EventPool:
             event = self._free.pop()
         except IndexError:
             return None
-        self.backend.record(event)
+        try:
+            self.backend.record(event)
+        except BaseException:
+            self._free.append(event)  # not recorded: still the pool's (a failing record must not drain it)
+            raise
         return event
 
     def release(self, event: Any) -> None:

@@ -96,6 +96,22 @@ static int enqueue(Recorder *self, PyObject *record) {
     return 0;
 }
 
+static int give_back(Recorder *self, PyObject *event) {
+    if (!is_set(event)) return 0;
+    PyObject *result = PyObject_CallMethodOneArg(self->event_pool, str_release, event);
+    Py_XDECREF(result);
+    return result == NULL ? -1 : 0;
+}
+
+/* give_back() while an error is set: the error stays the one to report, a failure of the
+   release itself is dropped (the event is lost to the pool then, as before). */
+static void give_back_on_error(Recorder *self, PyObject *event) {
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    if (give_back(self, event) < 0) PyErr_Clear();
+    PyErr_Restore(type, value, traceback);
+}
+
 /* The next event, recorded on the current stream; None when the pool is exhausted (the interval
    is timed host-only, as EventPool.record does); NULL with an error set. */
 static PyObject *record_event(Recorder *self) {
@@ -108,18 +124,12 @@ static PyObject *record_event(Recorder *self) {
     }
     PyObject *result = PyObject_CallOneArg(self->pool_record_event, event);
     if (result == NULL) {
+        give_back_on_error(self, event); /* not recorded: still the pool's */
         Py_DECREF(event);
         return NULL;
     }
     Py_DECREF(result);
     return event;
-}
-
-static int give_back(Recorder *self, PyObject *event) {
-    if (!is_set(event)) return 0;
-    PyObject *result = PyObject_CallMethodOneArg(self->event_pool, str_release, event);
-    Py_XDECREF(result);
-    return result == NULL ? -1 : 0;
 }
 
 /* A new open interval, or None when it could not be timed; NULL only for a non-Exception error. */
@@ -175,13 +185,13 @@ static int close_interval(PyObject *opened, PyObject *interval) {
 /* Ends an interval: its host duration in ns in *duration_ns (0 when it could not be timed);
    -1 only for a non-Exception error. */
 static int recorder_stop_interval(Recorder *self, PyObject *interval, int64_t *duration_ns) {
-    PyObject *end_event = NULL;
+    PyObject *end_event = NULL, *start_event = NULL; /* start_event: borrowed from the interval */
     *duration_ns = 0;
     if (!PyTuple_Check(interval) || PyTuple_GET_SIZE(interval) != OPEN_INTERVAL_SIZE) {
         PyErr_SetString(PyExc_TypeError, "not an interval start() returned");
         goto failed;
     }
-    PyObject *start_event = PyTuple_GET_ITEM(interval, START_EVENT);
+    start_event = PyTuple_GET_ITEM(interval, START_EVENT);
     if (start_event == Py_None) {
         end_event = Py_NewRef(Py_None);
     } else if (is_set(self->event_pool)) {
@@ -213,12 +223,28 @@ static int recorder_stop_interval(Recorder *self, PyObject *interval, int64_t *d
         if (enqueue(self, record) < 0) goto failed;
     } else {
         self->dropped_queue_full++;
-        if (give_back(self, start_event) < 0 || give_back(self, end_event) < 0) goto failed;
+        int released = give_back(self, start_event) < 0 || give_back(self, end_event) < 0 ? -1 : 0;
+        Py_DECREF(end_event);
+        if (released < 0) return swallow(self); /* given back already, or lost: not again */
+        *duration_ns = end - start;
+        return 0;
     }
     Py_DECREF(end_event);
     *duration_ns = end - start;
     return 0;
 failed:
+    /* the interval has ended all the same (left open, it would be the parent of every later
+       stage), and as it is not queued its events go back to the pool (a failure must not drain it) */
+    if (start_event != NULL) {
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
+        if (close_interval(self->open_intervals, interval) < 0) PyErr_Clear();
+        PyErr_Restore(type, value, traceback);
+        if (is_set(self->event_pool)) {
+            if (is_set(start_event)) give_back_on_error(self, start_event);
+            if (is_set(end_event)) give_back_on_error(self, end_event);
+        }
+    }
     Py_XDECREF(end_event);
     return swallow(self);
 }

@@ -90,6 +90,7 @@ class IntervalRecorder:
 
     def stop(self, interval: OpenInterval) -> int:
         """Ends an interval; returns its host duration in ns (0 if it could not be timed)."""
+        end_event = None
         try:
             end_event = None if interval[5] is None else self.event_pool.record()
             if self.injection is not None:
@@ -109,6 +110,7 @@ class IntervalRecorder:
             return end_ns - interval[4]
         except Exception:
             self.internal_errors += 1
+            self._end_failed(interval, end_event)
             return 0
 
     def begin_step(self, step: int, tokens: Any = None, samples: Any = None) -> None:
@@ -138,6 +140,20 @@ class IntervalRecorder:
         for event in events:
             if event is not None:
                 self.event_pool.release(event)
+
+    def _end_failed(self, interval: Any, end_event: Any) -> None:
+        """After a failed stop(): the interval has ended all the same (left open, it would be the
+        parent of every later stage), and as it is not queued its events go back to the pool (a
+        failure must not drain it)."""
+        try:
+            if not (isinstance(interval, tuple) and len(interval) == 6):
+                return  # not an interval start() returned: nothing was opened or taken for it
+            opened = self.open_intervals
+            if interval in opened:
+                opened.remove(interval)
+            self._give_back(interval[5], end_event)
+        except Exception:
+            pass  # no pool to give them to, or its release failed: they are lost to it, as before
 
 
 # The recorder Stage and Step record on: set by install(), None while the instrumentation is off.

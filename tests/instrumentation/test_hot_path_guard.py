@@ -95,6 +95,7 @@ C_HOT_PATH = Path(recorder.__file__).with_name("_hot_path.c")
 C_ALLOWED_CALLS = {
     "clock_gettime", "offsetof", "sizeof",
     "PyErr_ExceptionMatches", "PyErr_Clear", "PyErr_Occurred", "PyErr_SetString",
+    "PyErr_Fetch", "PyErr_Restore",  # an error kept while a failed interval's events go back to the pool
     "PyObject_Length", "PyObject_CallOneArg", "PyObject_CallNoArgs", "PyObject_CallMethodNoArgs",
     "PyObject_CallMethodOneArg", "PyObject_CallMethodObjArgs", "PyObject_RichCompareBool", "PyObject_GetAttrString",
     "PyObject_HasAttrString",

@@ -240,6 +240,43 @@ def test_a_failing_device_backend_behind_an_event_pool_is_counted(hot_path):
     assert recorder.internal_errors == 1 and recorder.open_intervals == []
 
 
+def test_a_failed_interval_gives_its_events_back_to_the_pool(hot_path):
+    """A record() that fails (a CUDA error, or a stream being captured into a CUDA graph), or a
+    stop() that fails after recording, must not drain the pool: later stages stay device-timed."""
+    backend = FakeDeviceEvents(auto_complete=True)
+    pool = EventPool(backend, 8)
+    recorder = hot_path.IntervalRecorder(16, pool)
+    working = backend.record
+
+    def use(record) -> None:
+        backend.record = record
+        pool.record_event = record
+        recorder.event_pool = pool  # takes the pool's calls again
+
+    use(lambda event: 1 / 0)
+    for _ in range(20):
+        assert recorder.start("forward-compute") is None
+    assert pool.free_count() == 8
+
+    use(working)
+    opened = recorder.start("forward-compute")
+    assert pool.free_count() == 7
+    use(lambda event: 1 / 0)
+    assert recorder.stop(opened) == 0  # its end event fails: the start event comes back
+    assert pool.free_count() == 8
+
+    class FailingInjection:
+        def stretch(self, *args) -> None:
+            raise RuntimeError("after the end event was recorded")
+
+    use(working)
+    opened = recorder.start("forward-compute")
+    recorder.injection = FailingInjection()
+    assert recorder.stop(opened) == 0  # both events recorded, the interval not queued
+    assert pool.free_count() == 8
+    assert recorder.internal_errors == 22 and not recorder.completed and recorder.open_intervals == []
+
+
 def test_nesting_beyond_the_bound_is_timed_but_not_kept_as_a_parent(hot_path):
     assert hot_path.MAX_OPEN_INTERVALS == python_hot_path.MAX_OPEN_INTERVALS
     bound = hot_path.MAX_OPEN_INTERVALS

@@ -139,6 +139,15 @@ static int put_time(Buffer *b, uint8_t tag, PyObject *time) {
     return put(b, &tag, 1) || put_little_endian(b, value, 8) ? FAILED : 0;
 }
 
+/* A double as 8 little-endian bytes (protobuf's `double`); 0, or -1 with an error set. */
+static int pack_double_le(double x, uint8_t *p) {
+#if PY_VERSION_HEX >= 0x030B0000
+    return PyFloat_Pack8(x, (char *)p, 1);
+#else
+    return _PyFloat_Pack8(x, p, 1); /* the same function, public from 3.11 */
+#endif
+}
+
 /* An AnyValue of a bool, an int within int64, a float or a str; subclasses decline (Python
    calls their own methods to encode them). */
 static int put_any_value(Buffer *b, PyObject *value) {
@@ -155,7 +164,7 @@ static int put_any_value(Buffer *b, PyObject *value) {
     }
     if (PyFloat_CheckExact(value)) {
         uint8_t field[9] = {0x21};
-        if (PyFloat_Pack8(PyFloat_AS_DOUBLE(value), (char *)field + 1, 1)) return FAILED;
+        if (pack_double_le(PyFloat_AS_DOUBLE(value), field + 1)) return FAILED;
         return put(b, field, 9) ? FAILED : 0;
     }
     const char *text;

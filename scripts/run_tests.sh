@@ -10,3 +10,12 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
 export PATH="$venv/bin:$PATH"
 python -m pytest -q -p no:cacheprovider "$@"
+suite=$?
+# the torch-free part again on the lowest Python the package declares (only with no arguments:
+# arguments select tests of the main run)
+floor=0
+if [ $# -eq 0 ]; then
+  scripts/test_python_floor.sh
+  floor=$?
+fi
+exit $(( suite != 0 ? suite : floor ))

@@ -19,8 +19,9 @@ fi
 stamp="$venv/.otel-straggler-installed"
 want="$(cat "$repo/pyproject.toml" "$repo/setup.py" "$repo"/otel_straggler/*/*.c | sha256sum | cut -d' ' -f1) $repo"
 built=yes
+suffix=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 for source in "$repo"/otel_straggler/*/_*.c; do
-  compgen -G "${source%.c}.*.so" > /dev/null || built=no
+  [ -e "${source%.c}$suffix" ] || built=no  # this Python's build: another's may sit beside it
 done
 if [ "$built" = no ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "installing otel-straggler and its test dependencies into $venv"

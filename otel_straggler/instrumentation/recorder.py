@@ -104,14 +104,23 @@ class IntervalRecorder:
             completed = self.completed
             if len(completed) < self.capacity:
                 completed.append((INTERVAL, interval, end_ns, end_event, self.binding))
-            else:
-                self.dropped_queue_full += 1
-                self._give_back(interval[5], end_event)
-            return end_ns - interval[4]
+                return end_ns - interval[4]
         except Exception:
             self.internal_errors += 1
             self._end_failed(interval, end_event)
             return 0
+        except BaseException:  # KeyboardInterrupt in the injection's sleep: cleaned up, then raised
+            self._end_failed(interval, end_event)
+            raise
+        # the queue is full: the interval is dropped and its events go back, once (not again if
+        # a release fails)
+        self.dropped_queue_full += 1
+        try:
+            self._give_back(interval[5], end_event)
+        except Exception:
+            self.internal_errors += 1
+            return 0
+        return end_ns - interval[4]
 
     def begin_step(self, step: int, tokens: Any = None, samples: Any = None) -> None:
         try:

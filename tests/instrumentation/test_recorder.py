@@ -241,8 +241,8 @@ def test_a_failing_device_backend_behind_an_event_pool_is_counted(hot_path):
 
 
 def test_a_failed_interval_gives_its_events_back_to_the_pool(hot_path):
-    """A record() that fails (a CUDA error, or a stream being captured into a CUDA graph), or a
-    stop() that fails after recording, must not drain the pool: later stages stay device-timed."""
+    """A record() that fails (a CUDA error), or a stop() that fails after recording, must not
+    drain the pool: later stages stay device-timed."""
     backend = FakeDeviceEvents(auto_complete=True)
     pool = EventPool(backend, 8)
     recorder = hot_path.IntervalRecorder(16, pool)
@@ -275,6 +275,35 @@ def test_a_failed_interval_gives_its_events_back_to_the_pool(hot_path):
     assert recorder.stop(opened) == 0  # both events recorded, the interval not queued
     assert pool.free_count() == 8
     assert recorder.internal_errors == 22 and not recorder.completed and recorder.open_intervals == []
+
+    class InterruptedInjection:
+        def stretch(self, *args) -> None:
+            raise KeyboardInterrupt  # Ctrl-C in the injected sleep: raised, after the same cleanup
+
+    opened = recorder.start("forward-compute")
+    recorder.injection = InterruptedInjection()
+    with pytest.raises(KeyboardInterrupt):
+        recorder.stop(opened)
+    assert pool.free_count() == 8 and recorder.open_intervals == [] and recorder.internal_errors == 22
+
+
+def test_a_full_queue_whose_pool_fails_a_release_gives_no_event_back_twice(hot_path):
+    pool = EventPool(FakeDeviceEvents(auto_complete=True), 4)
+    recorder = hot_path.IntervalRecorder(0, pool)  # every interval finds the queue full
+    opened = recorder.start("forward-compute")
+    release, calls = pool.release, []
+
+    def release_failing_second(event) -> None:
+        calls.append(event)
+        if len(calls) == 2:
+            raise RuntimeError("release failed")
+        release(event)
+
+    pool.release = release_failing_second
+    assert recorder.stop(opened) == 0
+    assert recorder.dropped_queue_full == 1 and recorder.internal_errors == 1
+    free = list(pool._free)
+    assert len(free) == 3 and len({id(event) for event in free}) == 3  # the end event lost, none doubled
 
 
 def test_nesting_beyond_the_bound_is_timed_but_not_kept_as_a_parent(hot_path):

@@ -2,8 +2,12 @@
 # Creates (or reuses) the project's one virtualenv and installs the package with its test
 # extras. torch comes from PyPI (the CUDA build, several GB): the venv is kept outside the
 # checkout so every clone on this machine shares one download.
+#   scripts/setup_venv.sh [VENV] [PACKAGE-EXTRAS [MORE-REQUIREMENTS...]]
+# PACKAGE-EXTRAS defaults to "test"; PYTHON picks the interpreter the venv is made from.
 set -euo pipefail
 venv=${1:-${OTEL_STRAGGLER_VENV:-$HOME/.cache/otel-straggler/venv}}
+extras=${2:-test}
+requirements=("${@:3}")
 repo=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-python3}
 
@@ -17,14 +21,14 @@ fi
 # changed, and the extensions are built in this checkout (the editable install builds them in
 # place: a fresh clone at the same path has the same stamp but none of them).
 stamp="$venv/.otel-straggler-installed"
-want="$(cat "$repo/pyproject.toml" "$repo/setup.py" "$repo"/otel_straggler/*/*.c | sha256sum | cut -d' ' -f1) $repo"
+want="$(cat "$repo/pyproject.toml" "$repo/setup.py" "$repo"/otel_straggler/*/*.c | sha256sum | cut -d' ' -f1) $repo [$extras] ${requirements[*]}"
 built=yes
 suffix=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 for source in "$repo"/otel_straggler/*/_*.c; do
   [ -e "${source%.c}$suffix" ] || built=no  # this Python's build: another's may sit beside it
 done
 if [ "$built" = no ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "installing otel-straggler and its test dependencies into $venv"
-  "$venv/bin/python" -m pip install -q -e "$repo[test]"
+  echo "installing otel-straggler[$extras] ${requirements[*]} into $venv"
+  "$venv/bin/python" -m pip install -q -e "$repo[$extras]" "${requirements[@]}"
   echo "$want" > "$stamp"
 fi

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import operator
 import os
 import threading
 from typing import Any, Callable, Optional
@@ -28,7 +29,8 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from otel_straggler import contract
 from otel_straggler.instrumentation import stage_names
-from otel_straggler.instrumentation.recorder import INTERVAL, START_STEP, STEP_BEGIN, STEP_END, IntervalRecorder
+from otel_straggler.instrumentation.recorder import (INTERVAL, START_EVENT, START_STEP, STEP_BEGIN, STEP_END,
+                                                     IntervalRecorder)
 
 _MASK64 = (1 << 64) - 1
 _SAMPLED = trace_api.TraceFlags(trace_api.TraceFlags.SAMPLED)
@@ -211,7 +213,9 @@ class SpanBuilder:
                     self._build_interval(record)
                 elif kind == STEP_BEGIN:
                     self._close_step(record[2])
-                    self._open_step = (record[1], record[2], record[3], record[4])
+                    # an int however the step came (numpy, a 0-d tensor): the contract's type, and
+                    # what the ids are derived from
+                    self._open_step = (operator.index(record[1]), record[2], record[3], record[4])
                 elif kind == STEP_END and self._open_step is not None and self._open_step[0] == record[1]:
                     self._close_step(record[2])
             except Exception:
@@ -260,8 +264,32 @@ class SpanBuilder:
         return span_id
 
     def _build_interval(self, record: tuple) -> None:
+        try:
+            span, device_events = self._interval_span(record)
+        except Exception:
+            # not handed on: its events are still the pool's (a failing build must not drain it)
+            try:
+                self.release_events(record[1][START_EVENT], record[3])
+            except Exception:
+                pass  # not a record the recorder makes: nothing of the pool's in it
+            raise
+        if device_events is None and record[1][START_EVENT] is not None:
+            self.release_event(record[1][START_EVENT])  # its end found the pool empty: timed host-only
+        self.spans.emit(*span, device_events)
+        self._last_end_ns = max(self._last_end_ns, record[2])
+        self.counters["spans_built"] += 1
+
+    def release_events(self, *events: Any) -> None:
+        for event in events:
+            if event is not None:
+                self.release_event(event)
+
+    def _interval_span(self, record: tuple) -> tuple[tuple, Optional[tuple]]:
+        """emit()'s arguments but the device events, and the device events (None: host-only)."""
         _, opened, end_ns, end_event, (step, tokens, samples) = record
         name, collective, enclosing, start_step, start_ns, start_event = opened
+        if step is not None:
+            step = operator.index(step)
         kind = stage_names.classify(name)
         # Intervals the full queue dropped count too, so a loss shows downstream as a gap.
         seq = self._seq + self.recorder.dropped_queue_full
@@ -288,20 +316,14 @@ class SpanBuilder:
                 attributes[contract.TIMING] = contract.TIMING_DEVICE_UNAVAILABLE
                 attributes[contract.TIMING_REASON] = "pool_exhausted"
                 self.counters["pool_exhausted"] += 1
-                if start_event is not None:
-                    self.release_event(start_event)
 
         span_id = self._span_id(opened, ended=True)
         if step is None:  # before the first step(): a root span of its own trace
-            self.spans.emit(name, None, span_id, None, attributes, start_ns, end_ns, device_events)
+            return (name, None, span_id, None, attributes, start_ns, end_ns), device_events
+        # A parent only within the same step: a timer that runs across steps (Megatron's
+        # interval-time) would otherwise adopt spans of traces it does not belong to.
+        if enclosing is not None and enclosing[START_STEP] == start_step:
+            parent_span_id = self._span_id(enclosing, ended=False)
         else:
-            # A parent only within the same step: a timer that runs across steps (Megatron's
-            # interval-time) would otherwise adopt spans of traces it does not belong to.
-            if enclosing is not None and enclosing[START_STEP] == start_step:
-                parent_span_id = self._span_id(enclosing, ended=False)
-            else:
-                parent_span_id = _mix64(self._step_salt + step)
-            self.spans.emit(name, self._trace_id(step), span_id, parent_span_id, attributes, start_ns, end_ns,
-                            device_events)
-        self._last_end_ns = max(self._last_end_ns, end_ns)
-        self.counters["spans_built"] += 1
+            parent_span_id = _mix64(self._step_salt + step)
+        return (name, self._trace_id(step), span_id, parent_span_id, attributes, start_ns, end_ns), device_events

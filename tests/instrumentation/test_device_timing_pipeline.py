@@ -83,3 +83,36 @@ def test_without_a_device_backend_spans_are_host_only(in_memory):
     (span,) = in_memory.stage_spans()
     assert timing_of(span) == (contract.TIMING_HOST_ONLY, None, "no_cuda")
     assert handle.status()["device_timing"] == "off"
+
+
+def test_numpy_steps_are_built_as_ints(in_memory, wait_until):
+    """`for step in np.arange(...)`: the step is an int on every span, and nothing is lost."""
+    import numpy as np  # a dependency of the package
+    backend = FakeDeviceEvents(auto_complete=True)
+    handle = in_memory.configure(device_backend=backend, event_pool_size=8)
+    for step in np.arange(3, dtype=np.int64):
+        otel_straggler.step(step, samples=np.int64(4))
+        with otel_straggler.stage("forward-compute"):
+            pass
+    spans = in_memory.spans()
+    steps = sorted((span.name, span.attributes[contract.STEP]) for span in spans)
+    # each step's span ends when the next step begins: the last one is still open
+    assert steps == [("forward-compute", 0), ("forward-compute", 1), ("forward-compute", 2),
+                     (contract.STEP_SPAN_NAME, 0), (contract.STEP_SPAN_NAME, 1)]
+    assert all(type(span.attributes[contract.STEP]) is int for span in spans)
+    assert handle.status()["lost"]["internal_error"] == 0
+    assert wait_until(lambda: handle.status()["event_pool_free"] == 8)
+
+
+def test_an_interval_that_fails_to_build_gives_its_events_back(in_memory, wait_until):
+    backend = FakeDeviceEvents(auto_complete=True)
+    handle = in_memory.configure(device_backend=backend, event_pool_size=4)
+    for _ in range(6):  # more events than the pool holds, all failing to build
+        otel_straggler.step(1.5)  # not an integer step: the builder cannot make its span
+        with otel_straggler.stage("forward-compute"):
+            pass
+    handle.flush(timeout_s=5.0)
+    status = handle.status()
+    assert status["lost"]["internal_error"] >= 6 and status["spans_built"] == 0
+    assert wait_until(lambda: handle.status()["event_pool_free"] == 4)
+    assert status["lost"]["pool_exhausted"] == 0

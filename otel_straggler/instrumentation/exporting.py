@@ -145,7 +145,7 @@ def start_rank_metrics(
 
     # the period comes from OTEL_METRIC_EXPORT_INTERVAL, as for any SDK metric reader
     reader = PeriodicExportingMetricReader(metric_exporter(endpoint, protocol))
-    provider = MeterProvider(resource=resource, metric_readers=[reader])
+    provider = MeterProvider(resource=resource, metric_readers=[reader], shutdown_on_exit=False)  # the pipeline's
     meter = provider.get_meter("otel_straggler.instrumentation")
 
     def lost(options: CallbackOptions):

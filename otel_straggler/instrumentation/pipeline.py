@@ -115,7 +115,12 @@ class RankPipeline:
             self.backend = make_backend(options["device_timing"]) if tracer_provider is None else None
         self.event_pool: Optional[EventPool] = None
         self.device_processor = device_processor
+        self._detected_resource: Optional[Resource] = None
         if tracer_provider is None:
+            # The OTEL_RESOURCE_ATTRIBUTES / detector part of the resource, now: its detectors run
+            # on a thread pool, which no longer takes work once the interpreter is exiting, where
+            # a rank that never built before its exit makes its provider.
+            self._detected_resource = Resource.create()
             # Export is set up now so a bad endpoint or protocol fails configure(), not later.
             self.exporter = CountingSpanExporter(span_exporter(endpoint, protocol))
             self.batch_processor = CountingBatchSpanProcessor(self.exporter)
@@ -158,7 +163,11 @@ class RankPipeline:
         attach = self.device_processor.attach_device_events if self.device_processor else None
         extra: dict = {}
         if self.user_provider is None:
-            provider = TracerProvider(resource=Resource.create(attributes), sampler=ALWAYS_ON)
+            # (what Resource.create(attributes) makes, without running the detectors again)
+            resource = self._detected_resource.merge(Resource(attributes))
+            # shut down by configure()'s exit handler, within its deadline: the SDK's own, made
+            # later and so run first, would close the processors before the last build
+            provider = TracerProvider(resource=resource, sampler=ALWAYS_ON, shutdown_on_exit=False)
             processor = self.device_processor or self.batch_processor
             provider.add_span_processor(processor)  # for flush and shutdown
             self.provider = provider
@@ -167,8 +176,11 @@ class RankPipeline:
             else:
                 spans = self._tracer_spans(provider, attach)
             if self.options["export_metrics"]:
-                self.metrics_provider = start_rank_metrics(self.status_of_recorder, provider.resource,
-                                                           self.endpoint, self.protocol)
+                try:
+                    self.metrics_provider = start_rank_metrics(self.status_of_recorder, provider.resource,
+                                                               self.endpoint, self.protocol)
+                except Exception:  # no rank metrics (their exporter, or a thread at exit): spans go on
+                    self.recorder.internal_errors += 1
         else:
             provider = self.user_provider
             spans = self._tracer_spans(provider, attach)

@@ -207,3 +207,34 @@ def test_grpc_sends_the_encoded_request_as_it_is_also_after_a_reconnect(grpc_rec
     finally:
         exporter.shutdown()
     assert [received.span.name for received in grpc_receiver.spans()] == expected
+
+
+EXIT_WITHOUT_SHUTDOWN = """
+import sys
+import otel_straggler
+handle = otel_straggler.configure(job_id="exit", rank=0, world_size=1, endpoint=sys.argv[1], protocol="grpc",
+                                  device_timing="fake", build_interval_ms=60_000.0)
+for number in range(50):
+    otel_straggler.step(number)
+    for name in ("forward-compute", "backward-compute", "optimizer"):
+        with otel_straggler.stage(name):
+            pass
+    if number == 0 and sys.argv[2] == "built-before":
+        handle.flush(5.0)  # the span pipeline is made at the first build: here, after the first step
+print(handle.status()["pending_build"])
+# no shutdown(): the process exits with every record still queued, and configure()'s exit handler
+# builds and exports them
+"""
+
+
+@pytest.mark.parametrize("pipeline", ["built-before", "made-at-exit"])
+def test_a_rank_that_exits_without_shutdown_exports_everything(grpc_receiver, tmp_path, pipeline):
+    script = tmp_path / "rank.py"
+    script.write_text(EXIT_WITHOUT_SHUTDOWN)
+    result = subprocess.run([sys.executable, str(script), grpc_receiver.endpoint, pipeline], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    # nothing built before the exit but the first step's stages where the pipeline was made early
+    assert int(result.stdout.split()[-1]) == 50 * 4 - (4 if pipeline == "built-before" else 0)
+    names = [received.span.name for received in grpc_receiver.spans()]
+    assert len(names) == 50 * 3 + 50, (len(names), result.stderr[-2000:])  # the stages and 50 step spans

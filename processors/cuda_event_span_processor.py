@@ -84,6 +84,7 @@ class CudaEventSpanProcessor(SpanProcessor):
         self._held: collections.deque[_HeldSpan] = collections.deque()
         self._wake = threading.Event()
         self._shutdown = False
+        self._closing = False  # shutdown() has begun (it waits for held spans before _shutdown)
         self.counters = collections.Counter()
         self._worker = threading.Thread(target=self._run, name="otel-straggler-device-timing", daemon=True)
         self._worker.start()
@@ -144,8 +145,9 @@ class CudaEventSpanProcessor(SpanProcessor):
             return False
 
     def shutdown(self) -> None:
-        if self._shutdown:
+        if self._closing:  # a second call (a provider's and its owner's) does not wait again
             return
+        self._closing = True
         # Held spans still get their readout window (bounded by readout_timeout_s).
         self._wait_drained(time.monotonic() + self.readout_timeout_s + 1.0)
         self._shutdown = True
@@ -187,9 +189,15 @@ class CudaEventSpanProcessor(SpanProcessor):
                 extra = self._read(held.start_event, held.end_event, held.deadline, give_up)
                 if extra is None:
                     return  # front still running on the device: everything behind it waits
+            span = held.span
+            if extra is not None:
+                try:
+                    span = with_attributes(span, extra, held.own_attributes)
+                except Exception:  # forwarded without them: its events are back in the pool already
+                    self.counters["internal_error"] += 1
             # Forwarded before it leaves the queue: while it is still there, a span ending
             # meanwhile queues up behind it instead of overtaking it in on_end.
-            self._forward(held.span if extra is None else with_attributes(held.span, extra, held.own_attributes))
+            self._forward(span)
             self._held.popleft()
 
     def _read(self, start_event: Any, end_event: Any, deadline: float, give_up: bool) -> Optional[dict]:

@@ -225,6 +225,44 @@ def test_shutdown_drains_held_spans_within_the_readout_timeout(device_with):
     assert device.next.names()[-1] == "after-shutdown"
 
 
+def test_a_second_shutdown_does_not_wait_again(device_with):
+    device = device_with(readout_timeout_s=1.0)
+    device.end_span("stuck")  # its events never complete: the first shutdown waits out its readout
+    first = threading.Thread(target=device.processor.shutdown)
+    first.start()
+    time.sleep(0.05)
+    started = time.monotonic()
+    device.processor.shutdown()  # as a provider's exit handler would, while the owner's is running
+    assert time.monotonic() - started < 0.2
+    first.join(5.0)
+    assert device.next.names() == ["stuck"] and device.next.shut_down
+
+
+def test_a_span_whose_attributes_fail_is_forwarded_once_and_its_events_released_once(device, monkeypatch,
+                                                                                      wait_until):
+    from otel_straggler.processors import cuda_event_span_processor as module
+
+    real, failures = module.with_attributes, []
+
+    def failing_once(*args):
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("attributes")
+        return real(*args)
+
+    monkeypatch.setattr(module, "with_attributes", failing_once)
+    held = device.end_span("held")  # waits for its events: the worker reads it
+    behind = device.end_span("behind")
+    device.complete(held)
+    device.complete(behind)
+    assert wait_until(lambda: device.next.names() == ["held", "behind"])
+    assert contract.TIMING not in device.next.by_name()["held"].attributes  # forwarded without them
+    assert device.processor.counters["internal_error"] == 1
+    assert wait_until(lambda: device.pool.free_count() == POOL_SIZE)
+    free = list(device.pool._free)
+    assert len({id(event) for event in free}) == len(free)  # no event twice in the pool
+
+
 @pytest.mark.parametrize("method", ["on_start", "on_end", "force_flush", "shutdown"])
 def test_a_failing_next_processor_never_raises_into_the_caller(device, method, wait_until):
     device.next.raise_in.add(method)

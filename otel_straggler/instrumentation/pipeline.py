@@ -194,14 +194,13 @@ class RankPipeline:
         )
         return self.builder
 
-    @staticmethod
-    def _tracer_spans(provider: Any, attach) -> TracerSpans:
+    def _tracer_spans(self, provider: Any, attach) -> TracerSpans:
         """Spans through the provider's Tracer, with our derived ids in front of its id generator."""
         ids = DerivedIdGenerator()
         if hasattr(provider, "id_generator"):
             ids.fallback = provider.id_generator
             provider.id_generator = ids
-        return TracerSpans(provider.get_tracer(_SCOPE), ids, attach)
+        return TracerSpans(provider.get_tracer(_SCOPE), ids, attach, self._release_event)
 
     # -- builder thread ------------------------------------------------------------------------
 
@@ -294,6 +293,8 @@ class RankPipeline:
             "spans_built": built["spans_built"],
             "steps_built": built["steps_built"],
             "parent_ids_forgotten": built["parent_ids_forgotten"],  # spans kept, a parent link may dangle
+            # spans a TracerProvider of yours did not record (its sampler): not a loss of ours
+            "sampled_out": getattr(builder.spans, "sampled_out", 0) if builder is not None else 0,
             # intervals nested deeper than recorder.MAX_OPEN_INTERVALS (stages never exited):
             # spans kept, each one's children point at an enclosing interval instead
             "open_intervals_untracked": recorder.untracked_open_intervals,

@@ -100,10 +100,13 @@ class TracerSpans:
     sampler, span limits and processors all apply; ids come through the DerivedIdGenerator."""
 
     def __init__(self, tracer: trace_api.Tracer, ids: DerivedIdGenerator,
-                 attach_device_events: Optional[Callable[[Any, Any, Any], None]] = None) -> None:
+                 attach_device_events: Optional[Callable[[Any, Any, Any], None]] = None,
+                 release_event: Optional[Callable[[Any], None]] = None) -> None:
         self.tracer = tracer
         self.ids = ids
         self.attach_device_events = attach_device_events
+        self.release_event = release_event or (lambda event: None)
+        self.sampled_out = 0  # spans the provider's sampler did not record
 
     def emit(self, name: str, trace_id: Optional[int], span_id: int, parent_span_id: Optional[int],
              attributes: dict, start_ns: int, end_ns: int, device_events: Optional[tuple]) -> None:
@@ -115,7 +118,12 @@ class TracerSpans:
             parent = trace_api.SpanContext(trace_id, parent_span_id, is_remote=False, trace_flags=_SAMPLED)
             context = trace_api.set_span_in_context(trace_api.NonRecordingSpan(parent))
         span = self.tracer.start_span(name, context=context, attributes=attributes, start_time=start_ns)
-        if device_events is not None:
+        if not span.is_recording():
+            # the provider's sampler dropped it: no processor sees its end, so its events go back now
+            self.sampled_out += 1
+            for event in device_events or ():
+                self.release_event(event)
+        elif device_events is not None:
             self.attach_device_events(span, *device_events)
         span.end(end_time=end_ns)
 

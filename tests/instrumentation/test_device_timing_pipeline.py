@@ -116,3 +116,29 @@ def test_an_interval_that_fails_to_build_gives_its_events_back(in_memory, wait_u
     assert status["lost"]["internal_error"] >= 6 and status["spans_built"] == 0
     assert wait_until(lambda: handle.status()["event_pool_free"] == 4)
     assert status["lost"]["pool_exhausted"] == 0
+
+
+def test_spans_your_sampler_drops_give_their_events_back(configure, wait_until):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+
+    from otel_straggler.processors.cuda_event_span_processor import CudaEventSpanProcessor
+
+    provider = TracerProvider(sampler=ALWAYS_OFF)
+    processor = CudaEventSpanProcessor(SimpleSpanProcessor(InMemorySpanExporter()),
+                                       FakeDeviceEvents(auto_complete=True), poll_interval_s=0.001)
+    provider.add_span_processor(processor)
+    handle = configure(job_id="sampled", rank=0, tracer_provider=provider, device_processor=processor,
+                       event_pool_size=4)
+    for step in range(6):  # 12 events from a pool of 4: each must come back
+        otel_straggler.step(step)
+        with otel_straggler.stage("forward-compute"):
+            pass
+        handle.flush(timeout_s=5.0)
+    status = handle.status()
+    assert status["sampled_out"] == 6 + 5 and status["lost"]["pool_exhausted"] == 0  # stages, and steps 0-4
+    assert wait_until(lambda: handle.status()["event_pool_free"] == 4)
+    assert processor.pending() == 0 and not processor._events_by_span_id
+    provider.shutdown()

@@ -19,11 +19,16 @@ _EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 
 
 def resolve_protocol(explicit: Optional[str], environ: Mapping[str, str], signal: str) -> str:
-    protocol = (explicit or environ.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL")
-                or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc")
-    if protocol not in PROTOCOLS:
-        raise ConfigError(f"OTEL_EXPORTER_OTLP_PROTOCOL: must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
-    return protocol
+    """The OTLP protocol of a signal (TRACES, METRICS): configure()'s argument, else the signal's
+    env var, else the general one, else grpc; a bad value names where it came from."""
+    signal_variable = f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL"
+    for source, protocol in (("protocol", explicit), (signal_variable, environ.get(signal_variable)),
+                             ("OTEL_EXPORTER_OTLP_PROTOCOL", environ.get("OTEL_EXPORTER_OTLP_PROTOCOL"))):
+        if protocol:
+            if protocol not in PROTOCOLS:
+                raise ConfigError(f"{source}: must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+            return protocol
+    return "grpc"
 
 
 def _http_url(endpoint: str, path: str) -> str:

@@ -9,6 +9,7 @@ resource), the pool at the first step() (so CUDA events live on the device train
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any, Mapping, Optional
@@ -20,7 +21,8 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
 from otel_straggler import contract
 from otel_straggler.instrumentation import identity
-from otel_straggler.instrumentation.exporting import CountingSpanExporter, span_exporter, start_rank_metrics
+from otel_straggler.instrumentation.exporting import (CountingSpanExporter, resolve_protocol, span_exporter,
+                                                      start_rank_metrics)
 from otel_straggler.instrumentation.recorder import IntervalRecorder
 from otel_straggler.instrumentation.span_builder import (COUNTER_NAMES, DerivedIdGenerator, ProcessorSpans, SpanBuilder,
                                                         TracerSpans)
@@ -122,6 +124,8 @@ class RankPipeline:
             # a rank that never built before its exit makes its provider.
             self._detected_resource = Resource.create()
             # Export is set up now so a bad endpoint or protocol fails configure(), not later.
+            if options["export_metrics"]:
+                resolve_protocol(protocol, os.environ if environ is None else environ, "METRICS")
             self.exporter = CountingSpanExporter(span_exporter(endpoint, protocol))
             self.batch_processor = CountingBatchSpanProcessor(self.exporter)
             if self.backend is not None:

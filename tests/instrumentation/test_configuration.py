@@ -26,6 +26,8 @@ from otel_straggler.settings import ConfigError
     ("OTEL_STRAGGLER_INJECT_SLOWDOWN", "-0.5", ">= 0"),
     ("OTEL_SDK_DISABLED", "perhaps", "expected true or false"),
     ("OTEL_EXPORTER_OTLP_PROTOCOL", "carrier-pigeon", "must be one of grpc, http/protobuf"),
+    ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "carrier-pigeon", "must be one of grpc, http/protobuf"),
+    ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "carrier-pigeon", "must be one of grpc, http/protobuf"),
 ])
 def test_a_bad_env_var_fails_configure_with_one_line_naming_it(configure, monkeypatch, variable, value, complaint):
     monkeypatch.setenv("OTEL_STRAGGLER_DEVICE_TIMING", "off")  # no torch import to wait for

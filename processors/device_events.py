@@ -200,7 +200,13 @@ def make_backend(mode: str) -> Optional[DeviceEventBackend]:
     if mode == "fake":
         return FakeDeviceEvents(auto_complete=True)
     if mode == "cuda":
-        return TorchCudaEvents()
+        try:
+            return TorchCudaEvents()
+        except Exception as error:  # required, so configure() fails: in one line that says why
+            from otel_straggler.settings import ConfigError
+
+            raise ConfigError(f"OTEL_STRAGGLER_DEVICE_TIMING (device_timing) is cuda, but no CUDA device can be "
+                              f"timed here: {error}; auto falls back to host-only timing") from None
     try:
         return TorchCudaEvents()
     except Exception:  # no torch, no GPU, broken driver: host-only timing

@@ -28,6 +28,10 @@ class StragglerInstrumentor(BaseInstrumentor):
         except ConfigError as error:
             # A bad env var must not stop training: say what is wrong, once, and stay off.
             print(f"otel-straggler: disabled: {error}", file=sys.stderr)
+        except Exception as error:
+            # Nor anything else configure() meets (no CUDA where device timing requires it, an
+            # exporter that cannot be made): raised, it would also stop the instrumentors after us.
+            print(f"otel-straggler: disabled: {type(error).__name__}: {error}", file=sys.stderr)
 
     def _uninstrument(self, **kwargs) -> None:
         handle = api.current()

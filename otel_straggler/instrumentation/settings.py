@@ -12,7 +12,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("job_id", str, "", "training.job.id (default: TORCHELASTIC_RUN_ID, then SLURM_JOB_ID, else left out)"),
     Setting("cohort", str, "", "training.cohort (default: from Megatron parallel state, else left out)"),
     Setting("topology_epoch", int, 0, "training.topology.epoch; bump when the job re-shards", 0, 1 << 62),
-    Setting("device_timing", str, "auto", "CUDA-event timing: auto (when a GPU is visible), cuda, fake, off",
+    Setting("device_timing", str, "auto", "CUDA-event timing: auto (when a GPU is visible), cuda (configure() fails without one), fake, off",
             choices=DEVICE_TIMING_MODES),
     Setting("event_pool_size", int, 4096, "CUDA events allocated once; 2 per interval in flight", 2, 1 << 20),
     Setting("readout_timeout_ms", float, 10_000.0, "a device duration not readable after this is device_unavailable", 1.0, 3_600_000.0),

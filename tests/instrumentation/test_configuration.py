@@ -92,7 +92,19 @@ def test_without_enabling_it_stays_off(tmp_path):
     assert json.loads(finished.stdout.strip().splitlines()[-1]) == {"configured": False, "trained": True}
 
 
-@pytest.mark.parametrize("bad", [{"OTEL_STRAGGLER_QUEUE_SIZE": "lots"}, {"OTEL_STRAGGLER_ENABLED": "yes please"}])
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("bad", [
+    {"OTEL_STRAGGLER_QUEUE_SIZE": "lots"}, {"OTEL_STRAGGLER_ENABLED": "yes please"},
+    pytest.param({"OTEL_STRAGGLER_DEVICE_TIMING": "cuda"}, id="cuda-without-a-gpu",
+                 marks=pytest.mark.skipif(cuda_available(), reason="a GPU is here: cuda is a setting it can meet")),
+])
 def test_a_bad_value_under_opentelemetry_instrument_says_so_once_and_training_goes_on(tmp_path, bad):
     finished = run_under_opentelemetry_instrument(tmp_path, **{"OTEL_STRAGGLER_ENABLED": "true", **bad})
     assert finished.returncode == 0, finished.stderr

@@ -4,7 +4,7 @@ A span that carries a start/end event pair (`attach_device_events` before `span.
 until its end event has completed, then forwarded to the next processor with
 `training.stage.timing = device` and `training.stage.device_duration_ms`. An event that does
 not complete within `readout_timeout_s`, or that errors, yields `device_unavailable` with a
-reason instead. Spans leave in the order they ended (per-rank completion order), so a span
+reason instead; a timed-out event goes back to the pool once the device has passed it. Spans leave in the order they ended (per-rank completion order), so a span
 without events waits behind an earlier one that has them.
 
 It follows the SDK `BatchSpanProcessor` lifecycle: on_start / on_end / force_flush / shutdown,
@@ -25,6 +25,9 @@ from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
 from otel_straggler import contract
 from otel_straggler.processors.device_events import DeviceEventBackend
+
+# How often events past their readout are asked again whether the device has passed them.
+TIMED_OUT_POLL_S = 0.1
 
 
 class _HeldSpan:
@@ -82,6 +85,11 @@ class CudaEventSpanProcessor(SpanProcessor):
         self.release_event = release_event or (lambda event: None)
         self._events_by_span_id: dict[int, tuple[Any, Any, Optional[dict]]] = {}
         self._held: collections.deque[_HeldSpan] = collections.deque()
+        # Events whose span gave up waiting for them: not reusable until the device has passed
+        # them (re-recorded while pending, they would time a later interval wrongly), then back
+        # to the pool, so that a long stall (a peer's checkpoint, say) does not drain it. At
+        # most the pool's size, as they all come from it.
+        self._timed_out: collections.deque = collections.deque()
         self._wake = threading.Event()
         self._shutdown = False
         self._closing = False  # shutdown() has begun (it waits for held spans before _shutdown)
@@ -171,13 +179,27 @@ class CudaEventSpanProcessor(SpanProcessor):
 
     def _run(self) -> None:
         while not self._shutdown:
-            self._wake.wait(self.poll_interval_s if self._held else None)
+            self._wake.wait(self.poll_interval_s if self._held else TIMED_OUT_POLL_S if self._timed_out else None)
             self._wake.clear()
             try:
                 self._forward_ready()
+                if self._timed_out:
+                    self._release_passed_timed_out()
             except Exception:
                 self.counters["internal_error"] += 1
         self._forward_ready(give_up=True)
+
+    def _release_passed_timed_out(self) -> None:
+        for _ in range(len(self._timed_out)):
+            event = self._timed_out.popleft()
+            try:
+                passed = self.backend.query(event)
+            except Exception:
+                continue  # a failing event is not reused (as in _read)
+            if passed:
+                self.release_event(event)
+            else:
+                self._timed_out.append(event)
 
     def _forward_ready(self, give_up: bool = False) -> None:
         """Forwards held spans from the front while they are ready, keeping their order."""
@@ -211,12 +233,11 @@ class CudaEventSpanProcessor(SpanProcessor):
                 return {contract.TIMING: contract.TIMING_DEVICE, contract.DEVICE_DURATION_MS: duration_ms}
             if give_up or time.monotonic() >= deadline:
                 reason = "readout_timeout"
+                self._timed_out.extend(event for event in (start_event, end_event) if event is not None)
             else:
                 return None
         except Exception:
-            reason = "event_error"
-        # An event that timed out or errored is not reused: it may still be pending on the
-        # device, and re-recording it would corrupt a later interval's timing.
+            reason = "event_error"  # not reused: a failing event may fail again
         self.counters[reason] += 1
         return _unavailable(reason)
 

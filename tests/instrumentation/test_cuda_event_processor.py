@@ -11,7 +11,7 @@ import pytest
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 
 from otel_straggler import contract
-from otel_straggler.processors.cuda_event_span_processor import CudaEventSpanProcessor
+from otel_straggler.processors.cuda_event_span_processor import TIMED_OUT_POLL_S, CudaEventSpanProcessor
 from otel_straggler.processors.device_events import EventPool, FakeDeviceEvents
 
 KERNEL_MS = 2.5
@@ -153,7 +153,7 @@ def test_spans_without_events_pass_straight_through_or_wait_their_turn(device, w
 
 def test_events_that_never_complete_time_out_as_device_unavailable(device_with, wait_until):
     device = device_with(readout_timeout_s=0.05)
-    device.end_span("stuck")
+    stuck_events = device.end_span("stuck")
     behind = device.end_span("behind")
     device.complete(behind)
     assert wait_until(lambda: len(device.next.ended) == 2, timeout_s=2.0)
@@ -164,8 +164,12 @@ def test_events_that_never_complete_time_out_as_device_unavailable(device_with, 
     assert contract.DEVICE_DURATION_MS not in stuck.attributes
     assert after.attributes[contract.TIMING] == contract.TIMING_DEVICE
     assert device.processor.counters["readout_timeout"] == 1
-    # timed-out events may still be pending on the device: they are never reused
+    # timed-out events may still be pending on the device: not reused until it has passed them
+    time.sleep(3 * TIMED_OUT_POLL_S)
     assert device.pool.free_count() == POOL_SIZE - 2
+    device.complete(stuck_events)  # the stall ends (a peer's checkpoint written, say)
+    assert wait_until(lambda: device.pool.free_count() == POOL_SIZE, timeout_s=2.0)
+    assert device.processor.counters["readout_timeout"] == 1
 
 
 def test_a_failing_event_query_is_an_event_error(device, wait_until):

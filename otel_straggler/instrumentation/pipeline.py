@@ -140,6 +140,8 @@ class RankPipeline:
         self.provider = None
         self.builder: Optional[SpanBuilder] = None
         self._build_lock = threading.Lock()
+        self._flush_lock = threading.Lock()
+        self._flusher: Optional[threading.Thread] = None  # the last flush's thread
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="otel-straggler-span-builder", daemon=True)
@@ -243,11 +245,24 @@ class RankPipeline:
         if provider is None or not hasattr(provider, "force_flush"):
             return True
         # The SDK's flush ignores its timeout while an exporter retries: run it aside and
-        # wait at most what is left.
-        result: list[bool] = []
-        flusher = threading.Thread(target=lambda: result.append(provider.force_flush(int(timeout_s * 1000))),
-                                   name="otel-straggler-flush", daemon=True)
-        flusher.start()
+        # wait at most what is left. One such thread at a time: while an earlier flush still
+        # runs (its export retrying through an outage), a call waits for it, and gives up at its
+        # own deadline rather than start another.
+        if not self._flush_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return False
+        try:
+            earlier = self._flusher
+            if earlier is not None and earlier.is_alive():
+                earlier.join(max(0.0, deadline - time.monotonic()))
+                if earlier.is_alive():
+                    return False
+            result: list[bool] = []
+            flusher = threading.Thread(target=lambda: result.append(provider.force_flush(int(timeout_s * 1000))),
+                                       name="otel-straggler-flush", daemon=True)
+            flusher.start()
+            self._flusher = flusher
+        finally:
+            self._flush_lock.release()
         flusher.join(max(0.0, deadline - time.monotonic()))
         return bool(result and result[0])
 

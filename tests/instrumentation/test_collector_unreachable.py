@@ -95,3 +95,18 @@ def test_a_full_exporter_queue_drops_the_oldest_and_makes_no_log_record_per_drop
     assert [args for args in warnings if "Queue full" in str(args[0])] == []
     assert len(handle._pipeline.batch_processor._batch_processor._queue) <= 100  # bounded
     shut_down(handle)
+
+
+def test_flushes_during_an_outage_keep_their_timeout_and_start_one_thread(configure, unreachable_endpoint):
+    import threading
+
+    handle = configure(job_id="collector-down", rank=0, endpoint=unreachable_endpoint, protocol="grpc",
+                       device_timing="off")
+    train(20)
+    for _ in range(10):  # the SDK's flush retries the export for seconds: each call gives up at its timeout
+        started = time.monotonic()
+        assert handle.flush(timeout_s=0.05) is False
+        assert time.monotonic() - started < 0.5
+    flushers = [thread for thread in threading.enumerate() if thread.name == "otel-straggler-flush"]
+    assert len(flushers) <= 1
+    shut_down(handle)

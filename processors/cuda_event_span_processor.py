@@ -93,6 +93,10 @@ class CudaEventSpanProcessor(SpanProcessor):
         self._wake = threading.Event()
         self._shutdown = False
         self._closing = False  # shutdown() has begun (it waits for held spans before _shutdown)
+        # The worker's last drain and on_end's holding of a span exclude each other, so no span
+        # is held after that drain (on_end then forwards it itself).
+        self._last_drain_lock = threading.Lock()
+        self._drained_for_good = False
         self.counters = collections.Counter()
         self._worker = threading.Thread(target=self._run, name="otel-straggler-device-timing", daemon=True)
         self._worker.start()
@@ -136,9 +140,18 @@ class CudaEventSpanProcessor(SpanProcessor):
                 self._forward(span)
                 return
             start_event, end_event, own_attributes = events if events is not None else (None, None, None)
-            self._held.append(_HeldSpan(span, start_event, end_event, own_attributes,
-                                        time.monotonic() + self.readout_timeout_s))
-            self._wake.set()
+            with self._last_drain_lock:
+                if not self._drained_for_good:
+                    self._held.append(_HeldSpan(span, start_event, end_event, own_attributes,
+                                                time.monotonic() + self.readout_timeout_s))
+                    self._wake.set()
+                    return
+            # shut down between the check above and now, its worker gone: nothing would forward it
+            if events is not None:
+                self.counters["processor_shut_down"] += 1
+                self._give_back(events[:2])
+                span = with_attributes(span, _unavailable("processor_shut_down"), events[2])
+            self._forward(span)
         except Exception:  # never raise into the span's owner
             self.counters["internal_error"] += 1
 
@@ -187,7 +200,12 @@ class CudaEventSpanProcessor(SpanProcessor):
                     self._release_passed_timed_out()
             except Exception:
                 self.counters["internal_error"] += 1
-        self._forward_ready(give_up=True)
+        with self._last_drain_lock:  # a span on_end holds from now on is forwarded there
+            try:
+                self._forward_ready(give_up=True)
+            except Exception:
+                self.counters["internal_error"] += 1
+            self._drained_for_good = True
 
     def _release_passed_timed_out(self) -> None:
         for _ in range(len(self._timed_out)):

@@ -229,6 +229,16 @@ def test_shutdown_drains_held_spans_within_the_readout_timeout(device_with):
     assert device.next.names()[-1] == "after-shutdown"
 
 
+def test_a_span_ending_as_the_worker_drains_for_the_last_time_is_still_forwarded(device, wait_until):
+    device.processor.shutdown()  # the worker has drained for the last time and stopped
+    device.processor._shutdown = False  # as on_end saw it a moment before: the race's window
+    device.end_span("late")
+    assert device.next.names() == ["late"]  # forwarded, not held where nothing would forward it
+    assert device.next.by_name()["late"].attributes[contract.TIMING_REASON] == "processor_shut_down"
+    assert device.pool.free_count() == POOL_SIZE and device.processor.pending() == 0
+    device.processor._shutdown = True
+
+
 def test_a_second_shutdown_does_not_wait_again(device_with):
     device = device_with(readout_timeout_s=1.0)
     device.end_span("stuck")  # its events never complete: the first shutdown waits out its readout

@@ -308,7 +308,7 @@ class RankPipeline:
         return {
             "enabled": True,
             "device_timing": self.backend.name if self.backend is not None and self.device_processor else "off",
-            "intervals": built["spans_built"] + recorder.dropped_queue_full + pending,
+            "intervals": built["spans_built"] + built["intervals_failed"] + recorder.dropped_queue_full + pending,
             "spans_built": built["spans_built"],
             "steps_built": built["steps_built"],
             "parent_ids_forgotten": built["parent_ids_forgotten"],  # spans kept, a parent link may dangle

@@ -35,7 +35,10 @@ from otel_straggler.instrumentation.recorder import (INTERVAL, START_EVENT, STAR
 _MASK64 = (1 << 64) - 1
 _SAMPLED = trace_api.TraceFlags(trace_api.TraceFlags.SAMPLED)
 MAX_OPEN_PARENTS = 1024  # enclosing intervals with built children, not yet ended themselves
-COUNTER_NAMES = ("spans_built", "steps_built", "pool_exhausted", "build_errors", "parent_ids_forgotten")
+# build_errors: records of any kind that failed to build; intervals_failed: those of them that
+# were intervals (so status() can account for every interval)
+COUNTER_NAMES = ("spans_built", "steps_built", "pool_exhausted", "build_errors", "intervals_failed",
+                 "parent_ids_forgotten")
 
 
 def trace_id_for_step(job_id: str, step: int) -> int:
@@ -228,6 +231,8 @@ class SpanBuilder:
                     self._close_step(record[2])
             except Exception:
                 self.counters["build_errors"] += 1
+                if isinstance(record, tuple) and record and record[0] == INTERVAL:
+                    self.counters["intervals_failed"] += 1
         if close_open_step and (limit is None or not completed) and self._open_step is not None:
             self._close_step(max(self._last_end_ns, self._open_step[1]))
         return bool(completed)

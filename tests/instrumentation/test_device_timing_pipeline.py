@@ -114,6 +114,7 @@ def test_an_interval_that_fails_to_build_gives_its_events_back(in_memory, wait_u
     handle.flush(timeout_s=5.0)
     status = handle.status()
     assert status["lost"]["internal_error"] >= 6 and status["spans_built"] == 0
+    assert status["intervals"] == 6  # accounted for: built, failed (internal_error) or dropped
     assert wait_until(lambda: handle.status()["event_pool_free"] == 4)
     assert status["lost"]["pool_exhausted"] == 0
 

@@ -178,7 +178,7 @@ class RankPipeline:
             provider.add_span_processor(processor)  # for flush and shutdown
             self.provider = provider
             if ProcessorSpans.applies(provider):
-                spans = ProcessorSpans(processor, provider.resource, _SCOPE, attach)
+                spans = ProcessorSpans(processor, provider.resource, _SCOPE, attach, self._release_event)
             else:
                 spans = self._tracer_spans(provider, attach)
             if self.options["export_metrics"]:

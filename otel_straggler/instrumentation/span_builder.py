@@ -120,15 +120,23 @@ class TracerSpans:
             self.ids.choose(span_id)
             parent = trace_api.SpanContext(trace_id, parent_span_id, is_remote=False, trace_flags=_SAMPLED)
             context = trace_api.set_span_in_context(trace_api.NonRecordingSpan(parent))
-        span = self.tracer.start_span(name, context=context, attributes=attributes, start_time=start_ns)
+        try:
+            span = self.tracer.start_span(name, context=context, attributes=attributes, start_time=start_ns)
+        except Exception:
+            self._release(device_events)  # not handed on: still the pool's
+            raise
         if not span.is_recording():
             # the provider's sampler dropped it: no processor sees its end, so its events go back now
             self.sampled_out += 1
-            for event in device_events or ():
-                self.release_event(event)
+            self._release(device_events)
         elif device_events is not None:
             self.attach_device_events(span, *device_events)
         span.end(end_time=end_ns)
+
+
+    def _release(self, device_events: Optional[tuple]) -> None:
+        for event in device_events or ():
+            self.release_event(event)
 
 
 class ProcessorSpans:
@@ -140,11 +148,13 @@ class ProcessorSpans:
     _PLAIN_VALUES = (str, bool, int, float)
 
     def __init__(self, processor: SpanProcessor, resource: Resource, scope_name: str,
-                 attach_device_events: Optional[Callable[[Any, Any, Any], None]] = None) -> None:
+                 attach_device_events: Optional[Callable[[Any, Any, Any], None]] = None,
+                 release_event: Optional[Callable[[Any], None]] = None) -> None:
         self.processor = processor
         self.resource = resource
         self.scope = InstrumentationScope(scope_name)
         self.attach_device_events = attach_device_events
+        self.release_event = release_event or (lambda event: None)
         self._random_ids = RandomIdGenerator()
 
     @staticmethod
@@ -156,6 +166,19 @@ class ProcessorSpans:
 
     def emit(self, name: str, trace_id: Optional[int], span_id: int, parent_span_id: Optional[int],
              attributes: dict, start_ns: int, end_ns: int, device_events: Optional[tuple]) -> None:
+        try:
+            span, attributes = self._readable_span(name, trace_id, span_id, parent_span_id, attributes, start_ns,
+                                                   end_ns)
+        except Exception:
+            for event in device_events or ():
+                self.release_event(event)  # not handed on: still the pool's
+            raise
+        if device_events is not None:  # the span and its attributes are the processor's from here
+            self.attach_device_events(span, *device_events, attributes)
+        self.processor.on_end(span)
+
+    def _readable_span(self, name: str, trace_id: Optional[int], span_id: int, parent_span_id: Optional[int],
+                       attributes: dict, start_ns: int, end_ns: int) -> tuple[ReadableSpan, Any]:
         if trace_id is None:
             trace_id = self._random_ids.generate_trace_id()
         plain = self._PLAIN_VALUES
@@ -170,9 +193,7 @@ class ProcessorSpans:
             resource=self.resource, attributes=attributes, start_time=start_ns, end_time=end_ns,
             instrumentation_scope=self.scope,
         )
-        if device_events is not None:  # the span and its attributes are the processor's from here
-            self.attach_device_events(span, *device_events, attributes)
-        self.processor.on_end(span)
+        return span, attributes
 
 
 class SpanBuilder:

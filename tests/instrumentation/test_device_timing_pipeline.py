@@ -143,3 +143,24 @@ def test_spans_your_sampler_drops_give_their_events_back(configure, wait_until):
     assert wait_until(lambda: handle.status()["event_pool_free"] == 4)
     assert processor.pending() == 0 and not processor._events_by_span_id
     provider.shutdown()
+
+
+def test_a_span_that_fails_to_be_made_gives_its_events_back(configure, monkeypatch, unreachable_endpoint,
+                                                             wait_until):
+    from otel_straggler.instrumentation import span_builder
+
+    def failing(*args, **kwargs):
+        raise ValueError("a span the SDK will not make")
+
+    monkeypatch.setattr(span_builder.ProcessorSpans, "_readable_span", failing)
+    handle = configure(job_id="unmade", rank=0, endpoint=unreachable_endpoint, protocol="grpc",
+                       device_timing="fake", event_pool_size=4)
+    for step in range(6):  # 12 events from a pool of 4: each must come back
+        otel_straggler.step(step)
+        with otel_straggler.stage("forward-compute"):
+            pass
+        handle.flush(timeout_s=0.2)
+    status = handle.status()
+    assert status["spans_built"] == 0 and status["lost"]["internal_error"] >= 6
+    assert status["lost"]["pool_exhausted"] == 0
+    assert wait_until(lambda: handle.status()["event_pool_free"] == 4)

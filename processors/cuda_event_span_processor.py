@@ -26,8 +26,10 @@ from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 from otel_straggler import contract
 from otel_straggler.processors.device_events import DeviceEventBackend
 
-# How often events past their readout are asked again whether the device has passed them.
+# How often events past their readout are asked again whether the device has passed them, and
+# at most how many each time (a long stall can leave thousands waiting: their queries hold the GIL).
 TIMED_OUT_POLL_S = 0.1
+TIMED_OUT_QUERIES_PER_POLL = 256
 
 
 class _HeldSpan:
@@ -90,6 +92,7 @@ class CudaEventSpanProcessor(SpanProcessor):
         # to the pool, so that a long stall (a peer's checkpoint, say) does not drain it. At
         # most the pool's size, as they all come from it.
         self._timed_out: collections.deque = collections.deque()
+        self._next_timed_out_poll = 0.0  # time.monotonic()
         self._wake = threading.Event()
         self._shutdown = False
         self._closing = False  # shutdown() has begun (it waits for held spans before _shutdown)
@@ -196,7 +199,8 @@ class CudaEventSpanProcessor(SpanProcessor):
             self._wake.clear()
             try:
                 self._forward_ready()
-                if self._timed_out:
+                if self._timed_out and time.monotonic() >= self._next_timed_out_poll:
+                    self._next_timed_out_poll = time.monotonic() + TIMED_OUT_POLL_S
                     self._release_passed_timed_out()
             except Exception:
                 self.counters["internal_error"] += 1
@@ -208,7 +212,7 @@ class CudaEventSpanProcessor(SpanProcessor):
             self._drained_for_good = True
 
     def _release_passed_timed_out(self) -> None:
-        for _ in range(len(self._timed_out)):
+        for _ in range(min(len(self._timed_out), TIMED_OUT_QUERIES_PER_POLL)):
             event = self._timed_out.popleft()
             try:
                 passed = self.backend.query(event)

@@ -239,12 +239,12 @@ def test_a_span_ending_as_the_worker_drains_for_the_last_time_is_still_forwarded
     device.processor._shutdown = True
 
 
-def test_a_second_shutdown_does_not_wait_again(device_with):
+def test_a_second_shutdown_does_not_wait_again(device_with, wait_until):
     device = device_with(readout_timeout_s=1.0)
     device.end_span("stuck")  # its events never complete: the first shutdown waits out its readout
     first = threading.Thread(target=device.processor.shutdown)
     first.start()
-    time.sleep(0.05)
+    assert wait_until(lambda: device.processor._closing)
     started = time.monotonic()
     device.processor.shutdown()  # as a provider's exit handler would, while the owner's is running
     assert time.monotonic() - started < 0.2

@@ -50,7 +50,8 @@ class step(hot_path.Step):
     every interval that ENDS from now on, and starts the rank's `train.step` span. Call it at
     the start of each step, or use it as `with step(n, tokens=...):` to end the step span
     explicitly. `n` is an int or converts to one losslessly (a numpy integer, a 0-d integer
-    tensor); anything else loses the step's spans, counted as `internal_error`."""
+    tensor on the CPU: one on a GPU is not read, as that would wait for the device); anything
+    else loses the step's spans, counted as `internal_error`."""
 
     __slots__ = ()
 

@@ -141,6 +141,7 @@ def start_rank_metrics(
     resource,
     endpoint: Optional[str],
     protocol: Optional[str],
+    environ: Mapping[str, str] = os.environ,
 ):
     """The rank's own loss counters as OTel metrics (`straggler.instrumentation.*`), read from
     status() at each collection, so the hot path pays nothing for them."""
@@ -149,7 +150,7 @@ def start_rank_metrics(
     from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
     # the period comes from OTEL_METRIC_EXPORT_INTERVAL, as for any SDK metric reader
-    reader = PeriodicExportingMetricReader(metric_exporter(endpoint, protocol))
+    reader = PeriodicExportingMetricReader(metric_exporter(endpoint, protocol, environ))
     provider = MeterProvider(resource=resource, metric_readers=[reader], shutdown_on_exit=False)  # the pipeline's
     meter = provider.get_meter("otel_straggler.instrumentation")
 

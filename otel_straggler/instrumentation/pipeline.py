@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any, Mapping, Optional
 
-from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
@@ -110,6 +110,7 @@ class RankPipeline:
         self.exporter: Optional[CountingSpanExporter] = None
         self.batch_processor: Optional[CountingBatchSpanProcessor] = None
         self.metrics_provider = None
+        self.metrics_errors = 0  # the rank's metrics could not be started: not a loss of spans
         if device_processor is not None:
             self.backend = device_processor.backend
             device_processor.release_event = self._release_event
@@ -117,16 +118,12 @@ class RankPipeline:
             self.backend = make_backend(options["device_timing"]) if tracer_provider is None else None
         self.event_pool: Optional[EventPool] = None
         self.device_processor = device_processor
-        self._detected_resource: Optional[Resource] = None
+        self._detected_resource: Optional[Resource] = None  # _detect_resource()
         if tracer_provider is None:
-            # The OTEL_RESOURCE_ATTRIBUTES / detector part of the resource, now: its detectors run
-            # on a thread pool, which no longer takes work once the interpreter is exiting, where
-            # a rank that never built before its exit makes its provider.
-            self._detected_resource = Resource.create()
             # Export is set up now so a bad endpoint or protocol fails configure(), not later.
             if options["export_metrics"]:
-                resolve_protocol(protocol, os.environ if environ is None else environ, "METRICS")
-            self.exporter = CountingSpanExporter(span_exporter(endpoint, protocol))
+                resolve_protocol(protocol, self._environ(), "METRICS")
+            self.exporter = CountingSpanExporter(span_exporter(endpoint, protocol, self._environ()))
             self.batch_processor = CountingBatchSpanProcessor(self.exporter)
             if self.backend is not None:
                 self.device_processor = CudaEventSpanProcessor(
@@ -169,8 +166,8 @@ class RankPipeline:
         attach = self.device_processor.attach_device_events if self.device_processor else None
         extra: dict = {}
         if self.user_provider is None:
-            # (what Resource.create(attributes) makes, without running the detectors again)
-            resource = self._detected_resource.merge(Resource(attributes))
+            # what Resource.create(attributes) makes, with the detectors run already
+            resource = self._detect_resource().merge(Resource(attributes))
             # shut down by configure()'s exit handler, within its deadline: the SDK's own, made
             # later and so run first, would close the processors before the last build
             provider = TracerProvider(resource=resource, sampler=ALWAYS_ON, shutdown_on_exit=False)
@@ -184,9 +181,9 @@ class RankPipeline:
             if self.options["export_metrics"]:
                 try:
                     self.metrics_provider = start_rank_metrics(self.status_of_recorder, provider.resource,
-                                                               self.endpoint, self.protocol)
+                                                               self.endpoint, self.protocol, self._environ())
                 except Exception:  # no rank metrics (their exporter, or a thread at exit): spans go on
-                    self.recorder.internal_errors += 1
+                    self.metrics_errors += 1
         else:
             provider = self.user_provider
             spans = self._tracer_spans(provider, attach)
@@ -210,7 +207,28 @@ class RankPipeline:
 
     # -- builder thread ------------------------------------------------------------------------
 
+    def _environ(self) -> Mapping[str, str]:
+        return os.environ if self.environ is None else self.environ
+
+    def _detect_resource(self) -> Resource:
+        """The resource's detected part (OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME, the
+        detectors OTEL_EXPERIMENTAL_RESOURCE_DETECTORS names), made once. The builder thread
+        makes it as it starts, off the training thread (a detector may take seconds): the SDK
+        runs the detectors on a thread pool, which refuses work once the interpreter exits,
+        where a rank that never built before makes its provider; then only the env is read."""
+        if self._detected_resource is None:
+            try:
+                self._detected_resource = Resource.create()
+            except Exception:  # the pool refusing work at exit, or a detector failing: the env alone
+                try:
+                    self._detected_resource = OTELResourceDetector().detect()
+                except Exception:
+                    self._detected_resource = Resource.get_empty()
+        return self._detected_resource
+
     def _run(self) -> None:
+        if self.user_provider is None:
+            self._detect_resource()
         interval_s = self.options["build_interval_ms"] / 1000
         while not self._stopping:
             self._wake.wait(interval_s)
@@ -314,6 +332,7 @@ class RankPipeline:
             "parent_ids_forgotten": built["parent_ids_forgotten"],  # spans kept, a parent link may dangle
             # spans a TracerProvider of yours did not record (its sampler): not a loss of ours
             "sampled_out": getattr(builder.spans, "sampled_out", 0) if builder is not None else 0,
+            "metrics_errors": self.metrics_errors,  # the rank's own metrics failed to start
             # intervals nested deeper than recorder.MAX_OPEN_INTERVALS (stages never exited):
             # spans kept, each one's children point at an enclosing interval instead
             "open_intervals_untracked": recorder.untracked_open_intervals,

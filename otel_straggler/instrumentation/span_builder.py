@@ -85,6 +85,18 @@ class DerivedIdGenerator(IdGenerator):
         return False
 
 
+def step_number(step: Any) -> int:
+    """A step as an int however it came (a numpy integer, a 0-d CPU tensor): the contract's type,
+    and what the ids are derived from. A tensor on a device is refused, not read: reading it
+    would wait for the device."""
+    if type(step) is int:
+        return step
+    device = getattr(step, "device", None)
+    if device is not None and getattr(device, "type", "cpu") != "cpu":
+        raise TypeError(f"step {type(step).__name__} on {device}: pass an int")
+    return operator.index(step)
+
+
 def workload_value(value: Any) -> Optional[int]:
     """Tokens/samples as reported; anything not a positive finite number is 'not reported'."""
     try:
@@ -245,9 +257,7 @@ class SpanBuilder:
                     self._build_interval(record)
                 elif kind == STEP_BEGIN:
                     self._close_step(record[2])
-                    # an int however the step came (numpy, a 0-d tensor): the contract's type, and
-                    # what the ids are derived from
-                    self._open_step = (operator.index(record[1]), record[2], record[3], record[4])
+                    self._open_step = (step_number(record[1]), record[2], record[3], record[4])
                 elif kind == STEP_END and self._open_step is not None and self._open_step[0] == record[1]:
                     self._close_step(record[2])
             except Exception:
@@ -323,7 +333,7 @@ class SpanBuilder:
         _, opened, end_ns, end_event, (step, tokens, samples) = record
         name, collective, enclosing, start_step, start_ns, start_event = opened
         if step is not None:
-            step = operator.index(step)
+            step = step_number(step)
         kind = stage_names.classify(name)
         # Intervals the full queue dropped count too, so a loss shows downstream as a gap.
         seq = self._seq + self.recorder.dropped_queue_full

@@ -104,6 +104,25 @@ def test_numpy_steps_are_built_as_ints(in_memory, wait_until):
     assert wait_until(lambda: handle.status()["event_pool_free"] == 8)
 
 
+def test_a_step_on_a_device_is_not_read(in_memory):
+    """A 0-d CUDA tensor as the step: reading it would wait for the device, so it is refused."""
+    class DeviceStep:
+        device = type("Device", (), {"type": "cuda"})()
+        read = False
+
+        def __index__(self) -> int:
+            DeviceStep.read = True
+            return 1
+
+    handle = in_memory.configure()
+    otel_straggler.step(DeviceStep())
+    with otel_straggler.stage("forward-compute"):
+        pass
+    handle.flush(timeout_s=5.0)
+    assert not DeviceStep.read and handle.status()["spans_built"] == 0
+    assert handle.status()["lost"]["internal_error"] >= 1
+
+
 def test_an_interval_that_fails_to_build_gives_its_events_back(in_memory, wait_until):
     backend = FakeDeviceEvents(auto_complete=True)
     handle = in_memory.configure(device_backend=backend, event_pool_size=4)

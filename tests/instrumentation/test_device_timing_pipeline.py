@@ -14,6 +14,15 @@ def timing_of(span) -> tuple:
             attributes.get(contract.TIMING_REASON))
 
 
+def steps_of_one_stage(handle, steps: int, flush_timeout_s: float) -> None:
+    """Steps of one stage each, every one flushed (built) before the next."""
+    for step in range(steps):
+        otel_straggler.step(step)
+        with otel_straggler.stage("forward-compute"):
+            pass
+        handle.flush(timeout_s=flush_timeout_s)
+
+
 def test_an_exhausted_pool_times_host_only_until_events_come_back(in_memory, wait_until):
     backend = FakeDeviceEvents(kernel_ms=1.0)
     handle = in_memory.configure(device_backend=backend, event_pool_size=4)
@@ -152,11 +161,7 @@ def test_spans_your_sampler_drops_give_their_events_back(configure, wait_until):
     provider.add_span_processor(processor)
     handle = configure(job_id="sampled", rank=0, tracer_provider=provider, device_processor=processor,
                        event_pool_size=4)
-    for step in range(6):  # 12 events from a pool of 4: each must come back
-        otel_straggler.step(step)
-        with otel_straggler.stage("forward-compute"):
-            pass
-        handle.flush(timeout_s=5.0)
+    steps_of_one_stage(handle, 6, flush_timeout_s=5.0)  # 12 events from a pool of 4: each must come back
     status = handle.status()
     assert status["sampled_out"] == 6 + 5 and status["lost"]["pool_exhausted"] == 0  # stages, and steps 0-4
     assert wait_until(lambda: handle.status()["event_pool_free"] == 4)
@@ -174,11 +179,7 @@ def test_a_span_that_fails_to_be_made_gives_its_events_back(configure, monkeypat
     monkeypatch.setattr(span_builder.ProcessorSpans, "_readable_span", failing)
     handle = configure(job_id="unmade", rank=0, endpoint=unreachable_endpoint, protocol="grpc",
                        device_timing="fake", event_pool_size=4)
-    for step in range(6):  # 12 events from a pool of 4: each must come back
-        otel_straggler.step(step)
-        with otel_straggler.stage("forward-compute"):
-            pass
-        handle.flush(timeout_s=0.2)
+    steps_of_one_stage(handle, 6, flush_timeout_s=0.2)  # 12 events from a pool of 4: each must come back
     status = handle.status()
     assert status["spans_built"] == 0 and status["lost"]["internal_error"] >= 6
     assert status["lost"]["pool_exhausted"] == 0

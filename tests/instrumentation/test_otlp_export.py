@@ -240,17 +240,23 @@ def test_a_rank_that_exits_without_shutdown_exports_everything(grpc_receiver, tm
     assert len(names) == 50 * 3 + 50, (len(names), result.stderr[-2000:])  # the stages and 50 step spans
 
 
+def one_stage_received(handle, receiver, wait_until):
+    """One step of one stage, flushed: what the receiver got of it (the open step's span is not
+    built yet)."""
+    otel_straggler.step(0)
+    with otel_straggler.stage("forward-compute"):
+        pass
+    assert handle.flush(timeout_s=5.0)
+    assert wait_until(lambda: [item.span.name for item in receiver.spans()] == ["forward-compute"])
+    return receiver.spans()[0]
+
+
 def test_the_exported_resource_has_the_detected_attributes_and_the_identity(configure, grpc_receiver, monkeypatch,
                                                                             wait_until):
     monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=staging,training.rank=9")
     handle = configure(job_id="resource", rank=3, endpoint=grpc_receiver.endpoint, protocol="grpc",
                        device_timing="off", export_metrics=False)
-    otel_straggler.step(0)
-    with otel_straggler.stage("forward-compute"):
-        pass
-    assert handle.flush(timeout_s=5.0)
-    assert wait_until(lambda: grpc_receiver.spans())
-    resource = grpc_receiver.spans()[0].resource
+    resource = one_stage_received(handle, grpc_receiver, wait_until).resource
     assert resource["deployment.environment"] == "staging"  # from the env, through the detectors
     assert resource["telemetry.sdk.name"] == "opentelemetry"  # the SDK's own part
     assert resource["training.rank"] == 3 and resource["training.job.id"] == "resource"  # explicit wins
@@ -266,10 +272,6 @@ def test_rank_metrics_that_fail_to_start_leave_the_spans_going(configure, grpc_r
     monkeypatch.setattr(pipeline, "start_rank_metrics", failing)
     handle = configure(job_id="no-metrics", rank=0, endpoint=grpc_receiver.endpoint, protocol="grpc",
                        device_timing="off", export_metrics=True)
-    otel_straggler.step(0)
-    with otel_straggler.stage("forward-compute"):
-        pass
-    assert handle.flush(timeout_s=5.0)
-    assert wait_until(lambda: [item.span.name for item in grpc_receiver.spans()] == ["forward-compute"])
+    one_stage_received(handle, grpc_receiver, wait_until)
     status = handle.status()
     assert status["metrics_errors"] == 1 and status["lost"]["internal_error"] == 0

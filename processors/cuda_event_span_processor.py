@@ -113,7 +113,16 @@ class CudaEventSpanProcessor(SpanProcessor):
         `own_attributes`: the dict behind the span's attributes, from a caller that made the
         span itself and hands it over: the device attributes are then written into it rather
         than into a copy of the span."""
-        self._events_by_span_id[span.get_span_context().span_id] = (start_event, end_event, own_attributes)
+        waiting = self._events_by_span_id
+        if len(waiting) >= self.max_pending:
+            # spans whose end never reached us (a processor ahead of us raised in on_end): the
+            # oldest goes, its events to wait for the device like timed-out ones, so this stays
+            # bounded
+            start, end, _ = waiting.pop(next(iter(waiting)))
+            self._timed_out.extend(event for event in (start, end) if event is not None)
+            self.counters["next_processor_error"] += 1
+            self._wake.set()  # the worker asks about them from now on
+        waiting[span.get_span_context().span_id] = (start_event, end_event, own_attributes)
 
     def on_start(self, span: Span, parent_context: Optional[Context] = None) -> None:
         try:

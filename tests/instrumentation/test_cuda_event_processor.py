@@ -239,6 +239,17 @@ def test_a_span_ending_as_the_worker_drains_for_the_last_time_is_still_forwarded
     device.processor._shutdown = True
 
 
+def test_spans_whose_end_never_reaches_it_are_bounded_and_their_events_come_back(device_with, wait_until):
+    device = device_with(max_pending=4)
+    for number in range(10):  # attached, never ended through this processor (one ahead of it raised)
+        span = device.tracer.start_span(f"never-ended-{number}")
+        device.processor.attach_device_events(span, device.pool.record(), device.pool.record())
+    assert len(device.processor._events_by_span_id) == 4
+    assert device.processor.counters["next_processor_error"] == 6
+    device.backend.complete_all()
+    assert wait_until(lambda: device.pool.free_count() == POOL_SIZE - 8, timeout_s=2.0)  # 4 still attached
+
+
 def test_a_second_shutdown_does_not_wait_again(device_with, wait_until):
     device = device_with(readout_timeout_s=1.0)
     device.end_span("stuck")  # its events never complete: the first shutdown waits out its readout

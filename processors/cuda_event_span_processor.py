@@ -178,9 +178,10 @@ class CudaEventSpanProcessor(SpanProcessor):
             return False
 
     def shutdown(self) -> None:
-        if self._closing:  # a second call (a provider's and its owner's) does not wait again
-            return
-        self._closing = True
+        with self._last_drain_lock:  # a second call (a provider's and its owner's) does not wait again
+            if self._closing:
+                return
+            self._closing = True
         # Held spans still get their readout window (bounded by readout_timeout_s).
         self._wait_drained(time.monotonic() + self.readout_timeout_s + 1.0)
         self._shutdown = True

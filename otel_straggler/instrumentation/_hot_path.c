@@ -182,6 +182,21 @@ static int close_interval(PyObject *opened, PyObject *interval) {
     return 0;
 }
 
+/* Takes `interval` itself (by identity) out of the open ones; whether it was there. Sets no error. */
+static int remove_open_interval(PyObject *opened, PyObject *interval) {
+    for (Py_ssize_t index = PyList_GET_SIZE(opened) - 1; index >= 0; index--) {
+        if (PyList_GET_ITEM(opened, index) == interval) {
+            PyObject *type, *value, *traceback;
+            PyErr_Fetch(&type, &value, &traceback);
+            int removed = PyList_SetSlice(opened, index, index + 1, NULL) == 0;
+            if (!removed) PyErr_Clear();
+            PyErr_Restore(type, value, traceback);
+            return removed;
+        }
+    }
+    return 0;
+}
+
 /* Ends an interval: its host duration in ns in *duration_ns (0 when it could not be timed);
    -1 only for a non-Exception error. */
 static int recorder_stop_interval(Recorder *self, PyObject *interval, int64_t *duration_ns) {
@@ -234,17 +249,13 @@ static int recorder_stop_interval(Recorder *self, PyObject *interval, int64_t *d
     return 0;
 failed:
     /* the interval has ended all the same (left open, it would be the parent of every later
-       stage), and as it is not queued its events go back to the pool (a failure must not drain it) */
-    if (start_event != NULL) {
-        PyObject *type, *value, *traceback;
-        PyErr_Fetch(&type, &value, &traceback);
-        if (close_interval(self->open_intervals, interval) < 0) PyErr_Clear();
-        PyErr_Restore(type, value, traceback);
-        if (is_set(self->event_pool)) {
-            if (is_set(start_event)) give_back_on_error(self, start_event);
-            if (is_set(end_event)) give_back_on_error(self, end_event);
-        }
-    }
+       stage), and as it is not queued its events go back to the pool (a failure must not drain
+       it): the end event taken for this call, and the start event of an interval found among
+       the open ones (so one start() made, not a lookalike tuple) */
+    if (start_event != NULL && remove_open_interval(self->open_intervals, interval) && is_set(start_event)
+        && is_set(self->event_pool))
+        give_back_on_error(self, start_event);
+    if (is_set(end_event)) give_back_on_error(self, end_event);
     Py_XDECREF(end_event);
     return swallow(self);
 }

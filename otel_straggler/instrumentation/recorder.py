@@ -92,10 +92,13 @@ class IntervalRecorder:
         """Ends an interval; returns its host duration in ns (0 if it could not be timed)."""
         end_event = None
         try:
+            if type(interval) is not tuple or len(interval) != 6:
+                raise TypeError("not an interval start() returned")  # as the C recorder checks
             end_event = None if interval[5] is None else self.event_pool.record()
             if self.injection is not None:
                 self.injection.stretch(interval[0], interval[4], self.binding[0])
             end_ns = _time_ns()
+            duration = end_ns - interval[4]  # before it is queued: a failure here queues nothing
             opened = self.open_intervals
             if opened and opened[-1] is interval:
                 opened.pop()
@@ -104,7 +107,7 @@ class IntervalRecorder:
             completed = self.completed
             if len(completed) < self.capacity:
                 completed.append((INTERVAL, interval, end_ns, end_event, self.binding))
-                return end_ns - interval[4]
+                return duration
         except Exception:
             self.internal_errors += 1
             self._end_failed(interval, end_event)
@@ -120,7 +123,7 @@ class IntervalRecorder:
         except Exception:
             self.internal_errors += 1
             return 0
-        return end_ns - interval[4]
+        return duration
 
     def begin_step(self, step: int, tokens: Any = None, samples: Any = None) -> None:
         try:
@@ -153,14 +156,17 @@ class IntervalRecorder:
     def _end_failed(self, interval: Any, end_event: Any) -> None:
         """After a failed stop(): the interval has ended all the same (left open, it would be the
         parent of every later stage), and as it is not queued its events go back to the pool (a
-        failure must not drain it)."""
+        failure must not drain it): the end event taken for this call, and the start event of an
+        interval found among the open ones."""
         try:
-            if not (isinstance(interval, tuple) and len(interval) == 6):
-                return  # not an interval start() returned: nothing was opened or taken for it
+            start_event = None
             opened = self.open_intervals
-            if interval in opened:
-                opened.remove(interval)
-            self._give_back(interval[5], end_event)
+            for index in range(len(opened) - 1, -1, -1):
+                if opened[index] is interval:  # one start() made, not a lookalike tuple
+                    del opened[index]
+                    start_event = interval[5]
+                    break
+            self._give_back(start_event, end_event)
         except Exception:
             pass  # no pool to give them to, or its release failed: they are lost to it, as before
 

@@ -135,6 +135,12 @@ def test_stop_with_what_start_did_not_return_is_counted(hot_path):
         assert recorder.stop(garbage) == 0
     assert recorder.internal_errors == 4 and not recorder.completed
 
+    pool = EventPool(FakeDeviceEvents(auto_complete=True), 4)
+    recorder = hot_path.IntervalRecorder(16, pool)
+    for garbage in ("forward-compute", ("a", "tuple", "of", "six", "strs", "!")):  # indexable, not intervals
+        assert recorder.stop(garbage) == 0
+    assert not recorder.completed and pool.free_count() == 4
+
 
 def test_a_failing_clock_is_counted_everywhere(hot_path):
     recorder = hot_path.IntervalRecorder(16)

@@ -4,8 +4,9 @@ A span that carries a start/end event pair (`attach_device_events` before `span.
 until its end event has completed, then forwarded to the next processor with
 `training.stage.timing = device` and `training.stage.device_duration_ms`. An event that does
 not complete within `readout_timeout_s`, or that errors, yields `device_unavailable` with a
-reason instead; a timed-out event goes back to the pool once the device has passed it. Spans leave in the order they ended (per-rank completion order), so a span
-without events waits behind an earlier one that has them.
+reason instead; a timed-out event goes back to the pool once the device has passed it. Spans
+leave in the order they ended (per-rank completion order), so a span without events waits
+behind an earlier one that has them.
 
 It follows the SDK `BatchSpanProcessor` lifecycle: on_start / on_end / force_flush / shutdown,
 one worker thread woken by an event, and it never blocks or raises into its caller. Whatever
@@ -119,7 +120,7 @@ class CudaEventSpanProcessor(SpanProcessor):
             # oldest goes, its events to wait for the device like timed-out ones, so this stays
             # bounded
             start, end, _ = waiting.pop(next(iter(waiting)))
-            self._timed_out.extend(event for event in (start, end) if event is not None)
+            self._wait_for_device((start, end))
             self.counters["next_processor_error"] += 1
             self._wake.set()  # the worker asks about them from now on
         waiting[span.get_span_context().span_id] = (start_event, end_event, own_attributes)
@@ -144,12 +145,7 @@ class CudaEventSpanProcessor(SpanProcessor):
                     self._forward(with_attributes(span, extra, events[2]))
                     return
             if self._shutdown or len(self._held) >= self.max_pending:
-                if events is not None:
-                    reason = "processor_shut_down" if self._shutdown else "processor_full"
-                    self.counters[reason] += 1
-                    self._give_back(events[:2])
-                    span = with_attributes(span, _unavailable(reason), events[2])
-                self._forward(span)
+                self._forward_unheld(span, events, "processor_shut_down" if self._shutdown else "processor_full")
                 return
             start_event, end_event, own_attributes = events if events is not None else (None, None, None)
             with self._last_drain_lock:
@@ -159,13 +155,17 @@ class CudaEventSpanProcessor(SpanProcessor):
                     self._wake.set()
                     return
             # shut down between the check above and now, its worker gone: nothing would forward it
-            if events is not None:
-                self.counters["processor_shut_down"] += 1
-                self._give_back(events[:2])
-                span = with_attributes(span, _unavailable("processor_shut_down"), events[2])
-            self._forward(span)
+            self._forward_unheld(span, events, "processor_shut_down")
         except Exception:  # never raise into the span's owner
             self.counters["internal_error"] += 1
+
+    def _forward_unheld(self, span: ReadableSpan, events: Optional[tuple], reason: str) -> None:
+        """Forwards a span it cannot hold: its device timing unavailable for `reason`, counted."""
+        if events is not None:
+            self.counters[reason] += 1
+            self._give_back(events[:2])
+            span = with_attributes(span, _unavailable(reason), events[2])
+        self._forward(span)
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         deadline = time.monotonic() + timeout_millis / 1000
@@ -221,6 +221,10 @@ class CudaEventSpanProcessor(SpanProcessor):
                 self.counters["internal_error"] += 1
             self._drained_for_good = True
 
+    def _wait_for_device(self, events: tuple[Any, Any]) -> None:
+        """Events to give back once the device has passed them (see _timed_out)."""
+        self._timed_out.extend(event for event in events if event is not None)
+
     def _release_passed_timed_out(self) -> None:
         for _ in range(min(len(self._timed_out), TIMED_OUT_QUERIES_PER_POLL)):
             event = self._timed_out.popleft()
@@ -265,7 +269,7 @@ class CudaEventSpanProcessor(SpanProcessor):
                 return {contract.TIMING: contract.TIMING_DEVICE, contract.DEVICE_DURATION_MS: duration_ms}
             if give_up or time.monotonic() >= deadline:
                 reason = "readout_timeout"
-                self._timed_out.extend(event for event in (start_event, end_event) if event is not None)
+                self._wait_for_device((start_event, end_event))
             else:
                 return None
         except Exception:

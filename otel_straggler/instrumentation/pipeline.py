@@ -197,6 +197,9 @@ class RankPipeline:
         )
         return self.builder
 
+    def _environ(self) -> Mapping[str, str]:
+        return os.environ if self.environ is None else self.environ
+
     def _tracer_spans(self, provider: Any, attach) -> TracerSpans:
         """Spans through the provider's Tracer, with our derived ids in front of its id generator."""
         ids = DerivedIdGenerator()
@@ -207,15 +210,11 @@ class RankPipeline:
 
     # -- builder thread ------------------------------------------------------------------------
 
-    def _environ(self) -> Mapping[str, str]:
-        return os.environ if self.environ is None else self.environ
-
     def _detect_resource(self) -> Resource:
         """The resource's detected part (OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME, the
-        detectors OTEL_EXPERIMENTAL_RESOURCE_DETECTORS names), made once. The builder thread
-        makes it as it starts, off the training thread (a detector may take seconds): the SDK
-        runs the detectors on a thread pool, which refuses work once the interpreter exits,
-        where a rank that never built before makes its provider; then only the env is read."""
+        detectors OTEL_EXPERIMENTAL_RESOURCE_DETECTORS names), made once, by the builder thread as
+        it starts: a detector may take seconds. At interpreter exit the SDK's detector pool takes
+        no work; a rank making its provider then gets the env's part alone."""
         if self._detected_resource is None:
             try:
                 self._detected_resource = Resource.create()

@@ -97,6 +97,13 @@ def step_number(step: Any) -> int:
     return operator.index(step)
 
 
+def give_back(release_event: Callable[[Any], None], events: Optional[tuple]) -> None:
+    """Device events not handed on (None ones skipped) back to the pool through `release_event`."""
+    for event in events or ():
+        if event is not None:
+            release_event(event)
+
+
 def workload_value(value: Any) -> Optional[int]:
     """Tokens/samples as reported; anything not a positive finite number is 'not reported'."""
     try:
@@ -135,20 +142,15 @@ class TracerSpans:
         try:
             span = self.tracer.start_span(name, context=context, attributes=attributes, start_time=start_ns)
         except Exception:
-            self._release(device_events)  # not handed on: still the pool's
+            give_back(self.release_event, device_events)  # not handed on: still the pool's
             raise
         if not span.is_recording():
             # the provider's sampler dropped it: no processor sees its end, so its events go back now
             self.sampled_out += 1
-            self._release(device_events)
+            give_back(self.release_event, device_events)
         elif device_events is not None:
             self.attach_device_events(span, *device_events)
         span.end(end_time=end_ns)
-
-
-    def _release(self, device_events: Optional[tuple]) -> None:
-        for event in device_events or ():
-            self.release_event(event)
 
 
 class ProcessorSpans:
@@ -182,8 +184,7 @@ class ProcessorSpans:
             span, attributes = self._readable_span(name, trace_id, span_id, parent_span_id, attributes, start_ns,
                                                    end_ns)
         except Exception:
-            for event in device_events or ():
-                self.release_event(event)  # not handed on: still the pool's
+            give_back(self.release_event, device_events)  # not handed on: still the pool's
             raise
         if device_events is not None:  # the span and its attributes are the processor's from here
             self.attach_device_events(span, *device_events, attributes)
@@ -313,7 +314,7 @@ class SpanBuilder:
         except Exception:
             # not handed on: its events are still the pool's (a failing build must not drain it)
             try:
-                self.release_events(record[1][START_EVENT], record[3])
+                give_back(self.release_event, (record[1][START_EVENT], record[3]))
             except Exception:
                 pass  # not a record the recorder makes: nothing of the pool's in it
             raise
@@ -322,11 +323,6 @@ class SpanBuilder:
         self.spans.emit(*span, device_events)
         self._last_end_ns = max(self._last_end_ns, record[2])
         self.counters["spans_built"] += 1
-
-    def release_events(self, *events: Any) -> None:
-        for event in events:
-            if event is not None:
-                self.release_event(event)
 
     def _interval_span(self, record: tuple) -> tuple[tuple, Optional[tuple]]:
         """emit()'s arguments but the device events, and the device events (None: host-only)."""

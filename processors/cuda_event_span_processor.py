@@ -142,7 +142,7 @@ class CudaEventSpanProcessor(SpanProcessor):
                 # are by the time spans are built): then it goes on now, without the worker.
                 extra = self._read(events[0], events[1], deadline=math.inf, give_up=False)
                 if extra is not None:
-                    self._forward(with_attributes(span, extra, events[2]))
+                    self._forward(self._with_device_attributes(span, extra, events[2]))
                     return
             if self._shutdown or len(self._held) >= self.max_pending:
                 self._forward_unheld(span, events, "processor_shut_down" if self._shutdown else "processor_full")
@@ -164,8 +164,22 @@ class CudaEventSpanProcessor(SpanProcessor):
         if events is not None:
             self.counters[reason] += 1
             self._give_back(events[:2])
-            span = with_attributes(span, _unavailable(reason), events[2])
+            span = self._with_device_attributes(span, _unavailable(reason), events[2])
         self._forward(span)
+
+    def _with_device_attributes(self, span: ReadableSpan, extra: dict, own_attributes: Optional[dict]) -> ReadableSpan:
+        """The span with the attributes `_read` gave it, counted once: `device_timed`, or the
+        reason its timing is unavailable (counted by whoever found it). A span they cannot be added
+        to goes on without them, its device timing lost as `internal_error` instead."""
+        try:
+            span = with_attributes(span, extra, own_attributes)
+        except Exception:
+            if extra[contract.TIMING] == contract.TIMING_DEVICE:
+                self.counters["internal_error"] += 1
+            return span
+        if extra[contract.TIMING] == contract.TIMING_DEVICE:
+            self.counters["device_timed"] += 1
+        return span
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         deadline = time.monotonic() + timeout_millis / 1000
@@ -248,11 +262,8 @@ class CudaEventSpanProcessor(SpanProcessor):
                 if extra is None:
                     return  # front still running on the device: everything behind it waits
             span = held.span
-            if extra is not None:
-                try:
-                    span = with_attributes(span, extra, held.own_attributes)
-                except Exception:  # forwarded without them: its events are back in the pool already
-                    self.counters["internal_error"] += 1
+            if extra is not None:  # its events are back in the pool, or waiting for the device, already
+                span = self._with_device_attributes(span, extra, held.own_attributes)
             # Forwarded before it leaves the queue: while it is still there, a span ending
             # meanwhile queues up behind it instead of overtaking it in on_end.
             self._forward(span)
@@ -265,7 +276,6 @@ class CudaEventSpanProcessor(SpanProcessor):
             if self.backend.query(end_event) and self.backend.query(start_event):
                 duration_ms = float(self.backend.elapsed_ms(start_event, end_event))
                 self._give_back((start_event, end_event))
-                self.counters["device_timed"] += 1
                 return {contract.TIMING: contract.TIMING_DEVICE, contract.DEVICE_DURATION_MS: duration_ms}
             if give_up or time.monotonic() >= deadline:
                 reason = "readout_timeout"

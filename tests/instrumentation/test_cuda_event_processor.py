@@ -282,10 +282,31 @@ def test_a_span_whose_attributes_fail_is_forwarded_once_and_its_events_released_
     device.complete(behind)
     assert wait_until(lambda: device.next.names() == ["held", "behind"])
     assert contract.TIMING not in device.next.by_name()["held"].attributes  # forwarded without them
-    assert device.processor.counters["internal_error"] == 1
+    # its device timing lost once, as internal_error: not counted as device-timed as well
+    assert device.processor.counters["internal_error"] == 1 and device.processor.counters["device_timed"] == 1
     assert wait_until(lambda: device.pool.free_count() == POOL_SIZE)
     free = list(device.pool._free)
     assert len({id(event) for event in free}) == len(free)  # no event twice in the pool
+
+
+def test_a_span_ending_after_its_events_whose_attributes_fail_is_forwarded_without_them(device, monkeypatch):
+    """on_end reads events already complete itself: a failure to add the attributes there must
+    not lose the span."""
+    from otel_straggler.processors import cuda_event_span_processor as module
+
+    def failing(*args):
+        raise RuntimeError("attributes")
+
+    monkeypatch.setattr(module, "with_attributes", failing)
+    span = device.tracer.start_span("done-on-the-device")
+    events = (device.pool.record(), device.pool.record())
+    device.processor.attach_device_events(span, *events)
+    device.complete(events)
+    span.end()
+    assert device.next.names() == ["done-on-the-device"]
+    assert contract.TIMING not in device.next.by_name()["done-on-the-device"].attributes
+    assert device.processor.counters["internal_error"] == 1 and device.processor.counters["device_timed"] == 0
+    assert device.pool.free_count() == POOL_SIZE
 
 
 @pytest.mark.parametrize("method", ["on_start", "on_end", "force_flush", "shutdown"])

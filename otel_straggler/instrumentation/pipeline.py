@@ -67,10 +67,15 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
             # What the SDK's emit() does with a full queue (the oldest span makes room, the worker
             # is woken), without its "Queue full" warning: making that log record (duplicates are
             # filtered only afterwards) cost the builder more than the span itself, on every span
-            # of an exporter outage. The loss is counted above.
+            # of an exporter outage. The loss is counted above, and in the SDK's own processor
+            # metrics where it keeps them (otel.sdk.processor.span.processed, error.type queue_full).
             queue.appendleft(item)
             if not awaken.is_set():
                 awaken.set()
+            try:
+                batch._metrics.drop_items(1)
+            except Exception:
+                pass  # an SDK without them: the loss is counted above all the same
             return
         batch.emit(item)
 

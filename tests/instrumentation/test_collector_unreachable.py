@@ -97,6 +97,33 @@ def test_a_full_exporter_queue_drops_the_oldest_and_makes_no_log_record_per_drop
     shut_down(handle)
 
 
+def test_drops_of_a_full_exporter_queue_show_in_the_sdks_own_processor_metrics(
+        configure, unreachable_endpoint, monkeypatch):
+    """Where the SDK keeps its processor metrics (OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED), a
+    span our full-queue path drops is counted there as the SDK's own path would count it."""
+    from opentelemetry.sdk._shared_internal._processor_metrics import ProcessorMetrics
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.semconv._incubating.attributes.otel_attributes import OtelComponentTypeValues
+
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "100")
+    monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "50")
+    handle = configure(job_id="collector-down", rank=0, endpoint=unreachable_endpoint, protocol="grpc",
+                       device_timing="off")
+    reader = InMemoryMetricReader()
+    batch = handle._pipeline.batch_processor._batch_processor
+    batch._metrics = ProcessorMetrics("traces", OtelComponentTypeValues.BATCHING_SPAN_PROCESSOR,
+                                      MeterProvider(metric_readers=[reader]), capacity=100)
+    train(steps=200)
+    handle.flush(timeout_s=0.5)
+    dropped = handle.status()["lost"]["exporter_queue_full"]
+    points = [point for resource in reader.get_metrics_data().resource_metrics for scope in resource.scope_metrics
+              for metric in scope.metrics if metric.name == "otel.sdk.processor.span.processed"
+              for point in metric.data.data_points if point.attributes.get("error.type") == "queue_full"]
+    assert dropped > 0 and sum(point.value for point in points) == dropped
+    shut_down(handle)
+
+
 def test_flushes_during_an_outage_keep_their_timeout_and_start_one_thread(configure, unreachable_endpoint):
     import threading
 

@@ -262,7 +262,12 @@ class RankPipeline:
 
     def flush(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
-        self._build()
+        # Built here, on the caller's thread, but only until the deadline (a full queue takes
+        # about a second): what is left then is the builder thread's, and the flush did not finish.
+        while self._build(limit=BUILD_BURST_RECORDS):
+            if time.monotonic() >= deadline:
+                self._wake.set()
+                return False
         provider = self.provider
         if provider is None or not hasattr(provider, "force_flush"):
             return True

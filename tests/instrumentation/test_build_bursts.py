@@ -98,3 +98,29 @@ def test_a_build_running_past_half_its_interval_goes_on_without_pauses(in_memory
     long_pauses = [gap for gap in pauses(bursts) if gap >= pipeline.BUILD_PAUSE_S]
     assert 1 <= len(long_pauses) <= 3
     assert sum(handle.status()["lost"].values()) == 0
+
+
+def test_flush_builds_on_the_callers_thread_only_until_its_timeout(in_memory, wait_until, monkeypatch):
+    """flush(timeout_s) holds the caller for about its timeout, not for building the whole queue
+    (up to a second for a full one); what it leaves, the builder thread builds."""
+    monkeypatch.setattr(pipeline, "BUILD_PAUSE_S", 0.0)
+    handle = in_memory.configure(build_interval_ms=60_000.0)
+    bursts = count_bursts(handle)
+    builder = handle._pipeline.builder
+    counted = builder.build_pending
+
+    def slow(*args, **kwargs):  # each burst takes 5 ms: 125 bursts for what is queued below
+        time.sleep(0.005)
+        return counted(*args, **kwargs)
+
+    builder.build_pending = slow
+    completed = handle._pipeline.recorder.completed
+    record_steps(500)
+    started = time.monotonic()
+    assert handle.flush(timeout_s=0.02) is False
+    assert time.monotonic() - started < 0.5 and len(bursts) < 50
+    assert len(completed) > 0  # left for the builder thread, which the flush woke
+    assert wait_until(lambda: not completed, timeout_s=10.0)
+    assert handle.flush(timeout_s=5.0)
+    assert len([span for span in in_memory.spans() if span.name != "train.step"]) == 1 + 500 * len(STAGES)
+    assert sum(handle.status()["lost"].values()) == 0

@@ -488,7 +488,22 @@ static PyTypeObject RecorderType = {
     .tp_getset = Recorder_getset,
 };
 
-/* -- Stage: `with stage(name):`, api.stage's base ------------------------------------------------ */
+/* -- Stage: `with stage(name):` and `@stage(name)`, otel_straggler.stage ---------------------------- */
+
+/* The public API's documentation (recorder.Stage and recorder.Step carry the same). Stage and Step
+   are otel_straggler.stage and .step themselves, not bases of Python classes: an instance of a
+   class defined in Python costs more to make and free (benchmarks/hot_path_in_situ.py measured
+   about 0.5 us a call in a training loop). */
+#define STAGE_DOC \
+    "stage(name, collective=None): times a stage, as `with stage(\"forward-compute\"):` or `@stage(\"data\")`.\n\n" \
+    "`collective=True` marks a blocking collective (its duration includes waiting for peers); left as None,\n" \
+    "Megatron's known names decide and anything else is not a collective."
+#define STEP_DOC \
+    "step(n, tokens=None, samples=None): binds optimizer step `n` and this rank's workload to every interval\n" \
+    "that ENDS from now on, and starts the rank's `train.step` span. Call it at the start of each step, or use\n" \
+    "it as `with step(n, tokens=...):` to end the step span explicitly. `n` is an int or converts to one\n" \
+    "losslessly (a numpy integer, a 0-d integer tensor on the CPU: one on a GPU is not read, as that would\n" \
+    "wait for the device); anything else loses the step's spans, counted as `internal_error`."
 
 typedef struct {
     PyObject_HEAD
@@ -556,6 +571,27 @@ static PyObject *Stage_exit(Stage *self, PyObject *const *args, Py_ssize_t nargs
     Py_RETURN_FALSE;
 }
 
+/* `@stage(name)`: recorder.timed_by does it (in Python: it runs once, at decoration, not per call
+   of the hot path), imported on first use. */
+static PyObject *timed_by = NULL;
+
+static PyObject *Stage_call(Stage *self, PyObject *args, PyObject *kwds) {
+    PyObject *function;
+    if ((kwds != NULL && PyDict_GET_SIZE(kwds)) || !PyArg_ParseTuple(args, "O:stage", &function)) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_TypeError, "a stage decorates one function: @stage(name)");
+        return NULL;
+    }
+    if (timed_by == NULL) {
+        PyObject *recorder = PyImport_ImportModule("otel_straggler.instrumentation.recorder");
+        if (recorder == NULL) return NULL;
+        timed_by = PyObject_GetAttrString(recorder, "timed_by");
+        Py_DECREF(recorder);
+        if (timed_by == NULL) return NULL;
+    }
+    return PyObject_CallFunctionObjArgs(timed_by, (PyObject *)self, function, NULL);
+}
+
 static PyMethodDef Stage_methods[] = {
     {"__enter__", (PyCFunction)Stage_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)(void (*)(void))Stage_exit, METH_FASTCALL, NULL},
@@ -571,11 +607,12 @@ static PyMemberDef Stage_members[] = {
 
 static PyTypeObject StageType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "otel_straggler.instrumentation._hot_path.Stage",
-    .tp_doc = "Stage(name, collective=None): times the block of a `with` on the installed recorder",
+    .tp_name = "otel_straggler.stage",
+    .tp_doc = STAGE_DOC,
     .tp_basicsize = sizeof(Stage),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
     .tp_new = Stage_new,
+    .tp_call = (ternaryfunc)Stage_call,
     .tp_traverse = (traverseproc)Stage_traverse,
     .tp_clear = (inquiry)Stage_clear,
     .tp_dealloc = (destructor)Stage_dealloc,
@@ -583,7 +620,7 @@ static PyTypeObject StageType = {
     .tp_members = Stage_members,
 };
 
-/* -- Step: `step(n, tokens=..., samples=...)`, api.step's base ---------------------------------- */
+/* -- Step: `step(n, tokens=..., samples=...)`, otel_straggler.step ------------------------------- */
 
 typedef struct {
     PyObject_HEAD
@@ -640,8 +677,8 @@ static PyMemberDef Step_members[] = {
 
 static PyTypeObject StepType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "otel_straggler.instrumentation._hot_path.Step",
-    .tp_doc = "Step(n, tokens=None, samples=None): binds step n on the installed recorder",
+    .tp_name = "otel_straggler.step",
+    .tp_doc = STEP_DOC,
     .tp_basicsize = sizeof(Step),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
     .tp_new = Step_new,

@@ -6,7 +6,6 @@ calls can stay in the training script whether the instrumentation is on or off.
 from __future__ import annotations
 
 import atexit
-import functools
 import os
 import threading
 from typing import Any, Callable, Mapping, Optional
@@ -24,36 +23,10 @@ _instrumentation: Optional["Instrumentation"] = None
 _configure_lock = threading.Lock()
 
 
-class stage(hot_path.Stage):
-    """Times a stage: `with stage("forward-compute"):` or `@stage("data")`.
-
-    `collective=True` marks a blocking collective (its duration includes waiting for peers);
-    left as None, Megatron's known names decide and anything else is not a collective.
-    `__enter__`/`__exit__` are the hot path's (hot_path.py: C where built, else Python).
-    """
-
-    __slots__ = ()
-
-    def __call__(self, function: Callable) -> Callable:
-        name, collective = self.name, self.collective
-
-        @functools.wraps(function)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            with stage(name, collective):
-                return function(*args, **kwargs)
-
-        return timed
-
-
-class step(hot_path.Step):
-    """`step(n, tokens=..., samples=...)` binds optimizer step `n` and this rank's workload to
-    every interval that ENDS from now on, and starts the rank's `train.step` span. Call it at
-    the start of each step, or use it as `with step(n, tokens=...):` to end the step span
-    explicitly. `n` is an int or converts to one losslessly (a numpy integer, a 0-d integer
-    tensor on the CPU: one on a GPU is not read, as that would wait for the device); anything
-    else loses the step's spans, counted as `internal_error`."""
-
-    __slots__ = ()
+# `with stage(name):`, `@stage(name)` and `step(n, ...)` are the hot path's own types (hot_path.py:
+# C where built, else Python), documented there.
+stage = hot_path.Stage
+step = hot_path.Step
 
 
 class Instrumentation:

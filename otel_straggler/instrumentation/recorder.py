@@ -16,6 +16,7 @@ work: the training thread only keeps a reference to the innermost open interval.
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from typing import Any, Callable, Optional
 
@@ -187,7 +188,13 @@ def use_clock(clock: Optional[Callable[[], int]]) -> None:
 
 
 class Stage:
-    """`with Stage(name):` times its block on the installed recorder (api.stage's base)."""
+    """`stage(name, collective=None)`: times a stage, as `with stage("forward-compute"):` or
+    `@stage("data")`.
+
+    `collective=True` marks a blocking collective (its duration includes waiting for peers);
+    left as None, Megatron's known names decide and anything else is not a collective.
+    (otel_straggler.stage; the C extension's Stage has the same documentation.)
+    """
 
     __slots__ = ("name", "collective", "_open")
 
@@ -202,6 +209,11 @@ class Stage:
             self._open = recorder.start(self.name, self.collective)
         return self
 
+    def __call__(self, *function: Callable, **unexpected: Any) -> Callable:
+        if len(function) != 1 or unexpected:
+            raise TypeError("a stage decorates one function: @stage(name)")
+        return timed_by(self, function[0])
+
     def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> bool:
         opened = self._open
         if opened is not None:
@@ -212,9 +224,28 @@ class Stage:
         return False
 
 
+def timed_by(timer: Any, function: Callable) -> Callable:
+    """`@stage(name)`: each call of `function` runs in a `with` of a new stage of the same name
+    (one stage object times one block at a time, and calls may nest or run on several threads)."""
+    make, name, collective = type(timer), timer.name, timer.collective
+
+    @functools.wraps(function)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        with make(name, collective):
+            return function(*args, **kwargs)
+
+    return timed
+
+
 class Step:
-    """`Step(n, tokens, samples)` binds step n on the installed recorder; its `with` block ends
-    the step (api.step's base)."""
+    """`step(n, tokens=None, samples=None)` binds optimizer step `n` and this rank's workload to
+    every interval that ENDS from now on, and starts the rank's `train.step` span. Call it at
+    the start of each step, or use it as `with step(n, tokens=...):` to end the step span
+    explicitly. `n` is an int or converts to one losslessly (a numpy integer, a 0-d integer
+    tensor on the CPU: one on a GPU is not read, as that would wait for the device); anything
+    else loses the step's spans, counted as `internal_error`. (otel_straggler.step; the C
+    extension's Step has the same documentation.)
+    """
 
     __slots__ = ("number",)
 

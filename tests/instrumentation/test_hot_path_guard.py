@@ -28,7 +28,7 @@ HOT_PATH = [
     recorder.IntervalRecorder.start, recorder.IntervalRecorder.stop, recorder.IntervalRecorder.begin_step,
     recorder.IntervalRecorder.end_step, recorder.IntervalRecorder._give_back,
     recorder.Stage.__enter__, recorder.Stage.__exit__, recorder.Step.__init__, recorder.Step.__exit__,
-    api.stage.__call__,
+    recorder.Stage.__call__, recorder.timed_by,
     megatron_timers.Timer.start, megatron_timers.Timer.stop, megatron_timers.Timer.elapsed,
     megatron_timers.Timer.reset, device_events.EventPool.record,
 ]
@@ -107,6 +107,7 @@ C_ALLOWED_CALLS = {
     "Py_CLEAR", "Py_VISIT", "Py_TYPE", "Py_RETURN_NONE", "Py_RETURN_FALSE", "PyVarObject_HEAD_INIT",
     "PyImport_ImportModule", "PyType_Ready", "PyModule_Create", "PyModule_AddObjectRef", "PyMODINIT_FUNC",
     "PyModule_AddIntConstant",
+    "PyArg_ParseTuple", "PyDict_GET_SIZE", "PyObject_CallFunctionObjArgs",  # @stage(name): once, at decoration
     "tp_alloc", "tp_free",  # the type's own allocator, through its slots
 }
 C_KEYWORDS = {"if", "for", "while", "return", "switch", "sizeof", "defined", "void"}  # void: a cast

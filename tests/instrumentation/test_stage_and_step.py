@@ -24,6 +24,24 @@ def test_stage_and_step_do_nothing_before_configure():
     assert otel_straggler.current() is None
 
 
+def test_a_decorated_function_gets_a_stage_of_its_own_at_every_call(in_memory):
+    """Nested and recursive calls each time their own block: one stage object could time only one."""
+    in_memory.configure()
+
+    @otel_straggler.stage("recurse")
+    def depth(levels):
+        return 0 if levels == 0 else 1 + depth(levels - 1)
+
+    otel_straggler.step(0)
+    assert depth(3) == 3
+    spans = [span for span in in_memory.stage_spans() if span.name == "recurse"]
+    assert len(spans) == 4
+    span_ids = {span.context.span_id for span in spans}
+    assert sum(span.parent.span_id in span_ids for span in spans) == 3  # a chain: each inside the one before
+    with pytest.raises(TypeError, match="decorates one function"):
+        otel_straggler.stage("recurse")(depth, 2)
+
+
 def test_stage_as_context_manager_and_decorator(in_memory):
     in_memory.configure()
 

@@ -61,11 +61,4 @@ _OTHER = StageKind("other", False)
 @functools.lru_cache(maxsize=4096)
 def classify(name: str) -> StageKind:
     """Group and collective flag of a stage name; bounded cache, off the training thread."""
-    kind = _EXACT.get(name)
-    if kind is not None:
-        return kind
-    if name.endswith("-grads-all-reduce"):
-        return StageKind("communication", True)
-    if name.startswith("optimizer-"):
-        return StageKind("optimizer", False)
-    return _OTHER
+    return _EXACT.get(name, _OTHER)

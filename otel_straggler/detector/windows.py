@@ -338,6 +338,16 @@ class Cohort:
         closing.extend(self._close(window) for window in sorted(self.open_windows))
         return closing
 
+    def _unfollowed_jump(self, window: int) -> bool:
+        """A window far past the judged ones that most of the cohort's ranks have not reached:
+        one span with an absurd step, say. Judged all the same, but it does not move the mark
+        below which every window counts as judged (to it, which would make every later span of
+        the cohort late); a whole cohort moving on (a job resumed further on) does."""
+        if self._judged_below is None or window < self._judged_below + self._max_open_windows:
+            return False
+        reached = sum(count for latest_window, count in self._ranks_by_latest_window.items() if latest_window >= window)
+        return 2 * reached <= self._reporting_ranks
+
     def pending_window_count(self) -> int:
         return len(self.open_windows) + len(self._closed_early)
 
@@ -350,7 +360,7 @@ class Cohort:
     def _close(self, window: int) -> WindowRows:
         rows = self.open_windows.pop(window)
         self._windows_version += 1
-        if not self.open_windows or window < min(self.open_windows):
+        if (not self.open_windows or window < min(self.open_windows)) and not self._unfollowed_jump(window):
             self._judged_below = window + 1 if self._judged_below is None else max(self._judged_below, window + 1)
             while self._judged_below in self._judged_out_of_order:
                 self._judged_out_of_order.discard(self._judged_below)

@@ -406,6 +406,30 @@ def test_bounded_state_caps_everything_and_counts_evictions():
 
 # ---------------------------------------------------------------- de-duplication and late spans
 
+def test_one_span_with_an_absurd_step_does_not_make_the_cohort_late_for_good():
+    """Its window is judged on its own; the cohort's later windows are not taken as judged."""
+    engine = Engine(DetectorConfig(window_steps=10, window_grace_s=1.0))
+    seq = iter(range(10_000))
+    now = START_NS
+
+    def steps(first, last):
+        return [observation(rank=rank, step=step, seq=next(seq), host_ms=10.0 + rank)
+                for step in range(first, last) for rank in range(4)]
+
+    engine.ingest_many(steps(0, 20))
+    assert engine.ingest(observation(rank=0, step=2 ** 62, seq=next(seq))) == "accepted"
+    engine.advance(now)
+    engine.advance(now + 2_000_000_000)  # a pause: every window goes idle and is judged
+    assert engine.stats()["windows_closed"] == 3
+    assert engine.ingest_many(steps(20, 50))["accepted"] == 4 * 30
+    engine.drain(now + 4_000_000_000)
+    assert engine.stats()["windows_closed"] == 6 and engine.stats()["late"] == 0
+    # a whole cohort moving far on (a job resumed further on) does move the mark: older spans are late then
+    engine.ingest_many([observation(rank=rank, step=10_000, seq=next(seq)) for rank in range(4)])
+    engine.drain(now + 6_000_000_000)
+    assert engine.ingest(observation(rank=1, step=45, seq=next(seq))) == "late"
+
+
 def test_dedup_and_late_spans_are_counted_never_judged_twice():
     engine = Engine(DetectorConfig())
     assert engine.ingest(observation(0, 0, 7)) == "accepted"

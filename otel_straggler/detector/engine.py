@@ -212,8 +212,9 @@ class Engine:
     def advance(self, now_unix_nano: int) -> list[Verdict]:
         """Closes and judges the windows that are due at `now` (the caller's clock, ns)."""
         self._now = now_unix_nano
+        config = self._config
         return self._judge(lambda cohort: cohort.windows_to_judge(
-            now_unix_nano, self._grace_ns, self._config.window_close_lag), now_unix_nano)
+            now_unix_nano, self._grace_ns, config.window_close_lag, config.max_window_rows), now_unix_nano)
 
     def next_close_unix_nano(self) -> Optional[int]:
         """The earliest time (same clock as `advance`) at which `advance` could close a window with no
@@ -247,7 +248,7 @@ class Engine:
         """Running counters plus the current sizes of everything bounded."""
         counters = ("accepted", "late", "malformed", "dropped", "windows_closed", "coverage_gaps",
                     "evictions_jobs", "evictions_cohorts", "evictions_ranks", "evictions_stages",
-                    "evictions_windows", "windows_dropped", "seq_restarts", "invalid_device_durations",
+                    "evictions_windows", "windows_dropped", "windows_closed_full", "seq_restarts", "invalid_device_durations",
                     "verdicts")
         stats = {name: int(self._counts[name]) for name in counters}
         stats["duplicates"] = int(self._counts["duplicate"])

@@ -300,7 +300,8 @@ class Cohort:
         self._windows_version += 1
         return rows
 
-    def windows_to_judge(self, now_unix_nano: int, grace_ns: int, close_lag: int) -> list[WindowRows]:
+    def windows_to_judge(self, now_unix_nano: int, grace_ns: int, close_lag: int,
+                         max_rows: Optional[int] = None) -> list[WindowRows]:
         """Takes the windows that close now (see the module docstring), oldest first."""
         closing, self._closed_early = self._closed_early, []
         for rows in self.open_windows.values():
@@ -314,8 +315,13 @@ class Cohort:
             moved_past = sum(count for latest_window, count in latest if latest_window > window)
             far_ahead = sum(count for latest_window, count in latest if latest_window >= window + close_lag)
             cohort_moved_on = reporting > 0 and (moved_past >= reporting or 2 * far_ahead > reporting)
-            idle = now_unix_nano - self.open_windows[window].last_data_unix_nano >= grace_ns
-            if cohort_moved_on or idle:
+            rows = self.open_windows[window]
+            idle = now_unix_nano - rows.last_data_unix_nano >= grace_ns
+            # full: a window whose step does not advance while spans keep coming would grow without bound
+            full = max_rows is not None and len(rows) >= max_rows
+            if full:
+                self._counts["windows_closed_full"] += 1
+            if cohort_moved_on or idle or full:
                 closing.append(self._close(window))
         return closing
 

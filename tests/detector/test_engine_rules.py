@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -599,3 +600,21 @@ def _assert_bounded(engine: Engine) -> None:
         assert len(cohort.open_windows) <= _BOUNDS.max_open_windows
         assert cohort.pending_window_count() <= 2 * _BOUNDS.max_open_windows
 
+
+
+def test_a_window_whose_step_does_not_advance_is_bounded():
+    """Spans of one step that keep coming (a long evaluation) close their window once it holds
+    max_window_rows; what comes for it after that is late, counted."""
+    engine = Engine(DetectorConfig(window_steps=10, max_window_rows=1024))
+    seq = iter(range(100_000))
+    now = START_NS
+    outcomes = Counter()
+    for _ in range(20):  # 20 batches of 200 spans, all of step 3, with an advance after each
+        outcomes.update(engine.ingest_many([observation(rank=rank, step=3, seq=next(seq), stage=f"eval-{index}")
+                                            for index in range(50) for rank in range(4)]))
+        now += STEP_NS
+        engine.advance(now)
+        assert engine.stats()["open_windows"] <= 1
+        assert all(len(rows) < 1024 + 200 for cohort in engine._cohorts.values() for rows in cohort.open_windows.values())
+    assert engine.stats()["windows_closed_full"] == 1 and engine.stats()["windows_closed"] == 1
+    assert outcomes["accepted"] == 1200 and outcomes["late"] == 4000 - 1200

@@ -66,12 +66,15 @@ class EvidenceFiles:
         self.size = os.fstat(self._fd).st_size
         self.lines_written = 0
         self.lines_dropped_file_full = 0
+        self._torn_from: Optional[int] = None  # where a failed write began: a torn line may follow it
 
     def append(self, lines: Iterable[bytes]) -> None:
         """Appends whole lines in one write (loops only on a short write); lines that would take the
         file past max_bytes are dropped and counted instead."""
         if self._fd is None:
             raise ValueError("evidence files are closed")
+        if self._torn_from is not None:
+            self._repair()
         accepted = []
         size = self.size
         for line in lines:
@@ -82,13 +85,30 @@ class EvidenceFiles:
             size += len(line)
         if not accepted:
             return
+        before = self.size
         view = memoryview(b"".join(accepted))
-        while view:
-            written = os.write(self._fd, view)
-            self.size += written
-            view = view[written:]
+        try:
+            while view:
+                written = os.write(self._fd, view)
+                self.size += written
+                view = view[written:]
+        except OSError:
+            # a write cut short (the disk filled up) leaves a torn line, which the next append would
+            # follow: cut back to where this batch began (none of it was written, as it is counted)
+            self._torn_from = before
+            self._repair()
+            raise
         os.fsync(self._fd)  # once per flush interval (emit.py)
         self.lines_written += len(accepted)
+
+    def _repair(self) -> None:
+        """Cuts the file back to where the failed write began; if that fails too, the next append
+        tries again first."""
+        try:
+            os.ftruncate(self._fd, self._torn_from)
+        except OSError:
+            return
+        self.size, self._torn_from = self._torn_from, None
 
     def write_status(self, status: dict) -> None:
         temporary = self.status_path + ".tmp"

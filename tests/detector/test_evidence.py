@@ -64,6 +64,27 @@ def test_lines_past_the_size_bound_are_dropped_and_counted(tmp_path):
     assert (files.lines_written, files.lines_dropped_file_full) == (2, 3)
 
 
+def test_a_write_cut_short_by_a_full_disk_leaves_only_whole_lines(tmp_path):
+    """The file size limit (as a full disk would) cuts the second append short: the batch is not
+    written at all, and what comes after it follows the first line whole."""
+    import resource
+
+    files = EvidenceFiles(str(tmp_path), max_bytes=1 << 20)
+    files.append([verdict_line(verdict(rank=1))])
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (files.size + 100, hard))  # room for part of a line
+    try:
+        with pytest.raises(OSError):
+            files.append([verdict_line(verdict(rank=2)), verdict_line(verdict(rank=3))])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    files.append([verdict_line(verdict(rank=4))])
+    files.close()
+    with open(files.verdicts_path, "rb") as handle:
+        ranks = [json.loads(line)["rank"] for line in handle]
+    assert ranks == [1, 4] and files.size == os.path.getsize(files.verdicts_path)
+
+
 def test_status_is_replaced_whole(tmp_path):
     files = EvidenceFiles(str(tmp_path), max_bytes=1 << 20)
     files.write_status({"spans": {"accepted": 1}})

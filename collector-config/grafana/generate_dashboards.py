@@ -36,13 +36,15 @@ SLOWDOWN_THRESHOLDS = [
 
 # A verdict names job, rank and stage, but not the step: it closes a window of steps. The link
 # opens Jaeger's search for that rank's spans of that stage in the panel's time range; each hit is
-# the trace of one step with every rank side by side. Jaeger's search takes microseconds.
+# the trace of one step with every rank side by side. Jaeger's search takes microseconds. The job
+# is the dashboard's (one at a time), not a series label: panels that sum or group series by rank
+# keep the rank label but not the job's. The rank must be a label of the clicked series.
 JAEGER_SEARCH_LINK = {
     "title": "Jaeger: traces of rank ${__field.labels.training_rank}",
     "targetBlank": True,
     "url": (
         "${jaeger_url}/search?service=${training_service}"
-        '&tags=%7B%22training.job.id%22%3A%22${__field.labels.training_job_id}%22'
+        '&tags=%7B%22training.job.id%22%3A%22${job_id:percentencode}%22'
         '%2C%22training.rank%22%3A%22${__field.labels.training_rank}%22%7D'
         "&start=${__from}000&end=${__to}000&limit=20"
     ),
@@ -179,8 +181,10 @@ def job_overview() -> dict:
             "Latest window slowdown of each rank against its comparable peers (1.00 = as fast as the "
             "reference, 1.10 = 10% slower), rows by rank, columns by stage. Yellow from 5%, red from 20%.",
             [prom_target(f"max by (training_rank, training_stage) (straggler_rank_slowdown{{{JOB_COHORT}}})", instant=True)],
+            # no Jaeger link here: the matrix's cells are not series, so they carry no rank label
+            # (the panels beside it link each rank)
             fieldConfig=field_config(
-                unit="none", thresholds=SLOWDOWN_THRESHOLDS, links=[JAEGER_SEARCH_LINK],
+                unit="none", thresholds=SLOWDOWN_THRESHOLDS,
                 custom={"cellOptions": {"type": "color-background"}, "align": "center"}),
             transformations=[
                 {"id": "labelsToFields", "options": {"mode": "columns"}},

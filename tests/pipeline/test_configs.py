@@ -112,6 +112,32 @@ def test_dashboards_are_generated(tmp_path):
             f"{name} is stale: run python collector-config/grafana/generate_dashboards.py")
 
 
+def test_jaeger_links_name_the_dashboards_job_and_a_rank_each_linked_series_keeps():
+    """A link to a rank's traces needs the job and the rank: the job is the dashboard's (a single
+    choice), the rank a label of the clicked series, so no linked panel may group it away."""
+    import re
+
+    for path in (CONFIG_DIR / "grafana" / "dashboards").glob("*.json"):
+        dashboard = json.loads(path.read_text())
+        job_variable = next(variable for variable in dashboard["templating"]["list"] if variable["name"] == "job_id")
+        assert not job_variable["multi"] and not job_variable["includeAll"]
+        linked = 0
+        for panel in dashboard["panels"]:
+            links = [link for link in panel.get("fieldConfig", {}).get("defaults", {}).get("links", [])
+                     if "/search?" in link["url"]]
+            for link in links:
+                assert "${job_id" in link["url"] and "training.job.id" in link["url"]
+                assert "${__field.labels.training_rank}" in link["url"]
+            if not links:
+                continue
+            linked += 1
+            for target in panel["targets"]:
+                for grouping in re.findall(r"\bby \(([^)]*)\)", target["expr"]):
+                    assert "training_rank" in grouping, (panel["title"], target["expr"])
+            assert not [t for t in panel.get("transformations", []) if t["id"] == "groupingToMatrix"], panel["title"]
+        assert linked >= 3
+
+
 def test_dashboards_use_the_provisioned_data_sources():
     provisioned = yaml.safe_load((CONFIG_DIR / "grafana" / "provisioning" / "datasources" / "datasources.yml").read_text())
     uids = {source["uid"] for source in provisioned["datasources"]}

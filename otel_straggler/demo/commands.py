@@ -11,11 +11,13 @@ import socket
 import sys
 import uuid
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
+from otel_straggler import contract
 from otel_straggler.cli import UsageError
 from otel_straggler.demo import evidence as evidence_files
 from otel_straggler.demo.summary import summarize
+from otel_straggler.instrumentation.identity import parse_resource_attributes
 
 DEMO_STAGES = ("batch-generator", "forward-compute", "backward-compute", "optimizer")  # the trainer's non-collective stages
 RANKS_PER_CORE = 4  # beyond this, a rank waits for a core longer than it computes
@@ -82,7 +84,7 @@ def run_demo(args: argparse.Namespace) -> int:
         ranks=args.ranks, steps=args.steps, window_steps=args.window_steps,
         injection=None if args.healthy else evidence_files.Injection(args.slow_rank, args.stage, args.from_step,
                                                                      args.slowdown),
-        out_dir=out_dir, grpc_port=args.grpc_port, job_id=f"demo-{uuid.uuid4().hex[:8]}",
+        out_dir=out_dir, grpc_port=args.grpc_port, job_id=_given_job_id(os.environ) or f"demo-{uuid.uuid4().hex[:8]}",
         external_endpoint=_external_endpoint(),
     )
     # SIGTERM (a container stop, a job scheduler) ends the run like Ctrl-C: ranks stopped, evidence kept.
@@ -171,6 +173,13 @@ def machine_rank_limit() -> int:
     if memory is not None:
         limit = min(limit, memory // RANK_MEMORY_BYTES)
     return max(MIN_RANKS, limit)
+
+
+def _given_job_id(environ: Mapping[str, str]) -> Optional[str]:
+    """The job id set for the ranks (OTEL_STRAGGLER_JOB_ID, else training.job.id in
+    OTEL_RESOURCE_ATTRIBUTES), which CONTRACT §1 lets a user give; None: the demo makes one."""
+    return (environ.get("OTEL_STRAGGLER_JOB_ID")
+            or parse_resource_attributes(environ.get("OTEL_RESOURCE_ATTRIBUTES", "")).get(contract.JOB_ID) or None)
 
 
 def _external_endpoint() -> Optional[str]:

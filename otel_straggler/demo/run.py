@@ -85,8 +85,11 @@ def header(settings: DemoSettings, endpoint: str) -> str:
     slowed = ("healthy: nothing injected" if injection is None else
               f"injecting +{injection.slowdown:.0%} in {injection.stage} on rank {injection.rank} "
               f"from step {injection.from_step}")
+    destination = (f"spans of job {settings.job_id} to {endpoint}" if settings.external_endpoint is None else
+                   f"spans of job {settings.job_id} to {endpoint} (OTEL_EXPORTER_OTLP_*ENDPOINT is set: no detector "
+                   f"embedded, the verdicts are that detector's)")
     return (f"otel-straggler demo: {settings.ranks} ranks x {settings.steps} steps (gloo on CPU), {slowed}\n"
-            f"spans to {endpoint}, windows of {settings.window_steps} steps; output in {settings.out_dir}")
+            f"{destination}, windows of {settings.window_steps} steps; output in {settings.out_dir}")
 
 
 def medians_by_rank(medians: list[WindowMedian]) -> dict[int, dict[int, dict[str, float]]]:

@@ -47,3 +47,24 @@ def test_medians_by_rank():
     shaped = medians_by_rank(medians)
     assert sorted(shaped) == [3, 4]
     assert shaped[4][1] == {"forward-compute": 1.0, "optimizer": 1.0}
+
+
+def test_the_job_id_a_user_sets_is_the_demos():
+    """CONTRACT §1: every identity value can be given; the demo makes one up only when none is."""
+    from otel_straggler.demo.commands import _given_job_id
+
+    assert _given_job_id({"OTEL_STRAGGLER_JOB_ID": "compose-demo"}) == "compose-demo"
+    assert _given_job_id({"OTEL_RESOURCE_ATTRIBUTES": "training.job.id=nightly%2D7,team=x"}) == "nightly-7"
+    assert _given_job_id({"OTEL_STRAGGLER_JOB_ID": "a", "OTEL_RESOURCE_ATTRIBUTES": "training.job.id=b"}) == "a"
+    assert _given_job_id({}) is None and _given_job_id({"OTEL_STRAGGLER_JOB_ID": ""}) is None
+
+
+def test_the_header_says_when_no_detector_is_embedded():
+    from dataclasses import replace
+
+    from otel_straggler.demo.run import header
+
+    embedded = header(settings(), "127.0.0.1:5555")
+    outside = header(replace(settings(), external_endpoint="http://collector:4317"), "http://collector:4317")
+    assert "job demo-1" in embedded and "no detector" not in embedded
+    assert "no detector embedded" in outside and "OTEL_EXPORTER_OTLP" in outside

@@ -5,13 +5,15 @@ malformed or a corrupt compressed body (a google.rpc.Status body in the request'
 without the right bearer token, 413 over the size bound, 415 unknown content type or encoding, 503
 with Retry-After when the queue is full (exporters retry 503), 404 for any other path. At most `max_http_connections` connections are
 served at once, a thread each; one more gets a 503 at once rather than a thread. An idle keep-alive
-connection holds its thread for IDLE_CONNECTION_TIMEOUT_S at most.
+connection holds its thread for IDLE_CONNECTION_TIMEOUT_S at most, and a request, however slowly its
+bytes come (each within that timeout), for REQUEST_DEADLINE_S.
 """
 from __future__ import annotations
 
 import socket
 import ssl
 import threading
+import time
 import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
@@ -31,6 +33,10 @@ OTHER_SIGNAL_RESPONSES = {"/v1/metrics": ExportMetricsServiceResponse, "/v1/logs
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
 IDLE_CONNECTION_TIMEOUT_S = 15  # longer than an SDK exporter's 5 s between exports, so its connection is reused
+# From waiting for a request line to the reply sent: the idle timeout bounds each read, not a client
+# that sends a byte every few seconds, which would hold a connection slot (and its thread) for ever.
+# A 16 MiB request needs about 0.3 MB/s to arrive in time.
+REQUEST_DEADLINE_S = 60.0
 
 _HTTP_STATUS = {
     Result.OK: 200, Result.PARTIAL: 200, Result.MALFORMED: 400, Result.OVERLOADED: 503,
@@ -82,6 +88,13 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as OTLP exporters expect
     timeout = IDLE_CONNECTION_TIMEOUT_S
     server: "_Server"
+
+    def handle_one_request(self) -> None:
+        self.server.request_began(self.connection)
+        try:
+            super().handle_one_request()
+        finally:
+            self.server.request_ended(self.connection)
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's naming
         self.body_read = False
@@ -196,7 +209,32 @@ class _Server(ThreadingHTTPServer):
         self.intake = intake
         self._ssl_context = ssl_context
         self._connections = threading.BoundedSemaphore(max_connections)
+        self._deadlines: dict[socket.socket, float] = {}  # connection -> when its current request must be done
+        self._deadlines_lock = threading.Lock()
         super().__init__(address, _Handler)
+
+    def request_began(self, connection: socket.socket) -> None:
+        with self._deadlines_lock:
+            self._deadlines[connection] = time.monotonic() + REQUEST_DEADLINE_S
+
+    def request_ended(self, connection: socket.socket) -> None:
+        with self._deadlines_lock:
+            self._deadlines.pop(connection, None)
+
+    def service_actions(self) -> None:
+        """Run by serve_forever between polls (every 0.5 s): connections past their request's
+        deadline are shut, which ends the blocked read on their thread."""
+        now = time.monotonic()
+        with self._deadlines_lock:
+            overdue = [connection for connection, deadline in self._deadlines.items() if deadline <= now]
+            for connection in overdue:
+                del self._deadlines[connection]
+        for connection in overdue:
+            self.intake.counters.add_error("http_request_deadline")
+            try:
+                socket.socket.shutdown(connection, socket.SHUT_RDWR)  # the plain socket's, under TLS too
+            except OSError:
+                pass
 
     def get_request(self):
         connection, client = super().get_request()

@@ -248,6 +248,42 @@ def test_connections_beyond_the_bound_get_503_at_once(tmp_path):
         assert service.status()["requests"]["overloaded"] >= 1
 
 
+def test_a_client_dribbling_its_request_loses_its_connection_at_the_deadline(tmp_path, monkeypatch):
+    """Each byte within the idle timeout, the request never done: the connection (and the one slot
+    there is) is taken back at the request deadline, and counted."""
+    from otel_straggler.detector import receiver_http
+
+    monkeypatch.setattr(receiver_http, "REQUEST_DEADLINE_S", 1.0)
+    with running_service(service_config(tmp_path, max_http_connections=1)) as service:
+        port = service.bound_ports[1]
+        body = request_bytes(stage_spans(0, 1))
+        stop = threading.Event()
+
+        def dribble() -> None:  # a body byte every 0.2 s until the test ends or the server cuts it
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as slow:
+                slow.sendall(b"POST /v1/traces HTTP/1.1\r\nContent-Type: application/x-protobuf\r\n"
+                             b"Content-Length: 1000\r\n\r\n")
+                try:
+                    while not stop.wait(0.2):
+                        slow.sendall(b"x")
+                except OSError:
+                    pass
+
+        started = time.monotonic()
+        dribbler = threading.Thread(target=dribble)
+        dribbler.start()
+        time.sleep(0.3)
+        assert not _posted(port, body)  # the one slot is the dribbler's
+        deadline = time.monotonic() + 10
+        while not _posted(port, body):  # taken back at the deadline (1 s), checked every 0.5 s
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert time.monotonic() - started < 5
+        stop.set()
+        dribbler.join(5)
+        assert service.status()["errors"].get("http_request_deadline") == 1
+
+
 def _posted(port: int, body: bytes) -> bool:
     try:
         return post(port, body)[0] == 200

@@ -41,6 +41,10 @@ from otel_straggler.detector.observation import Observation
 
 DEFAULT_COHORT = "default"
 _VALUE_CACHE_ENTRIES = 4096  # distinct AnyValue encodings kept; cleared when full, so always bounded
+# Only raw values up to this size are cached: an entry keeps the raw bytes and the value, so a bound on
+# entries alone would let a few thousand large values (distinct stage names of 1 MiB, say) hold gigabytes.
+# Values that repeat across spans are short; a long one is decoded again each time.
+_VALUE_CACHE_MAX_RAW_BYTES = 256
 
 
 class MalformedPayload(ValueError):
@@ -254,9 +258,10 @@ class ProtobufDecoder:
         value = self._value_cache.get(raw)
         if value is None and raw is not None:
             value = _any_value(raw)
-            if len(self._value_cache) >= _VALUE_CACHE_ENTRIES:
-                self._value_cache.clear()
-            self._value_cache[raw] = value
+            if len(raw) <= _VALUE_CACHE_MAX_RAW_BYTES:
+                if len(self._value_cache) >= _VALUE_CACHE_ENTRIES:
+                    self._value_cache.clear()
+                self._value_cache[raw] = value
         return value
 
     def decode(self, payload: bytes) -> DecodedBatch:
@@ -351,33 +356,60 @@ class ProtobufDecoder:
 # ---------------------------------------------------------------- JSON
 
 _JSON_DOUBLE_WORDS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1  # AnyValue.int_value
+_UINT64_MAX = (1 << 64) - 1  # Span.start/end_time_unix_nano (fixed64)
 
 
-def _json_int(value: Any) -> Any:
-    # ProtoJSON writes int64 as a decimal string; plain numbers are accepted too.
-    if type(value) is int:
-        return value
+def _json_int(value: Any, low: int = _INT64_MIN, high: int = _INT64_MAX) -> Any:
+    """ProtoJSON writes int64 as a decimal string; plain numbers are accepted too. A number outside the
+    field's range is INVALID, as protobuf cannot carry it (and Python ints are unbounded)."""
     if type(value) is str:
         try:
-            return int(value)
+            value = int(value)
         except ValueError:
             return INVALID
-    return INVALID
+    elif type(value) is not int:
+        return INVALID
+    return value if low <= value <= high else INVALID
+
+
+def _json_time(value: Any) -> Any:
+    return _json_int(value, 0, _UINT64_MAX)
+
+
+def _json_double(number: Any) -> Any:
+    if type(number) is float:
+        return number
+    if type(number) is int:
+        try:
+            return float(number)
+        except OverflowError:  # beyond any double
+            return INVALID
+    return _JSON_DOUBLE_WORDS.get(number, INVALID) if type(number) is str else INVALID
+
+
+def _json_string(text: Any) -> Any:
+    """A protobuf string is valid UTF-8; JSON can still hold lone surrogates (\\ud800), which no
+    encoder downstream (Prometheus, OTLP metrics) accepts. Only non-ASCII text needs the check."""
+    if type(text) is not str:
+        return INVALID
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return INVALID
+    return text
 
 
 def _json_any_value(value: Any) -> Any:
     if not isinstance(value, dict) or not value:
         return None
     if "stringValue" in value:
-        text = value["stringValue"]
-        return text if type(text) is str else INVALID
+        return _json_string(value["stringValue"])
     if "intValue" in value:
         return _json_int(value["intValue"])
     if "doubleValue" in value:
-        number = value["doubleValue"]
-        if type(number) in (int, float):
-            return float(number)
-        return _JSON_DOUBLE_WORDS.get(number, INVALID) if type(number) is str else INVALID
+        return _json_double(value["doubleValue"])
     if "boolValue" in value:
         flag = value["boolValue"]
         return flag if type(flag) is bool else INVALID
@@ -435,7 +467,7 @@ def decode_json_request(request: Any) -> DecodedBatch:
                     attributes.get(contract.TIMING), attributes.get(contract.DEVICE_DURATION_MS),
                     attributes.get(contract.COLLECTIVE), attributes.get(contract.WORKLOAD_TOKENS),
                     attributes.get(contract.WORKLOAD_SAMPLES),
-                    _json_int(span.get("startTimeUnixNano", 0)), _json_int(span.get("endTimeUnixNano", 0)),
+                    _json_time(span.get("startTimeUnixNano", 0)), _json_time(span.get("endTimeUnixNano", 0)),
                 )
                 if type(result) is str:
                     batch.reject(name, result)

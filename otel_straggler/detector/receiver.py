@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import enum
 import hmac
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
 from otel_straggler.detector.config import ConfigError, DetectorConfig
 from otel_straggler.detector.decode import MalformedPayload, ProtobufDecoder, decode_json
 from otel_straggler.detector.pipeline import SpanPipeline
+
+_log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1  # what an overloaded detector tells exporters to wait before retrying
 
@@ -67,6 +70,7 @@ class OtlpIntake:
         self._expected = None if token is None else f"Bearer {token}".encode()
         self.max_request_bytes = max_request_bytes
         self._decoder = ProtobufDecoder()
+        self._logged_decode_error = False
 
     def authorized(self, authorization: Optional[str]) -> bool:
         """Checks an `authorization` header/metadata value in constant time; counts refusals."""
@@ -95,12 +99,23 @@ class OtlpIntake:
             batch = decode_json(payload) if is_json else self._decoder.decode(payload)
         except MalformedPayload as error:
             return self._done(Result.MALFORMED, str(error))
+        except Exception as error:  # a decoder bug: the payload still could not be read
+            return self._undecodable(error)
         if not self._pipeline.submit(batch):
             return self._done(Result.OVERLOADED, "detector queue full, retry later")
         if batch.malformed:
             return self._done(Result.PARTIAL, f"{batch.malformed} span(s) rejected, first: {batch.first_error}",
                               batch.malformed)
         return self._done(Result.OK)
+
+    def _undecodable(self, error: Exception) -> ExportOutcome:
+        """Answers a payload the decoder failed on unexpectedly as malformed, and counts it as an error:
+        a dropped connection (HTTP) or UNKNOWN (gRPC) would tell the sender nothing and count nothing."""
+        self.counters.add_error("decode")
+        if not self._logged_decode_error:  # once: one bad sender would otherwise flood the log
+            self._logged_decode_error = True
+            _log.exception("decoding a trace export failed; counted as errors[decode] (logged once)")
+        return self._done(Result.MALFORMED, f"cannot decode the request ({type(error).__name__})")
 
     def _done(self, result: Result, message: str = "", rejected_spans: int = 0) -> ExportOutcome:
         self.counters.add_request(result.value)

@@ -83,7 +83,7 @@ def replay(
                 lines += 1
                 try:
                     request = json.loads(line)
-                except ValueError:
+                except (ValueError, RecursionError):  # RecursionError: nested too deep, e.g. a line of '['
                     counters.add_request("malformed")
                     continue
                 if not isinstance(request, dict) or "resourceSpans" not in request:

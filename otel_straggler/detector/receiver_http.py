@@ -3,19 +3,14 @@
 Status codes follow the OTLP/HTTP spec: 200 (with partial success when spans were rejected), 400
 malformed or a corrupt compressed body (a google.rpc.Status body in the request's encoding), 401
 without the right bearer token, 413 over the size bound, 415 unknown content type or encoding, 503
-with Retry-After when the queue is full (exporters retry 503), 404 for any other path. At most `max_http_connections` connections are
-served at once, a thread each; one more gets a 503 at once rather than a thread. An idle keep-alive
-connection holds its thread for IDLE_CONNECTION_TIMEOUT_S at most, and a request, however slowly its
-bytes come (each within that timeout), for REQUEST_DEADLINE_S.
+with Retry-After when the queue is full (exporters retry 503), 404 for any other path. Connections
+(`max_http_connections`), idle reads and each request's time are bounded by http_server.
 """
 from __future__ import annotations
 
-import socket
 import ssl
 import threading
-import time
 import zlib
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 
 from google.protobuf import json_format
@@ -25,6 +20,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportM
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
 from otel_straggler.detector.decode import MalformedPayload
+from otel_straggler.detector.http_server import BoundedHTTPServer, BoundedRequestHandler
 from otel_straggler.detector.receiver import RETRY_AFTER_S, ExportOutcome, OtlpIntake, Result
 
 TRACES_PATH = "/v1/traces"
@@ -32,11 +28,6 @@ TRACES_PATH = "/v1/traces"
 OTHER_SIGNAL_RESPONSES = {"/v1/metrics": ExportMetricsServiceResponse, "/v1/logs": ExportLogsServiceResponse}
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
-IDLE_CONNECTION_TIMEOUT_S = 15  # longer than an SDK exporter's 5 s between exports, so its connection is reused
-# From waiting for a request line to the reply sent: the idle timeout bounds each read, not a client
-# that sends a byte every few seconds, which would hold a connection slot (and its thread) for ever.
-# A 16 MiB request needs about 0.3 MB/s to arrive in time.
-REQUEST_DEADLINE_S = 60.0
 
 _HTTP_STATUS = {
     Result.OK: 200, Result.PARTIAL: 200, Result.MALFORMED: 400, Result.OVERLOADED: 503,
@@ -47,10 +38,6 @@ _RPC_CODE = {
     Result.UNAUTHENTICATED: code_pb2.UNAUTHENTICATED, Result.TOO_LARGE: code_pb2.RESOURCE_EXHAUSTED,
     Result.UNSUPPORTED: code_pb2.INVALID_ARGUMENT,
 }
-_REFUSED_CONNECTION = (
-    f"HTTP/1.1 503 Service Unavailable\r\nRetry-After: {RETRY_AFTER_S}\r\n"
-    "Content-Length: 0\r\nConnection: close\r\n\r\n"
-).encode()
 
 
 class _TooLarge(Exception):
@@ -84,17 +71,9 @@ def decompress(body: bytes, encoding: str, limit: int) -> bytes:
     return bytes(output)
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(BoundedRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as OTLP exporters expect
-    timeout = IDLE_CONNECTION_TIMEOUT_S
     server: "_Server"
-
-    def handle_one_request(self) -> None:
-        self.server.request_began(self.connection)
-        try:
-            super().handle_one_request()
-        finally:
-            self.server.request_ended(self.connection)
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's naming
         self.body_read = False
@@ -189,9 +168,6 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, format: str, *args) -> None:  # one line per export would flood stderr
-        pass
-
 
 def _encode(message, is_json: bool) -> tuple[bytes, str]:
     if is_json:
@@ -199,42 +175,18 @@ def _encode(message, is_json: bool) -> tuple[bytes, str]:
     return message.SerializeToString(), PROTOBUF
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    block_on_close = False
-
+class _Server(BoundedHTTPServer):
     def __init__(self, address: tuple[str, int], intake: OtlpIntake, ssl_context: Optional[ssl.SSLContext],
                  max_connections: int) -> None:
-        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.intake = intake
         self._ssl_context = ssl_context
-        self._connections = threading.BoundedSemaphore(max_connections)
-        self._deadlines: dict[socket.socket, float] = {}  # connection -> when its current request must be done
-        self._deadlines_lock = threading.Lock()
-        super().__init__(address, _Handler)
+        super().__init__(address, _Handler, max_connections, self._count)
 
-    def request_began(self, connection: socket.socket) -> None:
-        with self._deadlines_lock:
-            self._deadlines[connection] = time.monotonic() + REQUEST_DEADLINE_S
-
-    def request_ended(self, connection: socket.socket) -> None:
-        with self._deadlines_lock:
-            self._deadlines.pop(connection, None)
-
-    def service_actions(self) -> None:
-        """Run by serve_forever between polls (every 0.5 s): connections past their request's
-        deadline are shut, which ends the blocked read on their thread."""
-        now = time.monotonic()
-        with self._deadlines_lock:
-            overdue = [connection for connection, deadline in self._deadlines.items() if deadline <= now]
-            for connection in overdue:
-                del self._deadlines[connection]
-        for connection in overdue:
-            self.intake.counters.add_error("http_request_deadline")
-            try:
-                socket.socket.shutdown(connection, socket.SHUT_RDWR)  # the plain socket's, under TLS too
-            except OSError:
-                pass
+    def _count(self, event: str) -> None:
+        if event == "refused":
+            self.intake.refused(Result.OVERLOADED)
+        else:
+            self.intake.counters.add_error(f"http_{event}")
 
     def get_request(self):
         connection, client = super().get_request()
@@ -243,35 +195,9 @@ class _Server(ThreadingHTTPServer):
             connection = self._ssl_context.wrap_socket(connection, server_side=True, do_handshake_on_connect=False)
         return connection, client
 
-    def process_request(self, request, client_address) -> None:
-        if not self._connections.acquire(blocking=False):
-            self._refuse(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._connections.release()
-            raise
-
-    def process_request_thread(self, request, client_address) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._connections.release()
-
     def handle_error(self, request, client_address) -> None:
         # TLS handshakes that fail, peers that reset: counted, not printed as tracebacks
         self.intake.counters.add_error("http_connection")
-
-    def _refuse(self, connection) -> None:
-        self.intake.refused(Result.OVERLOADED)
-        try:
-            if not isinstance(connection, ssl.SSLSocket):  # a TLS peer could not read a plain reply
-                connection.settimeout(0.5)
-                connection.sendall(_REFUSED_CONNECTION)
-        except OSError:
-            pass
-        self.shutdown_request(connection)
 
 
 class OtlpHttpReceiver:

@@ -145,7 +145,8 @@ class DetectorService:
                                       ssl_context)
         if self._telemetry.scrape_reader is not None:
             self._prometheus = PrometheusEndpoint(self._telemetry.scrape_reader, config.listen_address,
-                                                  config.prometheus_port)
+                                                  config.prometheus_port,
+                                                  lambda event: intake.counters.add_error(f"prometheus_{event}"))
         self._started_unix_nano = time.time_ns()
         self._emitter.start()
         self._pipeline.start()

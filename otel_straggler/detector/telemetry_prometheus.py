@@ -11,10 +11,11 @@ from __future__ import annotations
 import math
 import re
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Optional
+from typing import Callable, Optional
 
 from opentelemetry.sdk.metrics.export import Gauge, Histogram, InMemoryMetricReader, MetricsData, Sum
+
+from otel_straggler.detector.http_server import BoundedHTTPServer, BoundedRequestHandler
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _INVALID_NAME_CHARS = re.compile(r"[^a-zA-Z0-9_]")
@@ -85,14 +86,19 @@ def exposition_text(data: Optional[MetricsData]) -> str:
     return "\n".join(lines) + "\n"
 
 
-class PrometheusEndpoint:
-    """Serves GET /metrics on its own port from an InMemoryMetricReader."""
+MAX_SCRAPE_CONNECTIONS = 16  # scrapers served at once; a Prometheus server or two needs one each
 
-    def __init__(self, reader: InMemoryMetricReader, address: str, port: int) -> None:
+
+class PrometheusEndpoint:
+    """Serves GET /metrics on its own port from an InMemoryMetricReader, bounded as the OTLP/HTTP
+    receiver is (http_server); `on_event` gets what was refused or cut."""
+
+    def __init__(self, reader: InMemoryMetricReader, address: str, port: int,
+                 on_event: Callable[[str], None] = lambda event: None) -> None:
         self._reader = reader
         endpoint = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(BoundedRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's naming
                 if self.path.split("?", 1)[0] != "/metrics":
                     self.send_error(404)
@@ -104,11 +110,7 @@ class PrometheusEndpoint:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def log_message(self, format: str, *args) -> None:  # scrapes are not worth a log line each
-                pass
-
-        self._server = ThreadingHTTPServer((address, port), Handler)
-        self._server.daemon_threads = True
+        self._server = BoundedHTTPServer((address, port), Handler, MAX_SCRAPE_CONNECTIONS, on_event)
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="straggler-prometheus", daemon=True)
 

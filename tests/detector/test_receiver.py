@@ -251,9 +251,9 @@ def test_connections_beyond_the_bound_get_503_at_once(tmp_path):
 def test_a_client_dribbling_its_request_loses_its_connection_at_the_deadline(tmp_path, monkeypatch):
     """Each byte within the idle timeout, the request never done: the connection (and the one slot
     there is) is taken back at the request deadline, and counted."""
-    from otel_straggler.detector import receiver_http
+    from otel_straggler.detector import http_server
 
-    monkeypatch.setattr(receiver_http, "REQUEST_DEADLINE_S", 1.0)
+    monkeypatch.setattr(http_server, "REQUEST_DEADLINE_S", 1.0)
     with running_service(service_config(tmp_path, max_http_connections=1)) as service:
         port = service.bound_ports[1]
         body = request_bytes(stage_spans(0, 1))

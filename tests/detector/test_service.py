@@ -172,6 +172,36 @@ def test_without_an_endpoint_nothing_is_exported_and_nothing_complains(tmp_path,
     assert not [record for record in caplog.records if record.levelname in ("WARNING", "ERROR")]
 
 
+def test_idle_scrape_connections_are_bounded_and_taken_back(tmp_path, monkeypatch):
+    """Connections that never send a request fill the endpoint's slots (more get 503 at once, no
+    thread each) until the request deadline frees them; both counted."""
+    from otel_straggler.detector import http_server, telemetry_prometheus
+
+    monkeypatch.setattr(http_server, "REQUEST_DEADLINE_S", 1.0)
+    with running_service(service_config(tmp_path, prometheus_port=0)) as service:
+        address = ("127.0.0.1", service.prometheus_port)
+        idle = [socket.create_connection(address, timeout=5) for _ in range(telemetry_prometheus.MAX_SCRAPE_CONNECTIONS)]
+        try:
+            time.sleep(0.2)
+            with socket.create_connection(address, timeout=5) as refused:
+                assert refused.recv(4096).startswith(b"HTTP/1.1 503 ")
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    with urllib.request.urlopen(f"http://{address[0]}:{address[1]}/metrics", timeout=5) as response:
+                        assert response.status == 200
+                        break
+                except (OSError, urllib.error.HTTPError):
+                    assert time.monotonic() < deadline
+                    time.sleep(0.2)
+        finally:
+            for connection in idle:
+                connection.close()
+        errors = service.status()["errors"]
+        assert errors.get("prometheus_refused", 0) >= 1
+        assert errors.get("prometheus_request_deadline") == telemetry_prometheus.MAX_SCRAPE_CONNECTIONS
+
+
 def test_the_prometheus_endpoint_serves_the_names_the_alert_rules_use(tmp_path):
     with running_service(service_config(tmp_path, prometheus_port=0)) as service:
         send_slow_rank_job(service)

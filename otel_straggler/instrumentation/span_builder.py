@@ -352,6 +352,11 @@ class SpanBuilder:
             if not self.device_timing:
                 attributes[contract.TIMING] = contract.TIMING_HOST_ONLY
                 attributes[contract.TIMING_REASON] = "no_cuda"
+            elif start_step is None:
+                # begun before the first step(), which makes the event pool (on the training thread,
+                # where CUDA events must be made): by design, not a loss
+                attributes[contract.TIMING] = contract.TIMING_DEVICE_UNAVAILABLE
+                attributes[contract.TIMING_REASON] = "before_first_step"
             else:
                 attributes[contract.TIMING] = contract.TIMING_DEVICE_UNAVAILABLE
                 attributes[contract.TIMING_REASON] = "pool_exhausted"

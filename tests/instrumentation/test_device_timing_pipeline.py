@@ -50,6 +50,26 @@ def test_an_exhausted_pool_times_host_only_until_events_come_back(in_memory, wai
     assert timing_of(again) == (contract.TIMING_DEVICE, 1.0, None)
 
 
+def test_stages_begun_before_the_first_step_say_so_and_are_not_counted_lost(in_memory):
+    """The event pool is made at the first step(): a stage begun before it (setup, a warm-up) has
+    no events by design, which is not an exhausted pool."""
+    backend = FakeDeviceEvents(auto_complete=True, kernel_ms=1.0)
+    handle = in_memory.configure(device_backend=backend)
+    with otel_straggler.stage("model-and-optimizer-setup"):
+        pass
+    with otel_straggler.stage("load-checkpoint"):
+        otel_straggler.step(0)  # ends within it: bound to step 0, begun without events all the same
+    with otel_straggler.stage("forward-compute"):
+        pass
+    handle.flush(timeout_s=5.0)
+    spans = {span.name: span for span in in_memory.stage_spans()}
+    for name in ("model-and-optimizer-setup", "load-checkpoint"):
+        assert timing_of(spans[name]) == (contract.TIMING_DEVICE_UNAVAILABLE, None, "before_first_step"), name
+    assert timing_of(spans["forward-compute"]) == (contract.TIMING_DEVICE, 1.0, None)
+    status = handle.status()
+    assert status["lost"]["pool_exhausted"] == 0 and sum(status["lost"].values()) == 0
+
+
 def test_nested_stages_get_the_device_time_between_their_own_events(in_memory):
     backend = FakeDeviceEvents(auto_complete=True, kernel_ms=1.5)
     in_memory.configure(device_backend=backend)

@@ -1,7 +1,8 @@
 """`otel-straggler detect` and `otel-straggler replay`: flags, start-up errors, signals, exit codes.
 
-Every setting is a flag and an OTEL_STRAGGLER_* env var (config.SETTINGS). A bad value, token file or
-certificate is one line on stderr and exit code 2; a port that cannot be bound or a file that cannot
+Every setting is a flag and an OTEL_STRAGGLER_* env var (config.SETTINGS). A bad value (a listen
+address that does not resolve too), token file, certificate or OTEL_EXPORTER_OTLP_* variable is one
+line on stderr and exit code 2; a port that cannot be bound (named by its flag) or a file that cannot
 be read is one line and exit code 1.
 """
 from __future__ import annotations

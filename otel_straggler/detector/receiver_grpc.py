@@ -5,11 +5,13 @@ generated servicer, whose handler would parse the full ExportTraceServiceRequest
 parses it again with its faster view; the service and message names still come from the generated
 opentelemetry-proto module. Codes follow the OTLP spec: INVALID_ARGUMENT for a malformed request,
 UNAUTHENTICATED without the right bearer token, RESOURCE_EXHAUSTED with RetryInfo when the queue is
-full (exporters retry it after the given delay), partial success in the response. gRPC itself
-enforces the size bound (RESOURCE_EXHAUSTED, before the request reaches this code) and gzip.
+full (exporters retry it after the given delay), RESOURCE_EXHAUSTED over the size bound (after
+decompression, counted as on the HTTP side), partial success in the response. gRPC does gzip, and
+refuses on its own, uncounted, requests so far over the bound that this code never sees them.
 """
 from __future__ import annotations
 
+import socket
 from concurrent import futures
 from typing import Optional
 
@@ -30,6 +32,33 @@ _OTHER_SIGNALS = {
     metrics_service_pb2.DESCRIPTOR.services_by_name["MetricsService"]: metrics_service_pb2.ExportMetricsServiceResponse,
     logs_service_pb2.DESCRIPTOR.services_by_name["LogsService"]: logs_service_pb2.ExportLogsServiceResponse,
 }
+# gRPC's own bound sits this far above max_request_bytes: requests a little over ours reach the
+# handler to be refused and counted there, while gRPC still bounds what a request can cost in memory
+_GRPC_LIMIT_HEADROOM = 1.25
+_GRPC_LIMIT_MAX = 2**31 - 1  # gRPC's channel arguments are C ints
+
+
+def _grpc_receive_limit(max_request_bytes: int) -> int:
+    return min(int(max_request_bytes * _GRPC_LIMIT_HEADROOM), _GRPC_LIMIT_MAX)
+
+
+def _check_bindable(address: str, port: int) -> None:
+    """Raises the OSError that binding address:port meets (unknown address, port in use, ...).
+    gRPC reports a failed bind as a RuntimeError without the reason, which goes to a log line of
+    its own, so the bind is tried first with a plain socket set up as gRPC sets up its own."""
+    failures: list[OSError] = []
+    for family, kind, protocol, _, socket_address in socket.getaddrinfo(
+            address or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
+        with socket.socket(family, kind, protocol) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if hasattr(socket, "SO_REUSEPORT"):
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            try:
+                probe.bind(socket_address)
+                return  # gRPC too listens when at least one of the addresses binds
+            except OSError as error:
+                failures.append(error)
+    raise failures[0]  # getaddrinfo gives at least one address or raises
 
 
 def _retry_info_metadata(message: str) -> tuple[tuple[str, bytes], ...]:
@@ -51,7 +80,7 @@ class OtlpGrpcReceiver:
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="straggler-otlp-grpc"),
             # calls beyond this are refused by gRPC with RESOURCE_EXHAUSTED instead of queueing without bound
             maximum_concurrent_rpcs=workers * 4,
-            options=[("grpc.max_receive_message_length", intake.max_request_bytes)],
+            options=[("grpc.max_receive_message_length", _grpc_receive_limit(intake.max_request_bytes))],
         )
         handler = grpc.unary_unary_rpc_method_handler(self._export, response_serializer=_Response.SerializeToString)
         self._server.add_generic_rpc_handlers(
@@ -61,13 +90,15 @@ class OtlpGrpcReceiver:
                                                         response_serializer=response_type.SerializeToString)
             self._server.add_generic_rpc_handlers(
                 (grpc.method_handlers_generic_handler(service.full_name, {"Export": other}),))
+        _check_bindable(address, port)
         target = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
-        if tls_key_and_cert is None:
-            self.port = self._server.add_insecure_port(target)
-        else:
-            self.port = self._server.add_secure_port(target, grpc.ssl_server_credentials([tls_key_and_cert]))
-        if not self.port:
-            raise OSError(f"cannot listen for OTLP/gRPC on {target}")
+        try:
+            if tls_key_and_cert is None:
+                self.port = self._server.add_insecure_port(target)
+            else:
+                self.port = self._server.add_secure_port(target, grpc.ssl_server_credentials([tls_key_and_cert]))
+        except RuntimeError as error:  # a failure the plain socket did not meet
+            raise OSError(str(error)) from None
 
     def start(self) -> None:
         self._server.start()
@@ -76,10 +107,17 @@ class OtlpGrpcReceiver:
         """Refuses new calls at once and lets calls in progress finish for up to grace_s."""
         self._server.stop(grace_s).wait(grace_s + 1.0)
 
+    def _refuse_if_too_large(self, request: bytes, context: grpc.ServicerContext) -> None:
+        """The size bound, applied here rather than by gRPC so that the refusal is counted."""
+        if len(request) > self._intake.max_request_bytes:
+            self._intake.refused(Result.TOO_LARGE)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request over {self._intake.max_request_bytes} bytes")
+
     def _other_signal(self, response_type):
         def export(request: bytes, context: grpc.ServicerContext):
             if not self._intake.authorized(dict(context.invocation_metadata()).get("authorization")):
                 context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+            self._refuse_if_too_large(request, context)
             self._intake.other_signal()
             return response_type()
 
@@ -89,6 +127,7 @@ class OtlpGrpcReceiver:
         metadata = dict(context.invocation_metadata())
         if not self._intake.authorized(metadata.get("authorization")):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        self._refuse_if_too_large(request, context)
         outcome = self._intake.export(request, is_json=False)
         if outcome.result is Result.MALFORMED:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, outcome.message)

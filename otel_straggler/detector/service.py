@@ -12,10 +12,12 @@ verdicts.jsonl, status.json and the OTel metrics and events. See pipeline.py and
 """
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, TypeVar
 
 from otel_straggler.detector.config import ConfigError, DetectorConfig
 from otel_straggler.detector.emit import VerdictEmitter, status_record
@@ -30,6 +32,24 @@ from otel_straggler.detector.telemetry_prometheus import PrometheusEndpoint
 
 _log = logging.getLogger(__name__)
 VerdictListener = Callable[[Verdict], None]
+
+
+_Listener = TypeVar("_Listener")
+
+
+def _listening(flag: str, address: str, port: int, make: Callable[[], _Listener]) -> _Listener:
+    """A listener made by `make`; a socket error names the flag and the address: a ConfigError for
+    an address that does not resolve (a bad value), else an OSError (the port in use, say)."""
+    try:
+        return make()
+    except OSError as error:
+        target = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+        reason = error.strerror or str(error)
+        if isinstance(error, socket.gaierror):
+            raise ConfigError(f"--listen-address: cannot listen on {target}: {reason}") from None
+        if error.errno == errno.EADDRNOTAVAIL:  # an address this machine does not have
+            flag = "--listen-address"
+        raise OSError(f"{flag}: cannot listen on {target}: {reason}") from None
 
 
 class DetectorService:
@@ -139,14 +159,15 @@ class DetectorService:
         self._emitter = VerdictEmitter(EvidenceFiles(config.evidence_dir, config.max_evidence_bytes),
                                        config.flush_interval_s, self.status, self._telemetry)
         intake = OtlpIntake(self._pipeline, token, config.max_request_bytes)
-        self._grpc = OtlpGrpcReceiver(intake, config.listen_address, config.grpc_port, config.receiver_threads,
-                                      key_and_cert)
-        self._http = OtlpHttpReceiver(intake, config.listen_address, config.http_port, config.max_http_connections,
-                                      ssl_context)
+        address = config.listen_address
+        self._grpc = _listening("--grpc-port", address, config.grpc_port, lambda: OtlpGrpcReceiver(
+            intake, address, config.grpc_port, config.receiver_threads, key_and_cert))
+        self._http = _listening("--http-port", address, config.http_port, lambda: OtlpHttpReceiver(
+            intake, address, config.http_port, config.max_http_connections, ssl_context))
         if self._telemetry.scrape_reader is not None:
-            self._prometheus = PrometheusEndpoint(self._telemetry.scrape_reader, config.listen_address,
-                                                  config.prometheus_port,
-                                                  lambda event: intake.counters.add_error(f"prometheus_{event}"))
+            self._prometheus = _listening("--prometheus-port", address, config.prometheus_port, lambda: PrometheusEndpoint(
+                self._telemetry.scrape_reader, address, config.prometheus_port,
+                lambda event: intake.counters.add_error(f"prometheus_{event}")))
         self._started_unix_nano = time.time_ns()
         self._emitter.start()
         self._pipeline.start()

@@ -6,13 +6,15 @@ embeds the service keeps its own telemetry untouched. Nothing is exported over O
 endpoint is configured by the standard env vars (OTEL_EXPORTER_OTLP_ENDPOINT or the per-signal
 OTEL_EXPORTER_OTLP_METRICS_ENDPOINT / OTEL_EXPORTER_OTLP_LOGS_ENDPOINT; protocol from
 OTEL_EXPORTER_OTLP[_<SIGNAL>]_PROTOCOL, `grpc` by default as in the Python SDK); the exporters read
-headers, TLS, compression and timeout from the same env vars. Export failures are counted.
+headers, TLS, compression and timeout from the same env vars, and a value of those that they would
+fail on or ignore is a ConfigError naming the variable at start-up. Export failures are counted.
 
 Gauges and health counters are observed at collection time from callables the service provides, so
 there is one source of truth (the engine's state and the intake counters) and no second copy here.
 """
 from __future__ import annotations
 
+import math
 import os
 import socket
 import threading
@@ -38,24 +40,74 @@ DETECTOR_SERVICE_NAME = "otel-straggler-detector"
 _WARN_VERDICTS = {contract.VERDICT_STRAGGLER, contract.VERDICT_SILENT}
 # exporter batching adds seconds; beyond a window's grace (30 s by default) spans risk being late
 _LAG_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+_PROTOCOLS = ("grpc", "http/protobuf")
+# OTEL_EXPORTER_OTLP_[<SIGNAL>_]COMPRESSION values each protocol's exporter takes ("none" is not
+# one for gRPC: its exporter raises on it)
+_COMPRESSIONS = {"grpc": ("gzip",), "http/protobuf": ("none", "gzip", "deflate")}
 
 
 def otlp_endpoint_configured(signal: str, environ: Mapping[str, str] = os.environ) -> bool:
     return bool(environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
 
 
-def _otlp_exporter_class(signal: str, environ: Mapping[str, str]) -> type:
+def _otlp_protocol(signal: str, environ: Mapping[str, str]) -> str:
     variable = f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL"
     protocol = (environ.get(variable) or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc").strip()
+    if protocol not in _PROTOCOLS:
+        raise ConfigError(f"{variable} / OTEL_EXPORTER_OTLP_PROTOCOL: expected grpc or http/protobuf, got {protocol!r}")
+    return protocol
+
+
+def _otlp_exporter_class(signal: str, protocol: str) -> type:
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-    elif protocol == "http/protobuf":
+    else:
         from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-    else:
-        raise ConfigError(f"{variable} / OTEL_EXPORTER_OTLP_PROTOCOL: expected grpc or http/protobuf, got {protocol!r}")
     return OTLPMetricExporter if signal == "metrics" else OTLPLogExporter
+
+
+def _exporter_variables(signal: str, setting: str, environ: Mapping[str, str]) -> Iterable[tuple[str, str]]:
+    """(name, value) of the general and the per-signal variable of an exporter setting, where set."""
+    for variable in (f"OTEL_EXPORTER_OTLP_{setting}", f"OTEL_EXPORTER_OTLP_{signal.upper()}_{setting}"):
+        value = environ.get(variable, "").strip()
+        if value:
+            yield variable, value
+
+
+def _check_exporter_environ(signal: str, protocol: str, environ: Mapping[str, str]) -> None:
+    """Fails with one line naming the variable where the SDK's exporter would raise a traceback
+    (gRPC: timeout, compression), log one and carry on without the file (gRPC: certificates), or
+    quietly fall back to a default (HTTP), so a bad setting is found at start-up."""
+    for variable, value in _exporter_variables(signal, "TIMEOUT", environ):
+        try:
+            valid = 0 < float(value) < math.inf
+        except ValueError:
+            valid = False
+        if not valid:
+            raise ConfigError(f"{variable}: expected a number of seconds > 0, got {value!r}")
+    for variable, value in _exporter_variables(signal, "COMPRESSION", environ):
+        if value.lower() not in _COMPRESSIONS[protocol]:
+            raise ConfigError(f"{variable}: expected {' or '.join(_COMPRESSIONS[protocol])} (protocol {protocol}), "
+                              f"got {value!r}")
+    for setting in ("CERTIFICATE", "CLIENT_KEY", "CLIENT_CERTIFICATE"):
+        for variable, path in _exporter_variables(signal, setting, environ):
+            try:
+                with open(path, "rb"):
+                    pass
+            except OSError as error:
+                raise ConfigError(f"{variable}: cannot read {path!r}: {error.strerror}") from None
+
+
+def _otlp_exporter(signal: str, environ: Mapping[str, str], on_failure: Callable[[], None]):
+    protocol = _otlp_protocol(signal, environ)
+    _check_exporter_environ(signal, protocol, environ)
+    exporter_class = _counting_failures(_otlp_exporter_class(signal, protocol), on_failure)
+    try:
+        return exporter_class()
+    except Exception as error:  # noqa: BLE001 - anything else the SDK makes of its env vars: still one line
+        raise ConfigError(f"OTEL_EXPORTER_OTLP_*: cannot make the {protocol} {signal} exporter: {error}") from None
 
 
 def _counting_failures(exporter_class: type, on_failure: Callable[[], None]) -> type:
@@ -107,7 +159,7 @@ class DetectorTelemetry:
         self.exporting_metrics = export_otlp and otlp_endpoint_configured("metrics", environ)
         self.exporting_events = export_otlp and otlp_endpoint_configured("logs", environ)
         if self.exporting_metrics:
-            exporter = _counting_failures(_otlp_exporter_class("metrics", environ), lambda: self._failed("metrics"))()
+            exporter = _otlp_exporter("metrics", environ, lambda: self._failed("metrics"))
             readers.append(PeriodicExportingMetricReader(exporter, export_interval_millis=config.metric_export_interval_s * 1000))
         self.scrape_reader: Optional[InMemoryMetricReader] = None
         if config.prometheus_port >= 0:
@@ -121,7 +173,7 @@ class DetectorTelemetry:
         self._logger_provider: Optional[LoggerProvider] = None
         self._event_logger = None
         if self.exporting_events:
-            exporter = _counting_failures(_otlp_exporter_class("logs", environ), lambda: self._failed("logs"))()
+            exporter = _otlp_exporter("logs", environ, lambda: self._failed("logs"))
             self._logger_provider = LoggerProvider(resource=resource)
             self._logger_provider.add_log_record_processor(BatchLogRecordProcessor(exporter))
             self._event_logger = self._logger_provider.get_logger(SCOPE_NAME)
@@ -152,7 +204,7 @@ class DetectorTelemetry:
             description="engine state evicted to stay within its bounds, by kind")
         meter.create_observable_counter(
             "straggler.detector.errors", [self._observe_health("errors", "kind")],
-            description="internal errors survived (engine, verdict listener, telemetry)")
+            description="internal errors survived (engine, verdict listener, telemetry, decoding, HTTP connections), by kind")
         meter.create_observable_counter(
             "straggler.detector.verdicts.dropped", [self._observe_health("verdicts_dropped", "reason")],
             description="verdicts not written to verdicts.jsonl, by reason")

@@ -144,9 +144,15 @@ def test_requests_over_the_size_bound_are_refused(tmp_path):
         assert len(bomb) < 4096
         assert post(http_port, bomb, headers={"Content-Encoding": "gzip"})[0] == 413
         with pytest.raises(grpc.RpcError) as refused:
-            raw_grpc_export(grpc_port, big)
+            raw_grpc_export(grpc_port, big)  # far over the bound: refused by gRPC itself, not counted
         assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert service.status()["requests"] == {"too_large": 2}
+        just_over = next(body for body in (request_bytes(stage_spans(0, count)) for count in range(1, 40))
+                         if len(body) > 4096)
+        assert len(just_over) <= 4096 * 1.25
+        with pytest.raises(grpc.RpcError) as refused:
+            raw_grpc_export(grpc_port, just_over)  # over the bound: refused and counted as over HTTP
+        assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert service.status()["requests"] == {"too_large": 3}
 
 
 def test_wrong_paths_methods_types_and_encodings_get_their_http_codes(tmp_path):

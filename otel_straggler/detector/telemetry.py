@@ -14,7 +14,6 @@ there is one source of truth (the engine's state and the intake counters) and no
 """
 from __future__ import annotations
 
-import math
 import os
 import socket
 import threading
@@ -34,6 +33,7 @@ from otel_straggler import contract
 from otel_straggler.detector.config import ConfigError, DetectorConfig
 from otel_straggler.detector.observation import Verdict
 from otel_straggler.detector.pipeline import SPAN_OUTCOMES
+from otel_straggler.otlp_environ import check_exporter_environ
 
 SCOPE_NAME = "otel_straggler.detector"
 DETECTOR_SERVICE_NAME = "otel-straggler-detector"
@@ -41,9 +41,6 @@ _WARN_VERDICTS = {contract.VERDICT_STRAGGLER, contract.VERDICT_SILENT}
 # exporter batching adds seconds; beyond a window's grace (30 s by default) spans risk being late
 _LAG_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 _PROTOCOLS = ("grpc", "http/protobuf")
-# OTEL_EXPORTER_OTLP_[<SIGNAL>_]COMPRESSION values each protocol's exporter takes ("none" is not
-# one for gRPC: its exporter raises on it)
-_COMPRESSIONS = {"grpc": ("gzip",), "http/protobuf": ("none", "gzip", "deflate")}
 
 
 def otlp_endpoint_configured(signal: str, environ: Mapping[str, str] = os.environ) -> bool:
@@ -68,41 +65,9 @@ def _otlp_exporter_class(signal: str, protocol: str) -> type:
     return OTLPMetricExporter if signal == "metrics" else OTLPLogExporter
 
 
-def _exporter_variables(signal: str, setting: str, environ: Mapping[str, str]) -> Iterable[tuple[str, str]]:
-    """(name, value) of the general and the per-signal variable of an exporter setting, where set."""
-    for variable in (f"OTEL_EXPORTER_OTLP_{setting}", f"OTEL_EXPORTER_OTLP_{signal.upper()}_{setting}"):
-        value = environ.get(variable, "").strip()
-        if value:
-            yield variable, value
-
-
-def _check_exporter_environ(signal: str, protocol: str, environ: Mapping[str, str]) -> None:
-    """Fails with one line naming the variable where the SDK's exporter would raise a traceback
-    (gRPC: timeout, compression), log one and carry on without the file (gRPC: certificates), or
-    quietly fall back to a default (HTTP), so a bad setting is found at start-up."""
-    for variable, value in _exporter_variables(signal, "TIMEOUT", environ):
-        try:
-            valid = 0 < float(value) < math.inf
-        except ValueError:
-            valid = False
-        if not valid:
-            raise ConfigError(f"{variable}: expected a number of seconds > 0, got {value!r}")
-    for variable, value in _exporter_variables(signal, "COMPRESSION", environ):
-        if value.lower() not in _COMPRESSIONS[protocol]:
-            raise ConfigError(f"{variable}: expected {' or '.join(_COMPRESSIONS[protocol])} (protocol {protocol}), "
-                              f"got {value!r}")
-    for setting in ("CERTIFICATE", "CLIENT_KEY", "CLIENT_CERTIFICATE"):
-        for variable, path in _exporter_variables(signal, setting, environ):
-            try:
-                with open(path, "rb"):
-                    pass
-            except OSError as error:
-                raise ConfigError(f"{variable}: cannot read {path!r}: {error.strerror}") from None
-
-
 def _otlp_exporter(signal: str, environ: Mapping[str, str], on_failure: Callable[[], None]):
     protocol = _otlp_protocol(signal, environ)
-    _check_exporter_environ(signal, protocol, environ)
+    check_exporter_environ(signal, protocol, environ)
     exporter_class = _counting_failures(_otlp_exporter_class(signal, protocol), on_failure)
     try:
         return exporter_class()

@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from otel_straggler.otlp_environ import check_exporter_environ
 from otel_straggler.settings import ConfigError
 
 PROTOCOLS = ("grpc", "http/protobuf")
@@ -38,7 +39,9 @@ def _http_url(endpoint: str, path: str) -> str:
 
 def span_exporter(endpoint: Optional[str], protocol: Optional[str], environ: Mapping[str, str] = os.environ) -> SpanExporter:
     """An OTLP span exporter; an explicit endpoint wins over the env, which the exporters read."""
-    if resolve_protocol(protocol, environ, "TRACES") == "grpc":
+    protocol = resolve_protocol(protocol, environ, "TRACES")
+    check_exporter_environ("traces", protocol, environ)
+    if protocol == "grpc":
         return _grpc_span_exporter_class()(endpoint=endpoint, insecure=_insecure(endpoint))
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HTTPSpanExporter
 
@@ -91,7 +94,9 @@ def _grpc_span_exporter_class() -> type:
 
 
 def metric_exporter(endpoint: Optional[str], protocol: Optional[str], environ: Mapping[str, str] = os.environ):
-    if resolve_protocol(protocol, environ, "METRICS") == "grpc":
+    protocol = resolve_protocol(protocol, environ, "METRICS")
+    check_exporter_environ("metrics", protocol, environ)
+    if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
 
         return OTLPMetricExporter(endpoint=endpoint, insecure=_insecure(endpoint))

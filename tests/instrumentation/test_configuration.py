@@ -28,6 +28,11 @@ from otel_straggler.settings import ConfigError
     ("OTEL_EXPORTER_OTLP_PROTOCOL", "carrier-pigeon", "must be one of grpc, http/protobuf"),
     ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "carrier-pigeon", "must be one of grpc, http/protobuf"),
     ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "carrier-pigeon", "must be one of grpc, http/protobuf"),
+    # read by the SDK's exporters themselves, which would raise a traceback or go on without them
+    ("OTEL_EXPORTER_OTLP_TIMEOUT", "abc", "expected a number of seconds"),
+    ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "-1", "expected a number of seconds"),
+    ("OTEL_EXPORTER_OTLP_COMPRESSION", "zstdx", "expected gzip (protocol grpc)"),
+    ("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", "/nonexistent/ca.pem", "cannot read"),
 ])
 def test_a_bad_env_var_fails_configure_with_one_line_naming_it(configure, monkeypatch, variable, value, complaint):
     monkeypatch.setenv("OTEL_STRAGGLER_DEVICE_TIMING", "off")  # no torch import to wait for

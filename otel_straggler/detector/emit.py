@@ -96,9 +96,13 @@ class VerdictEmitter:
             before = self._evidence.lines_dropped_file_full
             try:
                 self._evidence.append(verdict_line(verdict) for verdict in verdicts)
+                failed = False
             except OSError:
-                self._failed("write_failed", len(verdicts), "cannot append to verdicts.jsonl")
-            self._count(self._dropped, "file_full", self._evidence.lines_dropped_file_full - before)
+                failed = True
+            full = self._evidence.lines_dropped_file_full - before  # left out before the write: not failed too
+            self._count(self._dropped, "file_full", full)
+            if failed:
+                self._failed("write_failed", len(verdicts) - full, "cannot append to verdicts.jsonl")
             if self._telemetry is not None:
                 try:
                     self._telemetry.record_verdicts(verdicts)

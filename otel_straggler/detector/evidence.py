@@ -75,6 +75,8 @@ class EvidenceFiles:
             raise ValueError("evidence files are closed")
         if self._torn_from is not None:
             self._repair()
+            if self._torn_from is not None:  # still torn: a batch appended now would follow the fragment
+                raise OSError(f"{self.verdicts_path} ends in part of a line that cannot be cut off")
         accepted = []
         size = self.size
         for line in lines:
@@ -92,13 +94,14 @@ class EvidenceFiles:
                 written = os.write(self._fd, view)
                 self.size += written
                 view = view[written:]
+            os.fsync(self._fd)  # once per flush interval (emit.py)
         except OSError:
             # a write cut short (the disk filled up) leaves a torn line, which the next append would
-            # follow: cut back to where this batch began (none of it was written, as it is counted)
+            # follow, and a failed fsync lines that may not last: cut back to where this batch began
+            # (none of it is written, as it is counted)
             self._torn_from = before
             self._repair()
             raise
-        os.fsync(self._fd)  # once per flush interval (emit.py)
         self.lines_written += len(accepted)
 
     def _repair(self) -> None:

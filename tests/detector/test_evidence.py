@@ -85,6 +85,34 @@ def test_a_write_cut_short_by_a_full_disk_leaves_only_whole_lines(tmp_path):
     assert ranks == [1, 4] and files.size == os.path.getsize(files.verdicts_path)
 
 
+def test_a_torn_line_that_cannot_be_cut_off_stops_appends_until_it_can(tmp_path, monkeypatch):
+    """If the cut fails too (an append-only file, say), nothing is appended after the fragment."""
+    import resource
+
+    files = EvidenceFiles(str(tmp_path), max_bytes=1 << 20)
+    files.append([verdict_line(verdict(rank=1))])
+    real_ftruncate = os.ftruncate
+
+    def refuse(fd, length):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "ftruncate", refuse)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (files.size + 100, hard))
+    try:
+        with pytest.raises(OSError):
+            files.append([verdict_line(verdict(rank=2)), verdict_line(verdict(rank=3))])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    with pytest.raises(OSError):
+        files.append([verdict_line(verdict(rank=4))])  # the fragment is still there
+    monkeypatch.setattr(os, "ftruncate", real_ftruncate)
+    files.append([verdict_line(verdict(rank=5))])
+    files.close()
+    with open(files.verdicts_path, "rb") as handle:
+        assert [json.loads(line)["rank"] for line in handle] == [1, 5]
+
+
 def test_status_is_replaced_whole(tmp_path):
     files = EvidenceFiles(str(tmp_path), max_bytes=1 << 20)
     files.write_status({"spans": {"accepted": 1}})
@@ -144,4 +172,15 @@ def test_a_failing_write_is_counted_as_dropped(tmp_path):
     emitter.submit([verdict()])
     emitter.flush()
     assert emitter.counts()["verdicts_dropped"] == {"write_failed": 1}
+    files.close()
+
+
+def test_a_verdict_left_out_for_the_size_bound_is_not_counted_failed_as_well(tmp_path):
+    files = EvidenceFiles(str(tmp_path), len(verdict_line(verdict(rank=1))) + 10)  # room for one line
+    emitter = VerdictEmitter(files, 60.0, dict)
+    os.close(files._fd)
+    files._fd = os.open(os.devnull, os.O_RDONLY)  # and the write of that one fails
+    emitter.submit([verdict(rank=1), verdict(rank=2)])
+    emitter.flush()
+    assert emitter.counts()["verdicts_dropped"] == {"file_full": 1, "write_failed": 1}
     files.close()

@@ -33,26 +33,17 @@ from otel_straggler import contract
 from otel_straggler.detector.config import ConfigError, DetectorConfig
 from otel_straggler.detector.observation import Verdict
 from otel_straggler.detector.pipeline import SPAN_OUTCOMES
-from otel_straggler.otlp_environ import check_exporter_environ
+from otel_straggler.otlp_environ import check_exporter_environ, resolve_protocol
 
 SCOPE_NAME = "otel_straggler.detector"
 DETECTOR_SERVICE_NAME = "otel-straggler-detector"
 _WARN_VERDICTS = {contract.VERDICT_STRAGGLER, contract.VERDICT_SILENT}
 # exporter batching adds seconds; beyond a window's grace (30 s by default) spans risk being late
 _LAG_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
-_PROTOCOLS = ("grpc", "http/protobuf")
 
 
 def otlp_endpoint_configured(signal: str, environ: Mapping[str, str] = os.environ) -> bool:
     return bool(environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
-
-
-def _otlp_protocol(signal: str, environ: Mapping[str, str]) -> str:
-    variable = f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL"
-    protocol = (environ.get(variable) or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc").strip()
-    if protocol not in _PROTOCOLS:
-        raise ConfigError(f"{variable} / OTEL_EXPORTER_OTLP_PROTOCOL: expected grpc or http/protobuf, got {protocol!r}")
-    return protocol
 
 
 def _otlp_exporter_class(signal: str, protocol: str) -> type:
@@ -66,7 +57,7 @@ def _otlp_exporter_class(signal: str, protocol: str) -> type:
 
 
 def _otlp_exporter(signal: str, environ: Mapping[str, str], on_failure: Callable[[], None]):
-    protocol = _otlp_protocol(signal, environ)
+    protocol = resolve_protocol(None, environ, signal)
     check_exporter_environ(signal, protocol, environ)
     exporter_class = _counting_failures(_otlp_exporter_class(signal, protocol), on_failure)
     try:

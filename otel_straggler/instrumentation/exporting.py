@@ -12,24 +12,9 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from otel_straggler.otlp_environ import check_exporter_environ
-from otel_straggler.settings import ConfigError
+from otel_straggler.otlp_environ import check_exporter_environ, resolve_protocol
 
-PROTOCOLS = ("grpc", "http/protobuf")
 _EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
-
-
-def resolve_protocol(explicit: Optional[str], environ: Mapping[str, str], signal: str) -> str:
-    """The OTLP protocol of a signal (TRACES, METRICS): configure()'s argument, else the signal's
-    env var, else the general one, else grpc; a bad value names where it came from."""
-    signal_variable = f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL"
-    for source, protocol in (("protocol", explicit), (signal_variable, environ.get(signal_variable)),
-                             ("OTEL_EXPORTER_OTLP_PROTOCOL", environ.get("OTEL_EXPORTER_OTLP_PROTOCOL"))):
-        if protocol:
-            if protocol not in PROTOCOLS:
-                raise ConfigError(f"{source}: must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
-            return protocol
-    return "grpc"
 
 
 def _http_url(endpoint: str, path: str) -> str:

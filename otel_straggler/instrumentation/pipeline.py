@@ -21,11 +21,11 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
 from otel_straggler import contract
 from otel_straggler.instrumentation import identity
-from otel_straggler.instrumentation.exporting import (CountingSpanExporter, resolve_protocol, span_exporter,
-                                                      start_rank_metrics)
+from otel_straggler.instrumentation.exporting import CountingSpanExporter, span_exporter, start_rank_metrics
 from otel_straggler.instrumentation.recorder import IntervalRecorder
 from otel_straggler.instrumentation.span_builder import (COUNTER_NAMES, DerivedIdGenerator, ProcessorSpans, SpanBuilder,
                                                         TracerSpans)
+from otel_straggler.otlp_environ import check_exporter_environ, resolve_protocol
 from otel_straggler.processors.cuda_event_span_processor import CudaEventSpanProcessor
 from otel_straggler.processors.device_events import EventPool, make_backend
 
@@ -125,9 +125,10 @@ class RankPipeline:
         self.device_processor = device_processor
         self._detected_resource: Optional[Resource] = None  # _detect_resource()
         if tracer_provider is None:
-            # Export is set up now so a bad endpoint or protocol fails configure(), not later.
+            # Export is set up now so a bad endpoint, protocol or exporter variable fails configure(),
+            # not later (the metrics exporter is made on the builder thread, where it is only counted)
             if options["export_metrics"]:
-                resolve_protocol(protocol, self._environ(), "METRICS")
+                check_exporter_environ("metrics", resolve_protocol(protocol, self._environ(), "METRICS"), self._environ())
             self.exporter = CountingSpanExporter(span_exporter(endpoint, protocol, self._environ()))
             self.batch_processor = CountingBatchSpanProcessor(self.exporter)
             if self.backend is not None:

@@ -33,6 +33,10 @@ from otel_straggler.settings import ConfigError
     ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "-1", "expected a number of seconds"),
     ("OTEL_EXPORTER_OTLP_COMPRESSION", "zstdx", "expected gzip (protocol grpc)"),
     ("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", "/nonexistent/ca.pem", "cannot read"),
+    ("OTEL_EXPORTER_OTLP_TIMEOUT", "", "expected a number of seconds"),  # set to nothing: the SDK fails too
+    ("OTEL_EXPORTER_OTLP_COMPRESSION", " ", "expected gzip (protocol grpc)"),
+    # the rank's metrics exporter is made later, on the builder thread: checked at configure() all the same
+    ("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "abc", "expected a number of seconds"),
 ])
 def test_a_bad_env_var_fails_configure_with_one_line_naming_it(configure, monkeypatch, variable, value, complaint):
     monkeypatch.setenv("OTEL_STRAGGLER_DEVICE_TIMING", "off")  # no torch import to wait for

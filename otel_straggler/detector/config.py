@@ -35,7 +35,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_ranks", int, 65_536, "bound on ranks tracked per cohort", 1, 10_000_000),
     Setting("max_stages", int, 256, "bound on distinct stage names per cohort", 1, 100_000),
     Setting("max_open_windows", int, 8, "bound on windows open at once per cohort", 1, 1000),
-    Setting("max_window_rows", int, 1 << 22, "spans a window holds (32 bytes each); one that reaches it closes early and is judged (a step that does not advance, such as a long evaluation)", 1024, 1 << 28),
+    Setting("max_window_rows_per_rank", int, 65_536, "spans a window holds per reporting rank of its cohort (32 bytes each); one that reaches it closes early and is judged (a step that does not advance, such as a long evaluation)", 256, 1 << 24),
     # service: intake
     Setting("listen_address", str, "127.0.0.1", "address the OTLP receivers bind"),
     Setting("grpc_port", int, 4317, "OTLP/gRPC port (0 picks a free one)", 0, 65535),
@@ -81,7 +81,7 @@ class DetectorConfig:
     max_ranks: int = 65_536
     max_stages: int = 256
     max_open_windows: int = 8
-    max_window_rows: int = 1 << 22
+    max_window_rows_per_rank: int = 65_536
     listen_address: str = "127.0.0.1"
     grpc_port: int = 4317
     http_port: int = 4318

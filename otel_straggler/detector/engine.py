@@ -214,7 +214,7 @@ class Engine:
         self._now = now_unix_nano
         config = self._config
         return self._judge(lambda cohort: cohort.windows_to_judge(
-            now_unix_nano, self._grace_ns, config.window_close_lag, config.max_window_rows), now_unix_nano)
+            now_unix_nano, self._grace_ns, config.window_close_lag, config.max_window_rows_per_rank), now_unix_nano)
 
     def next_close_unix_nano(self) -> Optional[int]:
         """The earliest time (same clock as `advance`) at which `advance` could close a window with no

@@ -301,7 +301,7 @@ class Cohort:
         return rows
 
     def windows_to_judge(self, now_unix_nano: int, grace_ns: int, close_lag: int,
-                         max_rows: Optional[int] = None) -> list[WindowRows]:
+                         max_rows_per_rank: Optional[int] = None) -> list[WindowRows]:
         """Takes the windows that close now (see the module docstring), oldest first."""
         closing, self._closed_early = self._closed_early, []
         for rows in self.open_windows.values():
@@ -311,6 +311,8 @@ class Cohort:
                 self.last_active_unix_nano = now_unix_nano
         latest = sorted(self._ranks_by_latest_window.items())
         reporting = self._reporting_ranks
+        # a bound that grows with the cohort, so an ordinary window of a large one never reaches it
+        max_rows = None if max_rows_per_rank is None else max_rows_per_rank * max(1, reporting)
         for window in sorted(self.open_windows):
             moved_past = sum(count for latest_window, count in latest if latest_window > window)
             far_ahead = sum(count for latest_window, count in latest if latest_window >= window + close_lag)
@@ -319,9 +321,9 @@ class Cohort:
             idle = now_unix_nano - rows.last_data_unix_nano >= grace_ns
             # full: a window whose step does not advance while spans keep coming would grow without bound
             full = max_rows is not None and len(rows) >= max_rows
-            if full:
-                self._counts["windows_closed_full"] += 1
             if cohort_moved_on or idle or full:
+                if not (cohort_moved_on or idle):
+                    self._counts["windows_closed_full"] += 1
                 closing.append(self._close(window))
         return closing
 

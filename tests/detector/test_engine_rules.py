@@ -604,8 +604,9 @@ def _assert_bounded(engine: Engine) -> None:
 
 def test_a_window_whose_step_does_not_advance_is_bounded():
     """Spans of one step that keep coming (a long evaluation) close their window once it holds
-    max_window_rows; what comes for it after that is late, counted."""
-    engine = Engine(DetectorConfig(window_steps=10, max_window_rows=1024))
+    max_window_rows_per_rank for each reporting rank (here 4 x 256); what comes for it after that
+    is late, counted."""
+    engine = Engine(DetectorConfig(window_steps=10, max_window_rows_per_rank=256))
     seq = iter(range(100_000))
     now = START_NS
     outcomes = Counter()

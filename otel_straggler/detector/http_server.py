@@ -5,7 +5,8 @@ At most `max_connections` connections are served at once, a thread each; one mor
 once rather than a thread. Each read waits IDLE_CONNECTION_TIMEOUT_S at most, and each request,
 however slowly its bytes come (each within that timeout), has REQUEST_DEADLINE_S from the wait for
 its request line to its reply: past it the connection is shut, which ends the blocked read on its
-thread. What is refused or cut is reported through `on_event` ("refused", "request_deadline").
+thread. What is refused, cut or broken is reported through `on_event` ("refused", "request_deadline",
+"connection_error").
 """
 from __future__ import annotations
 
@@ -87,16 +88,20 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     def service_actions(self) -> None:
         """Run by serve_forever between polls (every 0.5 s): shuts connections past their deadline."""
         now = time.monotonic()
-        with self._deadlines_lock:
+        with self._deadlines_lock:  # held while shutting, so a request just begun is never the one shut
             overdue = [connection for connection, deadline in self._deadlines.items() if deadline <= now]
             for connection in overdue:
                 del self._deadlines[connection]
-        for connection in overdue:
+                try:
+                    socket.socket.shutdown(connection, socket.SHUT_RDWR)  # the plain socket's, under TLS too
+                except OSError:
+                    pass
+        for _ in overdue:
             self._on_event("request_deadline")
-            try:
-                socket.socket.shutdown(connection, socket.SHUT_RDWR)  # the plain socket's, under TLS too
-            except OSError:
-                pass
+
+    def handle_error(self, request, client_address) -> None:
+        # TLS handshakes that fail, peers that reset: counted, not printed as tracebacks
+        self._on_event("connection_error")
 
     def _refuse(self, connection) -> None:
         self._on_event("refused")

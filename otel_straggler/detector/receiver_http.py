@@ -185,6 +185,8 @@ class _Server(BoundedHTTPServer):
     def _count(self, event: str) -> None:
         if event == "refused":
             self.intake.refused(Result.OVERLOADED)
+        elif event == "connection_error":
+            self.intake.counters.add_error("http_connection")
         else:
             self.intake.counters.add_error(f"http_{event}")
 
@@ -194,10 +196,6 @@ class _Server(BoundedHTTPServer):
             # the handshake runs on the connection's own thread (first read), not on the accept loop
             connection = self._ssl_context.wrap_socket(connection, server_side=True, do_handshake_on_connect=False)
         return connection, client
-
-    def handle_error(self, request, client_address) -> None:
-        # TLS handshakes that fail, peers that reset: counted, not printed as tracebacks
-        self.intake.counters.add_error("http_connection")
 
 
 class OtlpHttpReceiver:

@@ -94,6 +94,10 @@ def replay(
                 except MalformedPayload:
                     counters.add_request("malformed")
                     continue
+                except Exception:  # noqa: BLE001 - a decoder failure: counted as the receivers count it
+                    counters.add_request("malformed")
+                    counters.add_error("decode")
+                    continue
                 counters.add_request("partial" if batch.malformed else "ok")
                 driver.count_decoded(batch)
                 if batch.observations:

@@ -35,20 +35,26 @@ SLOWDOWN_THRESHOLDS = [
 ]
 
 # A verdict names job, rank and stage, but not the step: it closes a window of steps. The link
-# opens Jaeger's search for that rank's spans of that stage in the panel's time range; each hit is
-# the trace of one step with every rank side by side. Jaeger's search takes microseconds. The job
-# is the dashboard's (one at a time), not a series label: panels that sum or group series by rank
-# keep the rank label but not the job's. The rank must be a label of the clicked series.
-JAEGER_SEARCH_LINK = {
-    "title": "Jaeger: traces of rank ${__field.labels.training_rank}",
-    "targetBlank": True,
-    "url": (
-        "${jaeger_url}/search?service=${training_service}"
-        '&tags=%7B%22training.job.id%22%3A%22${job_id:percentencode}%22'
-        '%2C%22training.rank%22%3A%22${__field.labels.training_rank}%22%7D'
-        "&start=${__from}000&end=${__to}000&limit=20"
-    ),
-}
+# opens Jaeger's search for that rank's spans of the job in the panel's time range; each hit is the
+# trace of one step with every rank side by side. Jaeger's search takes microseconds. The job is the
+# dashboard's (one at a time), not a series label: panels that sum or group series by rank keep the
+# rank label but not the job's. The rank is a label of the clicked series, or in a table whose labels
+# became columns (labelsToFields, which takes them off the value), that row's `rank` column.
+def jaeger_search_link(rank: str) -> dict:
+    return {
+        "title": f"Jaeger: traces of rank {rank}",
+        "targetBlank": True,
+        "url": (
+            "${jaeger_url}/search?service=${training_service}"
+            '&tags=%7B%22training.job.id%22%3A%22${job_id:percentencode}%22'
+            f'%2C%22training.rank%22%3A%22{rank}%22%7D'
+            "&start=${__from}000&end=${__to}000&limit=20"
+        ),
+    }
+
+
+JAEGER_SEARCH_LINK = jaeger_search_link("${__field.labels.training_rank}")
+JAEGER_SEARCH_LINK_TABLE = jaeger_search_link("${__data.fields.rank}")
 
 
 def prom_target(expr: str, legend: str = "", ref: str = "A", instant: bool = False) -> dict:
@@ -166,7 +172,7 @@ def job_overview() -> dict:
             [prom_target(
                 f"straggler_rank_slowdown{{{JOB_COHORT}}} and on (training_job_id, training_cohort, training_stage, training_rank) "
                 f"(straggler_alert_active{{{JOB_COHORT}}} == 1)", instant=True)],
-            fieldConfig=field_config(unit="none", thresholds=SLOWDOWN_THRESHOLDS, links=[JAEGER_SEARCH_LINK]),
+            fieldConfig=field_config(unit="none", thresholds=SLOWDOWN_THRESHOLDS, links=[JAEGER_SEARCH_LINK_TABLE]),
             transformations=[
                 {"id": "labelsToFields", "options": {"mode": "columns"}},
                 {"id": "organize", "options": {

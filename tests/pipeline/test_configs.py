@@ -114,7 +114,8 @@ def test_dashboards_are_generated(tmp_path):
 
 def test_jaeger_links_name_the_dashboards_job_and_a_rank_each_linked_series_keeps():
     """A link to a rank's traces needs the job and the rank: the job is the dashboard's (a single
-    choice), the rank a label of the clicked series, so no linked panel may group it away."""
+    choice); the rank a label of the clicked series, so no linked panel may group it away, or in a
+    table whose labels became columns (which takes them off the value), its `rank` column."""
     import re
 
     for path in (CONFIG_DIR / "grafana" / "dashboards").glob("*.json"):
@@ -125,17 +126,24 @@ def test_jaeger_links_name_the_dashboards_job_and_a_rank_each_linked_series_keep
         for panel in dashboard["panels"]:
             links = [link for link in panel.get("fieldConfig", {}).get("defaults", {}).get("links", [])
                      if "/search?" in link["url"]]
-            for link in links:
-                assert "${job_id" in link["url"] and "training.job.id" in link["url"]
-                assert "${__field.labels.training_rank}" in link["url"]
             if not links:
                 continue
             linked += 1
+            transformations = {t["id"]: t.get("options", {}) for t in panel.get("transformations", [])}
+            assert "groupingToMatrix" not in transformations, panel["title"]
+            if "labelsToFields" in transformations:
+                renamed = transformations.get("organize", {}).get("renameByName", {})
+                expected_rank = "${__data.fields.rank}"
+                assert renamed.get("training_rank") == "rank", panel["title"]
+            else:
+                expected_rank = "${__field.labels.training_rank}"
+            for link in links:
+                assert "${job_id" in link["url"] and "training.job.id" in link["url"]
+                assert expected_rank in link["url"], panel["title"]
             for target in panel["targets"]:
                 for grouping in re.findall(r"\bby \(([^)]*)\)", target["expr"]):
                     assert "training_rank" in grouping, (panel["title"], target["expr"])
-            assert not [t for t in panel.get("transformations", []) if t["id"] == "groupingToMatrix"], panel["title"]
-        assert linked >= 3
+        assert linked >= 4
 
 
 def test_dashboards_use_the_provisioned_data_sources():

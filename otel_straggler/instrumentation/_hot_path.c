@@ -574,6 +574,7 @@ static PyObject *Stage_exit(Stage *self, PyObject *const *args, Py_ssize_t nargs
 /* `@stage(name)`: recorder.timed_by does it (in Python: it runs once, at decoration, not per call
    of the hot path), imported on first use. */
 static PyObject *timed_by = NULL;
+static PyTypeObject StageType;
 
 static PyObject *Stage_call(Stage *self, PyObject *args, PyObject *kwds) {
     PyObject *function;
@@ -589,7 +590,7 @@ static PyObject *Stage_call(Stage *self, PyObject *args, PyObject *kwds) {
         Py_DECREF(recorder);
         if (timed_by == NULL) return NULL;
     }
-    return PyObject_CallFunctionObjArgs(timed_by, (PyObject *)self, function, NULL);
+    return PyObject_CallFunctionObjArgs(timed_by, (PyObject *)&StageType, (PyObject *)self, function, NULL);
 }
 
 static PyMethodDef Stage_methods[] = {

@@ -8,7 +8,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from otel_straggler import contract
 from otel_straggler.instrumentation import hot_path, identity

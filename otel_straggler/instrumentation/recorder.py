@@ -212,7 +212,7 @@ class Stage:
     def __call__(self, *function: Callable, **unexpected: Any) -> Callable:
         if len(function) != 1 or unexpected:
             raise TypeError("a stage decorates one function: @stage(name)")
-        return timed_by(self, function[0])
+        return timed_by(Stage, self, function[0])
 
     def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> bool:
         opened = self._open
@@ -224,10 +224,11 @@ class Stage:
         return False
 
 
-def timed_by(timer: Any, function: Callable) -> Callable:
-    """`@stage(name)`: each call of `function` runs in a `with` of a new stage of the same name
-    (one stage object times one block at a time, and calls may nest or run on several threads)."""
-    make, name, collective = type(timer), timer.name, timer.collective
+def timed_by(make: Callable[..., Any], timer: Any, function: Callable) -> Callable:
+    """`@stage(name)`: each call of `function` runs in a `with` of a new stage of the same name,
+    made by `make` (the hot path's Stage type): one stage object times one block at a time, and
+    calls may nest or run on several threads."""
+    name, collective = timer.name, timer.collective
 
     @functools.wraps(function)
     def timed(*args: Any, **kwargs: Any) -> Any:

@@ -45,14 +45,13 @@ def _grpc_receive_limit(max_request_bytes: int) -> int:
 def _check_bindable(address: str, port: int) -> None:
     """Raises the OSError that binding address:port meets (unknown address, port in use, ...).
     gRPC reports a failed bind as a RuntimeError without the reason, which goes to a log line of
-    its own, so the bind is tried first with a plain socket set up as gRPC sets up its own."""
+    its own, so the bind is tried first with a plain socket set up as gRPC sets up its own (with
+    SO_REUSEPORT off, see OtlpGrpcReceiver)."""
     failures: list[OSError] = []
     for family, kind, protocol, _, socket_address in socket.getaddrinfo(
             address or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
         with socket.socket(family, kind, protocol) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if hasattr(socket, "SO_REUSEPORT"):
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             try:
                 probe.bind(socket_address)
                 return  # gRPC too listens when at least one of the addresses binds
@@ -80,7 +79,10 @@ class OtlpGrpcReceiver:
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="straggler-otlp-grpc"),
             # calls beyond this are refused by gRPC with RESOURCE_EXHAUSTED instead of queueing without bound
             maximum_concurrent_rpcs=workers * 4,
-            options=[("grpc.max_receive_message_length", _grpc_receive_limit(intake.max_request_bytes))],
+            # gRPC sets SO_REUSEPORT by default: a second detector on the same port would then start
+            # and silently take half of the first one's connections
+            options=[("grpc.max_receive_message_length", _grpc_receive_limit(intake.max_request_bytes)),
+                     ("grpc.so_reuseport", 0)],
         )
         handler = grpc.unary_unary_rpc_method_handler(self._export, response_serializer=_Response.SerializeToString)
         self._server.add_generic_rpc_handlers(

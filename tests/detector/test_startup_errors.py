@@ -52,6 +52,15 @@ def test_a_port_in_use_names_its_flag_and_address(tmp_path, port_in_use, flag):
     assert one_line(done) == f"otel-straggler detect: {expected}"
 
 
+def test_a_second_detector_on_the_same_grpc_port_is_refused(tmp_path):
+    """Not started beside the first, sharing its port and half its connections without a word."""
+    with running_service(service_config(tmp_path / "first", grpc_port=0)) as first:
+        port = first.bound_ports[0]
+        done = detect(tmp_path / "second", "--grpc-port", str(port))
+        assert done.returncode == 1
+        assert one_line(done) == f"otel-straggler detect: --grpc-port: cannot listen on 127.0.0.1:{port}: Address already in use"
+
+
 @pytest.mark.parametrize("address, shown", [("999.1.1.1", "999.1.1.1:0"), ("::1x", "[::1x]:0")])
 def test_a_listen_address_that_does_not_resolve_is_a_bad_value(tmp_path, address, shown):
     done = detect(tmp_path, "--listen-address", address)

@@ -25,7 +25,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
 from otel_straggler import contract
-from otel_straggler.processors.device_events import DeviceEventBackend
+from otel_straggler.processors.device_events import DeviceEventBackend, give_back
 
 # How often events past their readout are asked again whether the device has passed them, and
 # at most how many each time (a long stall can leave thousands waiting: their queries hold the GIL).
@@ -163,7 +163,7 @@ class CudaEventSpanProcessor(SpanProcessor):
         """Forwards a span it cannot hold: its device timing unavailable for `reason`, counted."""
         if events is not None:
             self.counters[reason] += 1
-            self._give_back(events[:2])
+            give_back(self.release_event, events[:2])
             span = self._with_device_attributes(span, _unavailable(reason), events[2])
         self._forward(span)
 
@@ -275,7 +275,7 @@ class CudaEventSpanProcessor(SpanProcessor):
         try:
             if self.backend.query(end_event) and self.backend.query(start_event):
                 duration_ms = float(self.backend.elapsed_ms(start_event, end_event))
-                self._give_back((start_event, end_event))
+                give_back(self.release_event, (start_event, end_event))
                 return {contract.TIMING: contract.TIMING_DEVICE, contract.DEVICE_DURATION_MS: duration_ms}
             if give_up or time.monotonic() >= deadline:
                 reason = "readout_timeout"
@@ -286,11 +286,6 @@ class CudaEventSpanProcessor(SpanProcessor):
             reason = "event_error"  # not reused: a failing event may fail again
         self.counters[reason] += 1
         return _unavailable(reason)
-
-    def _give_back(self, events: tuple[Any, Any]) -> None:
-        for event in events:
-            if event is not None:
-                self.release_event(event)
 
     def _forward(self, span: ReadableSpan) -> None:
         try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import functools
 import threading
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Iterable, Optional, Protocol
 
 
 class DeviceEventBackend(Protocol):
@@ -190,6 +190,14 @@ class EventPool:
 
     def free_count(self) -> int:
         return len(self._free)
+
+
+def give_back(release_event: Callable[[Any], None], events: Iterable[Any]) -> None:
+    """Device events not handed on (None ones skipped) back to the pool through `release_event`:
+    the one way the span builder and the device-timing processor return them."""
+    for event in events or ():
+        if event is not None:
+            release_event(event)
 
 
 def make_backend(mode: str) -> Optional[DeviceEventBackend]:

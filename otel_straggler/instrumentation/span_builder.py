@@ -31,6 +31,7 @@ from otel_straggler import contract
 from otel_straggler.instrumentation import stage_names
 from otel_straggler.instrumentation.recorder import (INTERVAL, START_EVENT, START_STEP, STEP_BEGIN, STEP_END,
                                                      IntervalRecorder)
+from otel_straggler.processors.device_events import give_back
 
 _MASK64 = (1 << 64) - 1
 _SAMPLED = trace_api.TraceFlags(trace_api.TraceFlags.SAMPLED)
@@ -95,13 +96,6 @@ def step_number(step: Any) -> int:
     if device is not None and getattr(device, "type", "cpu") != "cpu":
         raise TypeError(f"step {type(step).__name__} on {device}: pass an int")
     return operator.index(step)
-
-
-def give_back(release_event: Callable[[Any], None], events: Optional[tuple]) -> None:
-    """Device events not handed on (None ones skipped) back to the pool through `release_event`."""
-    for event in events or ():
-        if event is not None:
-            release_event(event)
 
 
 def workload_value(value: Any) -> Optional[int]:

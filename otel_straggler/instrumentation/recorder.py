@@ -239,7 +239,7 @@ def timed_by(make: Callable[..., Any], timer: Any, function: Callable) -> Callab
 
 
 class Step:
-    """`step(n, tokens=None, samples=None)` binds optimizer step `n` and this rank's workload to
+    """`step(n, tokens=None, samples=None)`: binds optimizer step `n` and this rank's workload to
     every interval that ENDS from now on, and starts the rank's `train.step` span. Call it at
     the start of each step, or use it as `with step(n, tokens=...):` to end the step span
     explicitly. `n` is an int or converts to one losslessly (a numpy integer, a 0-d integer

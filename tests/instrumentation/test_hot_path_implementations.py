@@ -28,6 +28,22 @@ def test_the_c_hot_path_is_built_in_ci():
     assert hot_path.IMPLEMENTATION == "c"
 
 
+def test_both_implementations_document_stage_and_step_alike():
+    """The public API's documentation is written twice (tp_doc in C, the docstrings in Python)."""
+    import re
+
+    from otel_straggler.instrumentation import recorder
+
+    built = pytest.importorskip("otel_straggler.instrumentation._hot_path")
+
+    def words(doc: str) -> str:
+        doc = " ".join(doc.replace("`", "").split())
+        return re.sub(r" ?\(otel_straggler\.\w+; the C extension's \w+ has the same documentation\.\)", "", doc)
+
+    assert words(recorder.Stage.__doc__) == words(built.Stage.__doc__)
+    assert words(recorder.Step.__doc__) == words(built.Step.__doc__)
+
+
 @pytest.mark.slow
 def test_the_python_reference_passes_the_instrumentation_tests():
     result = subprocess.run(

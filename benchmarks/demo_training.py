@@ -27,6 +27,7 @@ import gc
 import hashlib
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -177,11 +178,13 @@ def run_arm(args: argparse.Namespace, rank: int, arm: str, index: int, counter: 
     for n in range(warmup + args.steps):
         if n == warmup:
             threads_before, process_before, main_before = thread_cpu_ns(), time.process_time_ns(), time.thread_time_ns()
+            faults_before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
             collections_before = gc_collections()
         started = time.perf_counter()
         losses.append(training.step(n))
         step_seconds.append(time.perf_counter() - started)
     main_cpu_ns = time.thread_time_ns() - main_before
+    main_faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults_before
     status = None
     if handle is not None:
         handle.flush(60.0)  # whatever the measured steps left to build and export is counted below
@@ -196,6 +199,9 @@ def run_arm(args: argparse.Namespace, rank: int, arm: str, index: int, counter: 
         # CPU over the measured steps and the final flush; threads that ended meanwhile are in
         # the process's figure only
         "training_thread_cpu_ns": main_cpu_ns,
+        # minor page faults of the training thread's steps: memory the allocator gave back to the
+        # OS and took again (about 1.4 us each on the 2-core VM; docs/overhead.md)
+        "training_thread_page_faults": main_faults,
         "process_cpu_ns": process_after - process_before,
         "thread_cpu_ns": threads,
         # garbage collections by generation: a full one (2) stops every thread of the process

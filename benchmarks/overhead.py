@@ -19,8 +19,10 @@ the same run, to explain the figure: CPU time of the background threads per step
 OFF, and the library's own threads by name), the detector's CPU per step, garbage collections
 per step, the training thread's own CPU and its waiting (wall time minus CPU: for the GIL or a
 core) per step, ON minus OFF, and the hot path per step (intervals per step x ns per interval, from
-benchmarks/hot_path.py in the single-process run). The machine is shared: the load average is
-printed with the result, and --nice can put the benchmark ahead of other processes.
+benchmarks/hot_path.py in the single-process run), and the training thread's page faults per step.
+The machine is shared: the load average is printed with the result, and --nice can put the
+benchmark ahead of other processes. Both arms' processes keep the memory they free mapped
+(glibc's malloc settings below; --allocator glibc-default leaves glibc's own heuristics).
 """
 from __future__ import annotations
 
@@ -75,8 +77,21 @@ WORKLOADS = (
 )
 HOT_PATH_INTERVALS = {False: 20_000, True: 2_000}  # by --quick
 
+# glibc's malloc gives freed memory back to the OS by heuristics (a dynamic mmap threshold,
+# trimming the heap's top), so how many of a step's tensor pages come back fresh, to be faulted
+# in again, depends on where they happen to lie in the address space: on the 2-core VM, from 0 to
+# 1,142 faults a step (about 1.4 us each) from one arm to the next in the same process, OFF as
+# much as ON, and any allocation (configure()'s, an import) moves them. The ranks of both arms
+# keep freed memory mapped instead, so a pair compares the library, not where the heap's top fell.
+ALLOCATORS = {
+    "kept-memory": {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
+                    "MALLOC_TOP_PAD_": str(64 << 20)},
+    "glibc-default": {},
+}
 
-def run_workload(workload: Workload, protocol: Protocol, endpoint: str, out_dir: Path, hot_path_intervals: int) -> list[dict]:
+
+def run_workload(workload: Workload, protocol: Protocol, endpoint: str, out_dir: Path, hot_path_intervals: int,
+                 allocator: str) -> list[dict]:
     command = [sys.executable, str(HARNESS), "--schedule", ",".join(protocol.schedule()),
                "--warmup", ",".join(map(str, protocol.warmups())), "--steps", str(protocol.steps_per_arm),
                "--world-size", str(workload.world_size), "--hidden", str(workload.hidden),
@@ -84,7 +99,7 @@ def run_workload(workload: Workload, protocol: Protocol, endpoint: str, out_dir:
                "--job-prefix", f"overhead-{workload.name}", "--out", str(out_dir)]
     if hot_path_intervals:
         command += ["--hot-path-intervals", str(hot_path_intervals)]
-    subprocess.run(command, check=True)
+    subprocess.run(command, check=True, env={**os.environ, **ALLOCATORS[allocator]})
     return [json.loads((out_dir / f"rank-{rank}.json").read_text()) for rank in range(workload.world_size)]
 
 
@@ -118,6 +133,9 @@ def analyze(workload: Workload, protocol: Protocol, ranks: list[dict], detector_
     # wall time the training thread spent not running: waiting for the GIL or for a core
     training_waits = {arm: per_step_ms(arm, lambda record: sum(record["step_s"]) * 1e9 - record["training_thread_cpu_ns"])
                       for arm in (OFF, ON)}
+    page_faults = {arm: statistics.mean(arms[index]["training_thread_page_faults"] / protocol.steps_per_arm
+                                        for index, name in enumerate(schedule) if name == arm for arms in arms_by_rank)
+                   for arm in (OFF, ON)}
     gc_per_1000_steps = {arm: [1000 * statistics.mean(arms[index]["gc_collections"][generation] / protocol.steps_per_arm
                                                       for index, name in enumerate(schedule) if name == arm
                                                       for arms in arms_by_rank) for generation in range(3)]
@@ -146,6 +164,7 @@ def analyze(workload: Workload, protocol: Protocol, ranks: list[dict], detector_
         "training_thread_cpu_ms_per_step": training_thread,
         "training_thread_waiting_ms_per_step": training_waits,
         "gc_collections_per_1000_steps": gc_per_1000_steps,
+        "training_thread_page_faults_per_step": page_faults,
         # the detector runs in this process, which otherwise only waits
         "detector_cpu_ms_per_step": detector_cpu_ns / on_steps / 1e6,
         "hot_path": {**hot_path, "intervals_per_step": intervals_per_step, "ms_per_step": hot_path_ms,
@@ -160,7 +179,8 @@ def print_report(report: dict) -> None:
     print(f"\notel-straggler training overhead, ON vs OFF — {report['date']}, {machine['cores']} cores"
           f" ({machine['processor']}), python {machine['python']}, torch {machine['torch']},"
           f" load average {machine['load_before'][0]:.1f} before / {machine['load_after'][0]:.1f} after,"
-          f" niceness {report['niceness']}, hot path in {machine.get('hot_path', 'python')}")
+          f" niceness {report['niceness']}, hot path in {machine.get('hot_path', 'python')},"
+          f" allocator {report.get('allocator', 'glibc-default')}")
     print(f"target: mean < {TARGET_POINT_PCT}% and 95% CI upper bound < {TARGET_CI_HIGH_PCT}%")
     if report["quick"]:
         print("--quick: a smoke run of the machinery; its figures are not a result")
@@ -204,7 +224,9 @@ def print_report(report: dict) -> None:
               f"{'yes' if result['losses_and_state_identical_across_arms'] else 'NO'}; spans lost: {result['spans_lost']};"
               f" hot path {result['hot_path']['ns_per_interval']:.0f} ns/interval x {result['hot_path']['intervals_per_step']};"
               f" GC collections per 1000 steps by generation OFF {_rounded(result['gc_collections_per_1000_steps'][OFF])}"
-              f" ON {_rounded(result['gc_collections_per_1000_steps'][ON])}")
+              f" ON {_rounded(result['gc_collections_per_1000_steps'][ON])};"
+              f" training thread's page faults per step OFF {result['training_thread_page_faults_per_step'][OFF]:.1f}"
+              f" ON {result['training_thread_page_faults_per_step'][ON]:.1f}")
 
 
 def _rounded(values: list[float]) -> list[float]:
@@ -235,6 +257,10 @@ def main(argv=None) -> int:
     parser.add_argument("--workload", choices=[workload.name for workload in WORKLOADS], action="append",
                         help="run only this workload (may be given more than once); default: all")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--allocator", choices=tuple(ALLOCATORS), default="kept-memory",
+                        help="the ranks' malloc settings, both arms alike: kept-memory (default) keeps freed memory"
+                             " mapped; glibc-default leaves glibc's heuristics, which fault a varying share of every"
+                             " step's tensors in again")
     parser.add_argument("--nice", type=int, default=0,
                         help="run the detector and the workloads (both arms alike) at this niceness; negative puts"
                              " them ahead of other processes on a shared machine (needs root)")
@@ -242,7 +268,8 @@ def main(argv=None) -> int:
     if args.nice:
         os.nice(args.nice)  # inherited by the workload processes
     report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "machine": machine(),
-              "quick": args.quick, "niceness": os.getpriority(os.PRIO_PROCESS, 0), "workloads": {}}
+              "quick": args.quick, "niceness": os.getpriority(os.PRIO_PROCESS, 0), "allocator": args.allocator,
+              "allocator_environment": ALLOCATORS[args.allocator], "workloads": {}}
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="overhead-") as scratch:
         detector = DetectorService(DetectorConfig(grpc_port=0, http_port=0, evidence_dir=os.path.join(scratch, "evidence"),
@@ -258,7 +285,7 @@ def main(argv=None) -> int:
                 print(f"{workload.name}: {protocol.describe()}", flush=True)
                 cpu_before, wall_before = time.process_time_ns(), time.monotonic()
                 ranks = run_workload(workload, protocol, endpoint, Path(scratch) / workload.name,
-                                     HOT_PATH_INTERVALS[args.quick] if hot_path is None else 0)
+                                     HOT_PATH_INTERVALS[args.quick] if hot_path is None else 0, args.allocator)
                 # what the detector spent on the ranks' spans: its CPU beyond its idle rate
                 detector_cpu_ns = (time.process_time_ns() - cpu_before) - idle_cpu_per_s * (time.monotonic() - wall_before)
                 hot_path = hot_path or ranks[0]["hot_path"]

@@ -22,7 +22,7 @@ core) per step, ON minus OFF, and the hot path per step (intervals per step x ns
 benchmarks/hot_path.py in the single-process run), and the training thread's page faults per step.
 The machine is shared: the load average is printed with the result, and --nice can put the
 benchmark ahead of other processes. Both arms' processes keep the memory they free mapped
-(glibc's malloc settings below; --allocator glibc-default leaves glibc's own heuristics).
+(benchmarks/allocators.py; --allocator glibc-default leaves glibc's own heuristics).
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from allocators import ALLOCATORS, allocator_environment
 from paired_protocol import OFF, ON, TARGET_CI_HIGH_PCT, TARGET_POINT_PCT, Protocol, summarize
 
 from otel_straggler.detector.config import DetectorConfig
@@ -77,18 +78,6 @@ WORKLOADS = (
 )
 HOT_PATH_INTERVALS = {False: 20_000, True: 2_000}  # by --quick
 
-# glibc's malloc gives freed memory back to the OS by heuristics (a dynamic mmap threshold,
-# trimming the heap's top), so how many of a step's tensor pages come back fresh, to be faulted
-# in again, depends on where they happen to lie in the address space: on the 2-core VM, from 0 to
-# 1,142 faults a step (about 1.4 us each) from one arm to the next in the same process, OFF as
-# much as ON, and any allocation (configure()'s, an import) moves them. The ranks of both arms
-# keep freed memory mapped instead, so a pair compares the library, not where the heap's top fell.
-ALLOCATORS = {
-    "kept-memory": {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
-                    "MALLOC_TOP_PAD_": str(64 << 20)},
-    "glibc-default": {},
-}
-
 
 def run_workload(workload: Workload, protocol: Protocol, endpoint: str, out_dir: Path, hot_path_intervals: int,
                  allocator: str) -> list[dict]:
@@ -99,7 +88,7 @@ def run_workload(workload: Workload, protocol: Protocol, endpoint: str, out_dir:
                "--job-prefix", f"overhead-{workload.name}", "--out", str(out_dir)]
     if hot_path_intervals:
         command += ["--hot-path-intervals", str(hot_path_intervals)]
-    subprocess.run(command, check=True, env={**os.environ, **ALLOCATORS[allocator]})
+    subprocess.run(command, check=True, env=allocator_environment(allocator, os.environ))
     return [json.loads((out_dir / f"rank-{rank}.json").read_text()) for rank in range(workload.world_size)]
 
 
@@ -180,7 +169,7 @@ def print_report(report: dict) -> None:
           f" ({machine['processor']}), python {machine['python']}, torch {machine['torch']},"
           f" load average {machine['load_before'][0]:.1f} before / {machine['load_after'][0]:.1f} after,"
           f" niceness {report['niceness']}, hot path in {machine.get('hot_path', 'python')},"
-          f" allocator {report.get('allocator', 'glibc-default')}")
+          f" allocator {report['allocator']}")
     print(f"target: mean < {TARGET_POINT_PCT}% and 95% CI upper bound < {TARGET_CI_HIGH_PCT}%")
     if report["quick"]:
         print("--quick: a smoke run of the machinery; its figures are not a result")

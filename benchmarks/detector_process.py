@@ -1,13 +1,17 @@
-"""`otel-straggler detect` as its own process on free loopback ports, as a job runs it: the live
-detector the rank-side benchmarks export to (rank_background.py, gpu_check.py)."""
+"""The live detector the rank-side benchmarks export to: `otel-straggler detect` as its own
+process on free loopback ports, as a job runs it (rank_background.py, gpu_check.py), or a
+DetectorService in the benchmark's own process (hot_path_in_situ.py, page_faults.py)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import select
 import subprocess
 import sys
+import tempfile
+from typing import Iterator
 
 
 class DetectorProcess:
@@ -38,3 +42,21 @@ class DetectorProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+@contextlib.contextmanager
+def detector_in_this_process(prefix: str) -> Iterator[str]:
+    """A DetectorService in this process on free loopback ports, its evidence in a scratch folder
+    removed afterwards: the live detector that in-process benchmarks' children export to. Yields
+    its OTLP/gRPC endpoint (host:port)."""
+    from otel_straggler.detector.config import DetectorConfig
+    from otel_straggler.detector.service import DetectorService
+
+    with tempfile.TemporaryDirectory(prefix=prefix) as scratch:
+        detector = DetectorService(DetectorConfig(grpc_port=0, http_port=0, export_metrics=False,
+                                                  evidence_dir=os.path.join(scratch, "evidence")))
+        detector.start()
+        try:
+            yield f"127.0.0.1:{detector.bound_ports[0]}"
+        finally:
+            detector.stop()

@@ -32,7 +32,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -144,25 +143,18 @@ def main(argv=None) -> int:
         run_arm(args)
         return 0
 
-    from otel_straggler.detector.config import DetectorConfig
-    from otel_straggler.detector.service import DetectorService
+    from detector_process import detector_in_this_process
 
     records: dict[str, list[dict]] = {arm: [] for arm in arms}
-    with tempfile.TemporaryDirectory(prefix="in-situ-") as scratch:
-        detector = DetectorService(DetectorConfig(grpc_port=0, http_port=0, export_metrics=False,
-                                                  evidence_dir=os.path.join(scratch, "evidence")))
-        detector.start()
-        try:
-            for round_index in range(args.rounds):
-                for arm in (arms if round_index % 2 == 0 else arms[::-1]):
-                    output = subprocess.run(
-                        [sys.executable, __file__, "--arm", arm, "--endpoint", f"127.0.0.1:{detector.bound_ports[0]}",
-                         "--steps", str(args.steps), "--warmup", str(args.warmup), "--hidden", str(args.hidden),
-                         "--batch-size", str(args.batch_size)], check=True, capture_output=True, text=True).stdout
-                    records[arm].append(json.loads(output.strip().splitlines()[-1]))
-                    print(f"round {round_index + 1}/{args.rounds}: {arm} done", flush=True)
-        finally:
-            detector.stop()
+    with detector_in_this_process("in-situ-") as endpoint:
+        for round_index in range(args.rounds):
+            for arm in (arms if round_index % 2 == 0 else arms[::-1]):
+                output = subprocess.run(
+                    [sys.executable, __file__, "--arm", arm, "--endpoint", endpoint,
+                     "--steps", str(args.steps), "--warmup", str(args.warmup), "--hidden", str(args.hidden),
+                     "--batch-size", str(args.batch_size)], check=True, capture_output=True, text=True).stdout
+                records[arm].append(json.loads(output.strip().splitlines()[-1]))
+                print(f"round {round_index + 1}/{args.rounds}: {arm} done", flush=True)
 
     def median_us(arm: str, key: str) -> float:
         return statistics.median(ns for record in records[arm] for ns in record[key]) / 1e3

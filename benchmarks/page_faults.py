@@ -29,12 +29,12 @@ import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from allocators import ALLOCATORS, KEPT_MMAP_THRESHOLD, KEPT_TOP_PAD, KEPT_TRIM_THRESHOLD, allocator_environment
 from demo_training import DEMO_RANK_ENVIRONMENT, Training
+from detector_process import detector_in_this_process
 
 WARMUP_STEPS = 30
 BLOCK_STEPS, BLOCK_SETTLE_STEPS, BLOCK_PAIRS = 15, 3, 12
@@ -139,27 +139,17 @@ def main(argv=None) -> int:
 
     from overhead import WORKLOADS  # the loop workload's sizes; imported here, never in the measured children
 
-    from otel_straggler.detector.config import DetectorConfig
-    from otel_straggler.detector.service import DetectorService
-
     loop = next(workload for workload in WORKLOADS if workload.world_size == 1)
     sizes = ["--hidden", str(loop.hidden), "--batch-size", str(loop.batch_size)]
     cost = run_child(["--child", "fault-cost", *sizes], "glibc-default")
     combinations = [(allocator, arm) for allocator in ALLOCATORS for arm in ("off", "on")]
     processes: dict[tuple[str, str], list[dict]] = {combination: [] for combination in combinations}
-    with tempfile.TemporaryDirectory(prefix="page-faults-") as scratch:
-        detector = DetectorService(DetectorConfig(grpc_port=0, http_port=0, export_metrics=False,
-                                                  evidence_dir=os.path.join(scratch, "evidence")))
-        detector.start()
-        try:
-            for index in range(args.processes):
-                for allocator, arm in (combinations if index % 2 == 0 else combinations[::-1]):
-                    processes[(allocator, arm)].append(run_child(
-                        ["--child", arm, "--endpoint", f"127.0.0.1:{detector.bound_ports[0]}", "--steps", str(args.steps),
-                         *sizes], allocator))
-                print(f"processes {index + 1}/{args.processes} of each done", flush=True)
-        finally:
-            detector.stop()
+    with detector_in_this_process("page-faults-") as endpoint:
+        for index in range(args.processes):
+            for allocator, arm in (combinations if index % 2 == 0 else combinations[::-1]):
+                processes[(allocator, arm)].append(run_child(
+                    ["--child", arm, "--endpoint", endpoint, "--steps", str(args.steps), *sizes], allocator))
+            print(f"processes {index + 1}/{args.processes} of each done", flush=True)
 
     report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "cores": os.cpu_count(),
               "load_average": os.getloadavg(), "fault_cost": cost, "steps": args.steps,

@@ -200,7 +200,7 @@ def run_arm(args: argparse.Namespace, rank: int, arm: str, index: int, counter: 
         # the process's figure only
         "training_thread_cpu_ns": main_cpu_ns,
         # minor page faults of the training thread's steps: memory the allocator gave back to the
-        # OS and took again (about 1.4 us each on the 2-core VM; docs/overhead.md)
+        # OS and took again (1.4-1.7 us each on the 2-core VM; docs/overhead.md)
         "training_thread_page_faults": main_faults,
         "process_cpu_ns": process_after - process_before,
         "thread_cpu_ns": threads,

@@ -113,6 +113,12 @@ def one_process(arm: str, endpoint: str, hidden: int, batch_size: int, measured_
     return result
 
 
+def _spread(by_pair: list[float]) -> str:
+    if not by_pair:
+        return f"no single pair of blocks {MIN_FAULT_DIFFERENCE} faults a step apart"
+    return f"by pair of blocks {min(by_pair):.2f} to {max(by_pair):.2f}"
+
+
 def run_child(arguments: list[str], allocator: str) -> dict:
     output = subprocess.run([sys.executable, __file__, *arguments], check=True, stdout=subprocess.PIPE, text=True,
                             env=allocator_environment(allocator, os.environ)).stdout
@@ -157,8 +163,7 @@ def main(argv=None) -> int:
     print(f"\npage faults of the training thread — {report['date']}, {report['cores']} cores,"
           f" load average {report['load_average'][0]:.1f}")
     print(f"\ncost per fault, {BLOCK_PAIRS} pairs of {BLOCK_STEPS}-step blocks in one process, library off:"
-          f" {cost['us_per_fault']:.2f} µs (by pair of blocks"
-          f" {min(cost['us_per_fault_by_pair']):.2f} to {max(cost['us_per_fault_by_pair']):.2f});"
+          f" {cost['us_per_fault']:.2f} µs ({_spread(cost['us_per_fault_by_pair'])});"
           f" faulting settings {cost['faulting']['faults_per_step']:.0f} faults and {cost['faulting']['cpu_ms_per_step']:.2f} ms"
           f" a step, kept {cost['kept']['faults_per_step']:.0f} and {cost['kept']['cpu_ms_per_step']:.2f} ms")
     print(f"\n{args.processes} fresh processes each, {args.steps} steps after {WARMUP_STEPS} of warm-up:")

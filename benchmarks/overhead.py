@@ -65,15 +65,16 @@ class Workload:
 # Sized from the spread of per-pair estimates on the 2-core VM (2026-11-29), not from any
 # estimate of the effect: step times wander by a few % over seconds, so the loop's per-pair
 # estimates spread by 4.7% (sd, 200 pairs of this design), and 450 pairs make its 95% interval
-# about +-0.43%; the 4-rank job (per-pair sd 6-8% there) cannot be resolved on that machine in
-# minutes and keeps 12 pairs. Shorter arms and more pairs resolve more per minute than long arms.
+# about +-0.43%. The 4-rank job's 256 pairs are sized from the spread its 12 pairs showed in the
+# run of 2026-11-30 04:10 (sd 3.67%, freed memory kept mapped; 6-8% before), for an interval of
+# about +-0.45%. Shorter arms and more pairs resolve more per minute than long arms.
 # Warm-up: at least one build interval (1 s), then up to one more at random (see paired_protocol).
 WORKLOADS = (
     Workload("loop-50ms", world_size=1, hidden=1024, batch_size=256, stages_per_step=4,
              protocol=Protocol(pairs=450, warmup_steps=25, warmup_extra_steps=23, steps_per_arm=30),
              quick=Protocol(pairs=2, warmup_steps=2, warmup_extra_steps=2, steps_per_arm=8)),
     Workload("ddp-4-ranks", world_size=4, hidden=1024, batch_size=128, stages_per_step=5,
-             protocol=Protocol(pairs=12, warmup_steps=12, warmup_extra_steps=11, steps_per_arm=40),
+             protocol=Protocol(pairs=256, warmup_steps=12, warmup_extra_steps=11, steps_per_arm=40),
              quick=Protocol(pairs=2, warmup_steps=2, warmup_extra_steps=2, steps_per_arm=6)),
 )
 HOT_PATH_INTERVALS = {False: 20_000, True: 2_000}  # by --quick

@@ -78,6 +78,9 @@ WORKLOADS = (
              quick=Protocol(pairs=2, warmup_steps=2, warmup_extra_steps=2, steps_per_arm=6)),
 )
 HOT_PATH_INTERVALS = {False: 20_000, True: 2_000}  # by --quick
+# The launcher gives up on the ranks after this many seconds a pair (a pair takes about 10 s on
+# the 2-core VM): a guard against a hung rank, never a limit on a long protocol.
+RANK_TIMEOUT_S_PER_PAIR = 60.0
 
 
 def run_workload(workload: Workload, protocol: Protocol, endpoint: str, out_dir: Path, hot_path_intervals: int,
@@ -86,7 +89,8 @@ def run_workload(workload: Workload, protocol: Protocol, endpoint: str, out_dir:
                "--warmup", ",".join(map(str, protocol.warmups())), "--steps", str(protocol.steps_per_arm),
                "--world-size", str(workload.world_size), "--hidden", str(workload.hidden),
                "--batch-size", str(workload.batch_size), "--endpoint", endpoint,
-               "--job-prefix", f"overhead-{workload.name}", "--out", str(out_dir)]
+               "--job-prefix", f"overhead-{workload.name}", "--out", str(out_dir),
+               "--timeout-s", str(max(900.0, RANK_TIMEOUT_S_PER_PAIR * protocol.pairs))]
     if hot_path_intervals:
         command += ["--hot-path-intervals", str(hot_path_intervals)]
     subprocess.run(command, check=True, env=allocator_environment(allocator, os.environ))

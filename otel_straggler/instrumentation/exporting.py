@@ -1,10 +1,12 @@
 """Where spans and the rank's own metrics go: OTLP exporters chosen by the standard
 OTEL_EXPORTER_OTLP_* variables (or configure() arguments), behind a counting wrapper so every
-export failure is known by number. Over gRPC (the default) spans are encoded by span_encoding;
-over HTTP by the SDK's encoder, which costs about four times as much per span."""
+export failure is known by number. Spans are encoded by span_encoding, not the SDK's encoder
+(several times the GIL-holding time per span), over gRPC (the default) and over HTTP, where they
+also go out over one kept-alive connection (http_transport) instead of a requests Session."""
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -15,6 +17,10 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from otel_straggler.otlp_environ import check_exporter_environ, resolve_protocol
 
 _EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+# set: the SDK's HTTP exporter sends through that provider's requests Session, which stays
+_HTTP_CREDENTIAL_PROVIDER_VARIABLES = ("OTEL_PYTHON_EXPORTER_OTLP_HTTP_CREDENTIAL_PROVIDER",
+                                       "OTEL_PYTHON_EXPORTER_OTLP_HTTP_TRACES_CREDENTIAL_PROVIDER")
+_logger = logging.getLogger(__name__)
 
 
 def _http_url(endpoint: str, path: str) -> str:
@@ -28,9 +34,7 @@ def span_exporter(endpoint: Optional[str], protocol: Optional[str], environ: Map
     check_exporter_environ("traces", protocol, environ)
     if protocol == "grpc":
         return _grpc_span_exporter_class()(endpoint=endpoint, insecure=_insecure(endpoint))
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HTTPSpanExporter
-
-    return HTTPSpanExporter(endpoint=_http_url(endpoint, "/v1/traces") if endpoint else None)
+    return _http_span_exporter_class()(endpoint=_http_url(endpoint, "/v1/traces") if endpoint else None)
 
 
 @functools.cache
@@ -88,6 +92,53 @@ def metric_exporter(endpoint: Optional[str], protocol: Optional[str], environ: M
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as HTTPMetricExporter
 
     return HTTPMetricExporter(endpoint=_http_url(endpoint, "/v1/metrics") if endpoint else None)
+
+
+@functools.cache
+def _http_span_exporter_class() -> type:
+    """The SDK's OTLP/HTTP span exporter (its endpoint, headers, TLS, compression, retries and
+    timeouts), encoding with our SpanEncoder and sending over a KeptAliveHTTPTransport. Where the
+    SDK is not shaped as this expects (its `_client` sending encoded bytes), or its transport must
+    stay (a proxy, a credential provider's session), the SDK's own export runs, unchanged."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    from otel_straggler.instrumentation import http_transport
+    from otel_straggler.instrumentation.span_encoding import SpanEncoder
+
+    class PrewrittenHTTPSpanExporter(OTLPSpanExporter):
+        """Exports ReadableSpans and spans already encoded by `prewrite` (SpanEncoder.prewrite)."""
+
+        def __init__(self, **kwargs) -> None:
+            super().__init__(**kwargs)
+            self._encoder: Optional[SpanEncoder] = None
+            client = getattr(self, "_client", None)
+            if not callable(getattr(client, "export", None)) or not isinstance(getattr(self, "_max_request_size", None), int):
+                return
+            self._encoder = SpanEncoder()
+            self.prewrite = self._encoder.prewrite
+            session = getattr(getattr(client, "_transport", None), "_session", None)
+            credential_session = any(os.environ.get(variable) for variable in _HTTP_CREDENTIAL_PROVIDER_VARIABLES)
+            if session is not None and not credential_session and http_transport.usable_for(self._endpoint):
+                client._transport.close()
+                client._transport = http_transport.KeptAliveHTTPTransport(verify=session.verify, cert=session.cert)
+
+        def export(self, spans: Sequence[Any]) -> SpanExportResult:
+            if self._encoder is None:
+                return super().export(spans)
+            if getattr(self, "_shutdown", False):
+                return SpanExportResult.FAILURE
+            try:
+                body = self._encoder.encode(spans)
+            except Exception:
+                _logger.exception("otel-straggler: could not encode %d spans", len(spans))
+                return SpanExportResult.FAILURE
+            if len(body) > self._max_request_size:
+                _logger.warning("otel-straggler: dropping %d spans, %d bytes encoded, over the exporter's "
+                                "max_request_size of %d", len(spans), len(body), self._max_request_size)
+                return SpanExportResult.FAILURE
+            return SpanExportResult.SUCCESS if self._client.export(body).success else SpanExportResult.FAILURE
+
+    return PrewrittenHTTPSpanExporter
 
 
 def _insecure(endpoint: Optional[str]) -> Optional[bool]:

@@ -1,0 +1,183 @@
+"""The rank's OTLP/HTTP span export: our encoding over one kept-alive connection
+(KeptAliveHTTPTransport) with the SDK's retries, headers and compression; the SDK's own
+transport where a proxy or a credential provider is configured."""
+from __future__ import annotations
+
+import gzip
+import http.server
+import threading
+from typing import Any
+
+import pytest
+from opentelemetry.exporter.http.transport._requests import RequestsHTTPTransport
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SpanExportResult
+
+from otel_straggler.instrumentation import http_transport
+from otel_straggler.instrumentation.exporting import span_exporter
+
+PROXY_VARIABLES = ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy",
+                   "NO_PROXY", "no_proxy")
+
+
+class Http11Receiver(http.server.ThreadingHTTPServer):
+    """OTLP/HTTP traces over HTTP/1.1: keeps connections open unless told to drop each one
+    after its response without saying so (as a server timing out an idle connection does)."""
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.requests: list[tuple[tuple, dict, bytes]] = []  # (client address, headers, body)
+        self.drop_after_response = False
+        self.responses: list[tuple[int, dict]] = []  # given before 200s: (status, headers)
+        self.endpoint = f"http://127.0.0.1:{self.server_address[1]}"
+
+    def span_names(self) -> list[str]:
+        names = []
+        for _, headers, body in self.requests:
+            if headers.get("content-encoding") == "gzip":
+                body = gzip.decompress(body)
+            request = trace_service_pb2.ExportTraceServiceRequest.FromString(body)
+            names += [span.name for resource in request.resource_spans for scope in resource.scope_spans
+                      for span in scope.spans]
+        return names
+
+    def connections(self) -> int:
+        return len({address for address, _, _ in self.requests})
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.server.requests.append((self.client_address, {k.lower(): v for k, v in self.headers.items()}, body))
+        status, headers = self.server.responses.pop(0) if self.server.responses else (200, {})
+        payload = trace_service_pb2.ExportTraceServiceResponse().SerializeToString() if status == 200 else b"no"
+        self.send_response(status)
+        for key, value in {"Content-Type": "application/x-protobuf", **headers}.items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+        if self.server.drop_after_response:
+            self.close_connection = True
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def receiver(monkeypatch):
+    for variable in PROXY_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    server = Http11Receiver()
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def export_batches(exporter, batches: int, per_batch: int = 3) -> list[SpanExportResult]:
+    tracer = TracerProvider().get_tracer("test")
+    results = []
+    for batch in range(batches):
+        items = []
+        for index in range(per_batch):
+            span = tracer.start_span(f"span-{batch}-{index}")
+            span.end()
+            items.append(exporter.prewrite(span))
+        results.append(exporter.export(items))
+    return results
+
+
+def test_spans_go_out_encoded_by_us_over_one_kept_alive_connection(receiver):
+    exporter = span_exporter(receiver.endpoint, "http/protobuf")
+    try:
+        assert isinstance(exporter._client._transport, http_transport.KeptAliveHTTPTransport)
+        assert export_batches(exporter, 4) == [SpanExportResult.SUCCESS] * 4
+    finally:
+        exporter.shutdown()
+    assert receiver.span_names() == [f"span-{batch}-{index}" for batch in range(4) for index in range(3)]
+    assert receiver.connections() == 1
+    assert all(headers["content-type"] == "application/x-protobuf" for _, headers, _ in receiver.requests)
+
+
+def test_a_connection_the_server_dropped_is_made_again_and_nothing_is_lost(receiver):
+    receiver.drop_after_response = True
+    exporter = span_exporter(receiver.endpoint, "http/protobuf")
+    try:
+        assert export_batches(exporter, 3) == [SpanExportResult.SUCCESS] * 3
+    finally:
+        exporter.shutdown()
+    assert len(receiver.span_names()) == 9
+    assert receiver.connections() == 3
+
+
+def test_headers_and_compression_from_the_environment_apply(receiver, monkeypatch):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "x-tenant=team-a")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")
+    exporter = span_exporter(receiver.endpoint, "http/protobuf")
+    try:
+        assert export_batches(exporter, 1) == [SpanExportResult.SUCCESS]
+    finally:
+        exporter.shutdown()
+    (_, headers, _), = receiver.requests
+    assert (headers["x-tenant"], headers["content-encoding"]) == ("team-a", "gzip")
+    assert len(receiver.span_names()) == 3
+
+
+def test_a_rejected_request_fails_at_once_and_a_throttled_one_is_retried_when_told(receiver):
+    receiver.responses = [(400, {}), (503, {"Retry-After": "0"})]
+    exporter = span_exporter(receiver.endpoint, "http/protobuf")
+    try:
+        # 400: not retried; 503 with Retry-After (read case-insensitively): sent again at once
+        assert export_batches(exporter, 2) == [SpanExportResult.FAILURE, SpanExportResult.SUCCESS]
+    finally:
+        exporter.shutdown()
+    assert len(receiver.requests) == 3
+    assert receiver.span_names()[-3:] == ["span-1-0", "span-1-1", "span-1-2"]
+
+
+def test_a_proxy_or_a_credential_provider_keeps_the_sdks_transport(receiver, monkeypatch):
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy.example:3128")
+    behind_proxy = span_exporter(receiver.endpoint, "http/protobuf")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    bypassing = span_exporter(receiver.endpoint, "http/protobuf")
+    monkeypatch.delenv("HTTP_PROXY")
+    monkeypatch.delenv("NO_PROXY")
+    monkeypatch.setenv("OTEL_PYTHON_EXPORTER_OTLP_HTTP_TRACES_CREDENTIAL_PROVIDER", "")  # set but blank: not used
+    blank_provider = span_exporter(receiver.endpoint, "http/protobuf")
+    try:
+        assert isinstance(behind_proxy._client._transport, RequestsHTTPTransport)
+        assert isinstance(bypassing._client._transport, http_transport.KeptAliveHTTPTransport)
+        assert isinstance(blank_provider._client._transport, http_transport.KeptAliveHTTPTransport)
+        # the encoding is ours either way
+        assert behind_proxy.prewrite is not None
+    finally:
+        for exporter in (behind_proxy, bypassing, blank_provider):
+            exporter.shutdown()
+
+
+@pytest.mark.parametrize("url, usable", [("http://collector:4318/v1/traces", True),
+                                         ("https://collector/v1/traces", True),
+                                         ("ftp://collector/v1/traces", False), ("not a url", False)])
+def test_which_endpoints_the_kept_alive_transport_takes(url, usable, monkeypatch):
+    for variable in PROXY_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    assert http_transport.usable_for(url) is usable
+
+
+def test_an_unreachable_endpoint_is_a_connection_error_and_the_transport_recovers(receiver, unreachable_endpoint):
+    transport = http_transport.KeptAliveHTTPTransport()
+    try:
+        failed = transport.request("POST", f"http://{unreachable_endpoint}/v1/traces", data=b"", timeout=2.0)
+        assert failed.status_code is None and transport.is_connection_error(failed.error)
+        body = trace_service_pb2.ExportTraceServiceRequest().SerializeToString()
+        answered = transport.request("POST", f"{receiver.endpoint}/v1/traces", data=body, timeout=2.0,
+                                     headers={"Content-Type": "application/x-protobuf"})
+        assert answered.status_code == 200 and answered.headers()["CONTENT-TYPE"] == "application/x-protobuf"
+    finally:
+        transport.close()

@@ -5,6 +5,7 @@ often a device sync or a collective was called.
 
     python benchmarks/demo_training.py --schedule off,on --steps 20 --out DIR [--world-size 4]
         [--warmup 0 | --warmup 5,5,9,9] [--hidden H] [--batch-size B] [--endpoint 127.0.0.1:4317]
+        [--protocol grpc | --protocol http/protobuf]
         [--count-calls] [--hot-path-intervals 0]
 
 It mirrors otel_straggler/demo/trainer.py: the same model, data, optimizer, stages and gradient
@@ -12,8 +13,9 @@ all-reduce (imported from there), one gloo process per rank started as the demo 
 with --world-size 1 it is a single process without the all-reduce stage. The process runs
 its schedule of arms in order, each from the same seed, so every arm computes the same numbers:
   off  the library is not configured: ots.step()/ots.stage() are no-ops;
-  on   ots.configure(device_timing="fake") exporting over OTLP/gRPC to --endpoint, set up as
-       the demo sets up its ranks (OTEL_BSP_SCHEDULE_DELAY=500, no rank metrics); flushed
+  on   ots.configure(device_timing="fake") exporting over OTLP (--protocol, gRPC as the demo's
+       ranks by default) to --endpoint, set up as the demo sets up its ranks
+       (OTEL_BSP_SCHEDULE_DELAY=500, no rank metrics); flushed
        (everything built and exported) at the end of the arm, then shut down.
 Each rank writes DIR/rank-N.json. Linux only (per-thread CPU clocks).
 """
@@ -67,7 +69,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=demo.hidden)
     parser.add_argument("--batch-size", type=int, default=demo.batch_size)
     parser.add_argument("--seed", type=int, default=demo.seed)
-    parser.add_argument("--endpoint", default="127.0.0.1:4317", help="OTLP/gRPC endpoint of the `on` arm")
+    parser.add_argument("--endpoint", default="127.0.0.1:4317", help="OTLP endpoint (host:port) of the `on` arm")
+    parser.add_argument("--protocol", choices=("grpc", "http/protobuf"), default="grpc",
+                        help="the `on` arm's OTLP protocol (default: grpc, as the demo's ranks)")
     parser.add_argument("--job-prefix", default="demo-training", help="the `on` arm's job id is PREFIX-armN")
     parser.add_argument("--count-calls", action="store_true", help="count device syncs and collectives per arm")
     parser.add_argument("--hot-path-intervals", type=int, default=0,
@@ -233,7 +237,8 @@ def rank_main(args: argparse.Namespace) -> None:
     rank = int(os.environ.get("RANK", "0"))
     if args.world_size > 1:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    os.environ.update({**DEMO_RANK_ENVIRONMENT, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{args.endpoint}"})
+    os.environ.update({**DEMO_RANK_ENVIRONMENT, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{args.endpoint}",
+                       "OTEL_EXPORTER_OTLP_PROTOCOL": args.protocol})
     counter = CallCounter() if args.count_calls else None
     arms = []
     for index, arm in enumerate(args.schedule):

@@ -1,11 +1,13 @@
 """Training overhead of the instrumentation: ON against OFF, in paired runs, on two workloads.
 
     python benchmarks/overhead.py [--quick] [--workload NAME] [--json overhead.json] [--nice N]
+        [--protocol http/protobuf | --protocol grpc]
 
 Arms (benchmarks/demo_training.py runs them; same code, same seeds, only the switch differs):
   OFF  the library is not configured: ots.step()/ots.stage() are no-ops
-  ON   the full path: stages, fake device events, span building, batching, OTLP/gRPC export
-       to a live detector (DetectorService on 127.0.0.1, started here, in this process)
+  ON   the full path: stages, fake device events, span building, batching, OTLP export to a
+       live detector (DetectorService on 127.0.0.1, started here, in this process), over
+       OTLP/HTTP by default, the export the docs recommend for ranks (--protocol grpc: gRPC)
 Workloads:
   loop-50ms    one process, torch.set_num_threads(1), the demo's MLP sized to about 50 ms a
                step, four stages per step (no all-reduce)
@@ -81,11 +83,12 @@ HOT_PATH_INTERVALS = {False: 20_000, True: 2_000}  # by --quick
 # The launcher gives up on the ranks after this many seconds a pair (a pair takes about 10 s on
 # the 2-core VM): a guard against a hung rank, never a limit on a long protocol.
 RANK_TIMEOUT_S_PER_PAIR = 60.0
+OTLP_PROTOCOLS = ("grpc", "http/protobuf")  # in the order of the detector's bound ports
 
 
-def run_workload(workload: Workload, protocol: Protocol, endpoint: str, out_dir: Path, hot_path_intervals: int,
-                 allocator: str) -> list[dict]:
-    command = [sys.executable, str(HARNESS), "--schedule", ",".join(protocol.schedule()),
+def run_workload(workload: Workload, protocol: Protocol, endpoint: str, otlp_protocol: str, out_dir: Path,
+                 hot_path_intervals: int, allocator: str) -> list[dict]:
+    command = [sys.executable, str(HARNESS), "--schedule", ",".join(protocol.schedule()), "--protocol", otlp_protocol,
                "--warmup", ",".join(map(str, protocol.warmups())), "--steps", str(protocol.steps_per_arm),
                "--world-size", str(workload.world_size), "--hidden", str(workload.hidden),
                "--batch-size", str(workload.batch_size), "--endpoint", endpoint,
@@ -174,7 +177,7 @@ def print_report(report: dict) -> None:
           f" ({machine['processor']}), python {machine['python']}, torch {machine['torch']},"
           f" load average {machine['load_before'][0]:.1f} before / {machine['load_after'][0]:.1f} after,"
           f" niceness {report['niceness']}, hot path in {machine.get('hot_path', 'python')},"
-          f" allocator {report['allocator']}")
+          f" allocator {report['allocator']}, export OTLP {report.get('otlp_protocol', 'grpc')}")
     print(f"target: mean < {TARGET_POINT_PCT}% and 95% CI upper bound < {TARGET_CI_HIGH_PCT}%")
     if report["quick"]:
         print("--quick: a smoke run of the machinery; its figures are not a result")
@@ -258,18 +261,21 @@ def main(argv=None) -> int:
     parser.add_argument("--nice", type=int, default=0,
                         help="run the detector and the workloads (both arms alike) at this niceness; negative puts"
                              " them ahead of other processes on a shared machine (needs root)")
+    parser.add_argument("--protocol", choices=OTLP_PROTOCOLS, default="http/protobuf",
+                        help="the ON arm's OTLP export: http/protobuf (default; recommended for ranks) or grpc")
     args = parser.parse_args(argv)
     if args.nice:
         os.nice(args.nice)  # inherited by the workload processes
     report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "machine": machine(),
               "quick": args.quick, "niceness": os.getpriority(os.PRIO_PROCESS, 0), "allocator": args.allocator,
-              "allocator_environment": ALLOCATORS[args.allocator], "workloads": {}}
+              "allocator_environment": ALLOCATORS[args.allocator], "otlp_protocol": args.protocol,
+              "workloads": {}}
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="overhead-") as scratch:
         detector = DetectorService(DetectorConfig(grpc_port=0, http_port=0, evidence_dir=os.path.join(scratch, "evidence"),
                                                   export_metrics=False))
         detector.start()
-        endpoint = f"127.0.0.1:{detector.bound_ports[0]}"
+        endpoint = f"127.0.0.1:{detector.bound_ports[OTLP_PROTOCOLS.index(args.protocol)]}"
         hot_path = None
         try:
             idle_cpu_per_s = detector_idle_cpu_per_s()
@@ -278,7 +284,7 @@ def main(argv=None) -> int:
                 protocol = workload.quick if args.quick else workload.protocol
                 print(f"{workload.name}: {protocol.describe()}", flush=True)
                 cpu_before, wall_before = time.process_time_ns(), time.monotonic()
-                ranks = run_workload(workload, protocol, endpoint, Path(scratch) / workload.name,
+                ranks = run_workload(workload, protocol, endpoint, args.protocol, Path(scratch) / workload.name,
                                      HOT_PATH_INTERVALS[args.quick] if hot_path is None else 0, args.allocator)
                 # what the detector spent on the ranks' spans: its CPU beyond its idle rate
                 detector_cpu_ns = (time.process_time_ns() - cpu_before) - idle_cpu_per_s * (time.monotonic() - wall_before)

@@ -182,13 +182,13 @@ def run_arm(args: argparse.Namespace, rank: int, arm: str, index: int, counter: 
     for n in range(warmup + args.steps):
         if n == warmup:
             threads_before, process_before, main_before = thread_cpu_ns(), time.process_time_ns(), time.thread_time_ns()
-            faults_before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+            usage_before = resource.getrusage(resource.RUSAGE_THREAD)
             collections_before = gc_collections()
         started = time.perf_counter()
         losses.append(training.step(n))
         step_seconds.append(time.perf_counter() - started)
     main_cpu_ns = time.thread_time_ns() - main_before
-    main_faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults_before
+    usage = resource.getrusage(resource.RUSAGE_THREAD)
     status = None
     if handle is not None:
         handle.flush(60.0)  # whatever the measured steps left to build and export is counted below
@@ -205,7 +205,11 @@ def run_arm(args: argparse.Namespace, rank: int, arm: str, index: int, counter: 
         "training_thread_cpu_ns": main_cpu_ns,
         # minor page faults of the training thread's steps: memory the allocator gave back to the
         # OS and took again (1.4-1.7 us each on the 2-core VM; docs/overhead.md)
-        "training_thread_page_faults": main_faults,
+        "training_thread_page_faults": usage.ru_minflt - usage_before.ru_minflt,
+        # how often the training thread blocked (for the GIL, a collective, a lock) and how often
+        # it was preempted (a core wanted by another thread)
+        "training_thread_context_switches": {"voluntary": usage.ru_nvcsw - usage_before.ru_nvcsw,
+                                             "involuntary": usage.ru_nivcsw - usage_before.ru_nivcsw},
         "process_cpu_ns": process_after - process_before,
         "thread_cpu_ns": threads,
         # garbage collections by generation: a full one (2) stops every thread of the process

@@ -21,7 +21,8 @@ the same run, to explain the figure: CPU time of the background threads per step
 OFF, and the library's own threads by name), the detector's CPU per step, garbage collections
 per step, the training thread's own CPU and its waiting (wall time minus CPU: for the GIL or a
 core) per step, ON minus OFF, and the hot path per step (intervals per step x ns per interval, from
-benchmarks/hot_path.py in the single-process run), and the training thread's page faults per step.
+benchmarks/hot_path.py in the single-process run), and the training thread's page faults and
+context switches (voluntary: it blocked; involuntary: it was preempted) per step.
 The machine is shared: the load average is printed with the result, and --nice can put the
 benchmark ahead of other processes. Both arms' processes keep the memory they free mapped
 (benchmarks/allocators.py; --allocator glibc-default leaves glibc's own heuristics).
@@ -133,6 +134,10 @@ def analyze(workload: Workload, protocol: Protocol, ranks: list[dict], detector_
     page_faults = {arm: statistics.mean(arms[index]["training_thread_page_faults"] / protocol.steps_per_arm
                                         for index, name in enumerate(schedule) if name == arm for arms in arms_by_rank)
                    for arm in (OFF, ON)}
+    switches = {arm: {kind: statistics.mean(arms[index]["training_thread_context_switches"][kind] / protocol.steps_per_arm
+                                            for index, name in enumerate(schedule) if name == arm for arms in arms_by_rank)
+                      for kind in ("voluntary", "involuntary")}
+                for arm in (OFF, ON)}
     gc_per_1000_steps = {arm: [1000 * statistics.mean(arms[index]["gc_collections"][generation] / protocol.steps_per_arm
                                                       for index, name in enumerate(schedule) if name == arm
                                                       for arms in arms_by_rank) for generation in range(3)]
@@ -162,6 +167,7 @@ def analyze(workload: Workload, protocol: Protocol, ranks: list[dict], detector_
         "training_thread_waiting_ms_per_step": training_waits,
         "gc_collections_per_1000_steps": gc_per_1000_steps,
         "training_thread_page_faults_per_step": page_faults,
+        "training_thread_context_switches_per_step": switches,
         # the detector runs in this process, which otherwise only waits
         "detector_cpu_ms_per_step": detector_cpu_ns / on_steps / 1e6,
         "hot_path": {**hot_path, "intervals_per_step": intervals_per_step, "ms_per_step": hot_path_ms,
@@ -223,7 +229,9 @@ def print_report(report: dict) -> None:
               f" GC collections per 1000 steps by generation OFF {_rounded(result['gc_collections_per_1000_steps'][OFF])}"
               f" ON {_rounded(result['gc_collections_per_1000_steps'][ON])};"
               f" training thread's page faults per step OFF {result['training_thread_page_faults_per_step'][OFF]:.1f}"
-              f" ON {result['training_thread_page_faults_per_step'][ON]:.1f}")
+              f" ON {result['training_thread_page_faults_per_step'][ON]:.1f}; its context switches per step"
+              + "".join(f" {arm.upper()} {switches['voluntary']:.2f} voluntary, {switches['involuntary']:.2f} involuntary"
+                        for arm, switches in result["training_thread_context_switches_per_step"].items()))
 
 
 def _rounded(values: list[float]) -> list[float]:

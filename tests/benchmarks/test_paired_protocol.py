@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from paired_protocol import OFF, ON, Protocol, pair_estimates, summarize  # noqa: E402
+from paired_protocol import OFF, ON, Protocol, pair_estimates, summarize, verdict  # noqa: E402
 
 
 def arm_means_for(protocol: Protocol, pair_ratios: np.ndarray, off_ms: float = 40.0) -> list[float]:
@@ -37,6 +37,12 @@ def test_a_known_overhead_is_recovered_and_decided():
     assert result["ci95_pct"][0] < 2.0 < result["ci95_pct"][1] and result["verdict"] == "missed"
     none = summarize(protocol, arm_means_for(protocol, np.full(protocol.pairs, 1.0)))
     assert none["mean_pct"] == 0.0 and none["verdict"] == "met"
+
+
+def test_a_wide_interval_is_unresolved_unless_all_of_it_is_above_the_bound():
+    assert verdict(0.3, -0.5, 1.1) == "unresolved"
+    assert verdict(1.5, 0.85, 2.18) == "missed"  # 1.33 points wide, yet every value in it misses
+    assert verdict(0.05, -0.3, 0.4) == "met"
 
 
 def test_noise_alone_biases_the_mean_of_ratios_up_and_the_secondary_figures_show_it():

@@ -10,6 +10,7 @@ exporter keeps the SDK's transport (`usable_for`)."""
 from __future__ import annotations
 
 import http.client
+import os
 import socket
 import ssl
 import threading
@@ -34,6 +35,19 @@ def usable_for(url: str) -> bool:
         return not (proxies.get(parts.scheme) or proxies.get("all")) or bool(urllib.request.proxy_bypass(parts.hostname))
     except Exception:
         return False
+
+
+def _requests_ca_bundle() -> Optional[str]:
+    """The CA bundle a requests Session verifies against when told only to verify: its
+    environment variables', else certifi's (None: the system's, where certifi is missing)."""
+    bundle = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE")
+    if bundle:
+        return bundle
+    try:
+        import certifi
+    except ImportError:
+        return None
+    return certifi.where()
 
 
 @dataclass(frozen=True)
@@ -85,9 +99,12 @@ class KeptAliveHTTPTransport(BaseHTTPTransport):
                 body = response.read()
                 if response.will_close:
                     self._drop()
+                headers_received = _Headers()
+                for key, value in response.getheaders():  # repeated headers joined, as the interface asks
+                    key = key.lower()
+                    headers_received[key] = f"{headers_received[key]}, {value}" if key in headers_received else value
                 return KeptAliveResult(status_code=response.status, reason=response.reason, body=body,
-                                       response_headers=_Headers((key.lower(), value)
-                                                                 for key, value in response.getheaders()))
+                                       response_headers=headers_received)
             except Exception as error:
                 self._drop()  # whatever state it is in, the next request starts afresh
                 return KeptAliveResult(error=error)
@@ -109,7 +126,7 @@ class KeptAliveHTTPTransport(BaseHTTPTransport):
         return self._connection
 
     def _tls(self) -> ssl.SSLContext:
-        context = ssl.create_default_context(cafile=self._verify if isinstance(self._verify, str) else None)
+        context = ssl.create_default_context(cafile=self._verify if isinstance(self._verify, str) else _requests_ca_bundle())
         if self._verify is False:
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE
@@ -128,7 +145,8 @@ class KeptAliveHTTPTransport(BaseHTTPTransport):
         self._connection = None
 
     def is_connection_error(self, exception: Optional[Exception]) -> bool:
-        return isinstance(exception, _CONNECTION_ERRORS)
+        # a certificate that does not verify will not verify on a retry either
+        return isinstance(exception, _CONNECTION_ERRORS) and not isinstance(exception, ssl.SSLCertVerificationError)
 
     def close(self) -> None:
         with self._lock:

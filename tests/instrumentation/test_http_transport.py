@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import gzip
 import http.server
+import shutil
+import ssl
+import subprocess
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -181,3 +185,37 @@ def test_an_unreachable_endpoint_is_a_connection_error_and_the_transport_recover
         assert answered.status_code == 200 and answered.headers()["CONTENT-TYPE"] == "application/x-protobuf"
     finally:
         transport.close()
+
+
+@pytest.fixture
+def tls_receiver(receiver, tmp_path):
+    """The receiver behind TLS with a throwaway certificate for 127.0.0.1 (its own CA)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed (scripts/services.sh build installs it)")
+    cert, key = tmp_path / "receiver.crt", tmp_path / "receiver.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-keyout", str(key),
+                    "-out", str(cert), "-subj", "/CN=receiver", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    receiver.socket = context.wrap_socket(receiver.socket, server_side=True)
+    receiver.endpoint = receiver.endpoint.replace("http://", "https://")
+    receiver.certificate = str(cert)
+    return receiver
+
+
+def test_https_verifies_the_receiver_against_the_configured_certificate(tls_receiver, monkeypatch):
+    unverified = span_exporter(tls_receiver.endpoint, "http/protobuf")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_CERTIFICATE", tls_receiver.certificate)
+    trusted = span_exporter(tls_receiver.endpoint, "http/protobuf")
+    try:
+        assert isinstance(trusted._client._transport, http_transport.KeptAliveHTTPTransport)
+        assert export_batches(trusted, 2) == [SpanExportResult.SUCCESS] * 2
+        # a certificate no CA it trusts has signed: refused, not retried as a connection error
+        started = time.monotonic()
+        assert export_batches(unverified, 1) == [SpanExportResult.FAILURE]
+        assert time.monotonic() - started < 5.0  # the SDK would retry a connection error for its 10 s timeout
+    finally:
+        trusted.shutdown()
+        unverified.shutdown()
+    assert len(tls_receiver.span_names()) == 6

@@ -5,10 +5,12 @@ export failure is known by number. Spans are encoded by span_encoding, not the S
 also go out over one kept-alive connection (http_transport) instead of a requests Session."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import threading
+import types
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from opentelemetry.sdk.trace import ReadableSpan
@@ -127,16 +129,25 @@ def _http_span_exporter_class() -> type:
                 return super().export(spans)
             if getattr(self, "_shutdown", False):
                 return SpanExportResult.FAILURE
-            try:
-                body = self._encoder.encode(spans)
-            except Exception:
-                _logger.exception("otel-straggler: could not encode %d spans", len(spans))
-                return SpanExportResult.FAILURE
-            if len(body) > self._max_request_size:
-                _logger.warning("otel-straggler: dropping %d spans, %d bytes encoded, over the exporter's "
-                                "max_request_size of %d", len(spans), len(body), self._max_request_size)
-                return SpanExportResult.FAILURE
-            return SpanExportResult.SUCCESS if self._client.export(body).success else SpanExportResult.FAILURE
+            metrics = getattr(self, "_metrics", None)  # the SDK's own exporter metrics, where it keeps them
+            with (metrics.export_operation(len(spans)) if metrics is not None
+                  else contextlib.nullcontext(types.SimpleNamespace())) as outcome:
+                try:
+                    body = self._encoder.encode(spans)
+                except Exception as error:
+                    _logger.exception("otel-straggler: could not encode %d spans", len(spans))
+                    outcome.error = error
+                    return SpanExportResult.FAILURE
+                if 0 < self._max_request_size < len(body):  # 0 or less: no limit, as in the SDK
+                    _logger.warning("otel-straggler: dropping %d spans, %d bytes encoded, over the exporter's "
+                                    "max_request_size of %d", len(spans), len(body), self._max_request_size)
+                    outcome.error = ValueError(f"request of {len(body)} bytes over max_request_size")
+                    return SpanExportResult.FAILURE
+                sent = self._client.export(body)
+                if not sent.success:
+                    outcome.error = sent.error or RuntimeError(f"HTTP {sent.status_code}")
+                    return SpanExportResult.FAILURE
+            return SpanExportResult.SUCCESS
 
     return PrewrittenHTTPSpanExporter
 

@@ -11,25 +11,26 @@ from __future__ import annotations
 
 import http.client
 import os
-import socket
 import ssl
 import threading
 import urllib.request
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 from urllib.parse import urlsplit
 
 from opentelemetry.exporter.http.transport._base import BaseHTTPResult, BaseHTTPTransport
 
-# what failed before any response: the SDK retries these at once, then with backoff
-_CONNECTION_ERRORS = (ConnectionError, http.client.HTTPException, socket.gaierror, ssl.SSLError)
 
 
 def usable_for(url: str) -> bool:
-    """Whether this transport reaches `url` as requests would: http or https, no proxy."""
+    """Whether this transport reaches `url` as requests would: http or https, no proxy, and no
+    credentials requests would add (in the URL, or from a netrc file)."""
     try:
         parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.username or parts.password:
+            return False
+        if os.environ.get("NETRC") or os.path.exists(os.path.expanduser("~/.netrc")):
             return False
         proxies = urllib.request.getproxies()  # requests reads the same variables
         return not (proxies.get(parts.scheme) or proxies.get("all")) or bool(urllib.request.proxy_bypass(parts.hostname))
@@ -75,29 +76,36 @@ class _Headers(dict):
         return isinstance(key, str) and super().__contains__(key.lower())
 
 
+class ConnectFailed(ConnectionError):
+    """The connection could not be made (refused, unreachable, timed out, TLS handshake): nothing
+    was sent, so the request can be tried again."""
+
+
 class KeptAliveHTTPTransport(BaseHTTPTransport):
     """Requests over one connection to one origin, made on first use and again after any error
     or a response that closes it. Requests are serialized (the batch worker exports, and a flush
-    may export from another thread)."""
+    may export from another thread); close() never waits for one in flight."""
 
     def __init__(self, verify: Union[bool, str] = True, cert: Union[str, tuple[str, str], None] = None) -> None:
         self._verify = verify
         self._cert = cert
         self._lock = threading.Lock()
         self._connection: Optional[http.client.HTTPConnection] = None
-        self._origin: Optional[tuple[str, str, Optional[int]]] = None
+        self._origin: Optional[tuple[str, str, int]] = None
+        self._closing = False
+        _LIVE_TRANSPORTS.add(self)
 
     def request(self, method: str, url: str, *, headers: Optional[dict[str, str]] = None,
                 timeout: Optional[float] = None, data: Optional[bytes] = None) -> BaseHTTPResult:
         with self._lock:
             try:
                 parts = urlsplit(url)
-                connection = self._connection_to(parts.scheme, parts.hostname or "", parts.port, timeout)
+                connection = self._connection_to(parts, timeout)
                 path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
                 connection.request(method, path, body=data, headers=headers or {})
                 response = connection.getresponse()
                 body = response.read()
-                if response.will_close:
+                if response.will_close or self._closing:
                     self._drop()
                 headers_received = _Headers()
                 for key, value in response.getheaders():  # repeated headers joined, as the interface asks
@@ -109,27 +117,37 @@ class KeptAliveHTTPTransport(BaseHTTPTransport):
                 self._drop()  # whatever state it is in, the next request starts afresh
                 return KeptAliveResult(error=error)
 
-    def _connection_to(self, scheme: str, host: str, port: Optional[int],
-                       timeout: Optional[float]) -> http.client.HTTPConnection:
+    def _connection_to(self, parts, timeout: Optional[float]) -> http.client.HTTPConnection:
+        scheme, host = parts.scheme, parts.hostname or ""
+        port = parts.port or (443 if scheme == "https" else 80)  # given, so an IPv6 host is not read as host:port
         if self._connection is None or self._origin != (scheme, host, port):
             self._drop()
             if scheme == "https":
-                self._connection = http.client.HTTPSConnection(host, port, timeout=timeout, context=self._tls())
+                connection = http.client.HTTPSConnection(host, port, timeout=timeout, context=self._tls())
             elif scheme == "http":
-                self._connection = http.client.HTTPConnection(host, port, timeout=timeout)
+                connection = http.client.HTTPConnection(host, port, timeout=timeout)
             else:
                 raise ValueError(f"OTLP/HTTP endpoint scheme must be http or https, got {scheme!r}")
-            self._origin = (scheme, host, port)
-        self._connection.timeout = timeout  # for a connection made now
-        if self._connection.sock is not None:
-            self._connection.sock.settimeout(timeout)  # and for one kept from before
+            try:
+                connection.connect()
+            except OSError as error:  # refused, unreachable, timed out, handshake (a certificate too)
+                connection.close()
+                if isinstance(error, ssl.SSLCertVerificationError):
+                    raise  # will not verify on a retry either
+                raise ConnectFailed(f"{type(error).__name__}: {error}") from error
+            self._connection, self._origin = connection, (scheme, host, port)
+        self._connection.sock.settimeout(timeout)  # a kept connection gets this request's timeout
         return self._connection
 
     def _tls(self) -> ssl.SSLContext:
-        context = ssl.create_default_context(cafile=self._verify if isinstance(self._verify, str) else _requests_ca_bundle())
         if self._verify is False:
+            context = ssl.create_default_context()
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE
+        else:
+            bundle = self._verify if isinstance(self._verify, str) else _requests_ca_bundle()
+            folder = bundle is not None and os.path.isdir(bundle)  # requests takes a folder of CAs too
+            context = ssl.create_default_context(cafile=None if folder else bundle, capath=bundle if folder else None)
         if isinstance(self._cert, tuple):
             context.load_cert_chain(self._cert[0], self._cert[1])
         elif self._cert:
@@ -145,9 +163,33 @@ class KeptAliveHTTPTransport(BaseHTTPTransport):
         self._connection = None
 
     def is_connection_error(self, exception: Optional[Exception]) -> bool:
-        # a certificate that does not verify will not verify on a retry either
-        return isinstance(exception, _CONNECTION_ERRORS) and not isinstance(exception, ssl.SSLCertVerificationError)
+        # Nothing sent (ConnectFailed) or a kept connection the server had closed: worth sending
+        # again. A timeout waiting for the answer is not (the request may have been taken), as
+        # with the SDK's requests transport.
+        return isinstance(exception, (ConnectFailed, ConnectionResetError, BrokenPipeError,
+                                      http.client.RemoteDisconnected, http.client.BadStatusLine))
 
     def close(self) -> None:
-        with self._lock:
-            self._drop()
+        self._closing = True  # a request in flight drops the connection when it ends
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drop()
+            finally:
+                self._lock.release()
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: the parent's lock may be held by a thread that does not exist here,
+        and the connection is the parent's socket, left for the parent to close."""
+        self._lock = threading.Lock()
+        self._connection = None
+
+
+_LIVE_TRANSPORTS: "weakref.WeakSet[KeptAliveHTTPTransport]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for transport in list(_LIVE_TRANSPORTS):
+        transport._forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

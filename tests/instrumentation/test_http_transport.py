@@ -3,6 +3,7 @@
 transport where a proxy or a credential provider is configured."""
 from __future__ import annotations
 
+import contextlib
 import gzip
 import http.server
 import shutil
@@ -10,7 +11,7 @@ import ssl
 import subprocess
 import threading
 import time
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 from opentelemetry.exporter.http.transport._requests import RequestsHTTPTransport
@@ -30,12 +31,15 @@ class Http11Receiver(http.server.ThreadingHTTPServer):
     after its response without saying so (as a server timing out an idle connection does)."""
     daemon_threads = True
 
-    def __init__(self) -> None:
+    def __init__(self, tls: Optional[ssl.SSLContext] = None) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
+        if tls is not None:
+            self.socket = tls.wrap_socket(self.socket, server_side=True)
         self.requests: list[tuple[tuple, dict, bytes]] = []  # (client address, headers, body)
         self.drop_after_response = False
-        self.responses: list[tuple[int, dict]] = []  # given before 200s: (status, headers)
-        self.endpoint = f"http://127.0.0.1:{self.server_address[1]}"
+        self.responses: list[tuple[int, list]] = []  # given before 200s: (status, [(header, value)])
+        self.answer_after_s = 0.0
+        self.endpoint = f"{'https' if tls else 'http'}://127.0.0.1:{self.server_address[1]}"
 
     def span_names(self) -> list[str]:
         names = []
@@ -57,10 +61,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
         self.server.requests.append((self.client_address, {k.lower(): v for k, v in self.headers.items()}, body))
-        status, headers = self.server.responses.pop(0) if self.server.responses else (200, {})
+        status, headers = self.server.responses.pop(0) if self.server.responses else (200, [])
         payload = trace_service_pb2.ExportTraceServiceResponse().SerializeToString() if status == 200 else b"no"
+        time.sleep(self.server.answer_after_s)
         self.send_response(status)
-        for key, value in {"Content-Type": "application/x-protobuf", **headers}.items():
+        for key, value in [("Content-Type", "application/x-protobuf"), *headers]:
             self.send_header(key, value)
         self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
@@ -72,16 +77,27 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
-def receiver(monkeypatch):
-    for variable in PROXY_VARIABLES:
-        monkeypatch.delenv(variable, raising=False)
-    server = Http11Receiver()
+@contextlib.contextmanager
+def serving(server: Http11Receiver):
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(autouse=True)
+def no_proxy_settings(monkeypatch):
+    for variable in PROXY_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+
+
+@pytest.fixture
+def receiver():
+    with serving(Http11Receiver()) as server:
+        yield server
 
 
 def export_batches(exporter, batches: int, per_batch: int = 3) -> list[SpanExportResult]:
@@ -134,15 +150,18 @@ def test_headers_and_compression_from_the_environment_apply(receiver, monkeypatc
 
 
 def test_a_rejected_request_fails_at_once_and_a_throttled_one_is_retried_when_told(receiver):
-    receiver.responses = [(400, {}), (503, {"Retry-After": "0"})]
+    receiver.responses = [(400, []), (503, [("Retry-After", "0")])]
     exporter = span_exporter(receiver.endpoint, "http/protobuf")
     try:
-        # 400: not retried; 503 with Retry-After (read case-insensitively): sent again at once
-        assert export_batches(exporter, 2) == [SpanExportResult.FAILURE, SpanExportResult.SUCCESS]
+        assert export_batches(exporter, 1) == [SpanExportResult.FAILURE]  # 400: not retried
+        started = time.monotonic()
+        assert export_batches(exporter, 1) == [SpanExportResult.SUCCESS]
+        # sent again as told (Retry-After: 0), not after the SDK's own backoff of about a second
+        assert time.monotonic() - started < 0.5
     finally:
         exporter.shutdown()
     assert len(receiver.requests) == 3
-    assert receiver.span_names()[-3:] == ["span-1-0", "span-1-1", "span-1-2"]
+    assert receiver.span_names()[-3:] == ["span-0-0", "span-0-1", "span-0-2"]  # the second batch, taken
 
 
 def test_a_proxy_or_a_credential_provider_keeps_the_sdks_transport(receiver, monkeypatch):
@@ -188,8 +207,8 @@ def test_an_unreachable_endpoint_is_a_connection_error_and_the_transport_recover
 
 
 @pytest.fixture
-def tls_receiver(receiver, tmp_path):
-    """The receiver behind TLS with a throwaway certificate for 127.0.0.1 (its own CA)."""
+def tls_receiver(tmp_path):
+    """A receiver behind TLS with a throwaway certificate for 127.0.0.1 (its own CA)."""
     if shutil.which("openssl") is None:
         pytest.skip("openssl not installed (scripts/services.sh build installs it)")
     cert, key = tmp_path / "receiver.crt", tmp_path / "receiver.key"
@@ -198,10 +217,9 @@ def tls_receiver(receiver, tmp_path):
                    check=True, capture_output=True, timeout=60)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
-    receiver.socket = context.wrap_socket(receiver.socket, server_side=True)
-    receiver.endpoint = receiver.endpoint.replace("http://", "https://")
-    receiver.certificate = str(cert)
-    return receiver
+    with serving(Http11Receiver(tls=context)) as server:
+        server.certificate = str(cert)
+        yield server
 
 
 def test_https_verifies_the_receiver_against_the_configured_certificate(tls_receiver, monkeypatch):
@@ -219,3 +237,47 @@ def test_https_verifies_the_receiver_against_the_configured_certificate(tls_rece
         trusted.shutdown()
         unverified.shutdown()
     assert len(tls_receiver.span_names()) == 6
+
+
+def test_only_verify_given_trusts_the_bundle_requests_would(tls_receiver, monkeypatch):
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", tls_receiver.certificate)
+    exporter = span_exporter(tls_receiver.endpoint, "http/protobuf")
+    try:
+        assert export_batches(exporter, 1) == [SpanExportResult.SUCCESS]
+    finally:
+        exporter.shutdown()
+
+
+def test_repeated_response_headers_are_joined_and_read_in_any_case(receiver):
+    receiver.responses = [(200, [("X-Seen", "a"), ("x-seen", "b")])]
+    transport = http_transport.KeptAliveHTTPTransport()
+    try:
+        result = transport.request("POST", f"{receiver.endpoint}/v1/traces", data=b"", timeout=2.0)
+    finally:
+        transport.close()
+    assert result.status_code == 200 and result.headers().get("X-SEEN") == "a, b"
+
+
+def test_close_does_not_wait_for_a_request_in_flight(receiver):
+    receiver.answer_after_s = 1.5
+    transport = http_transport.KeptAliveHTTPTransport()
+    answered = []
+    sender = threading.Thread(target=lambda: answered.append(
+        transport.request("POST", f"{receiver.endpoint}/v1/traces", data=b"", timeout=5.0)))
+    sender.start()
+    time.sleep(0.3)  # the request is on its way
+    started = time.monotonic()
+    transport.close()
+    assert time.monotonic() - started < 0.2
+    sender.join(5.0)
+    # the request in flight still ends normally; its connection is not kept
+    assert answered[0].status_code == 200 and transport._connection is None
+
+
+def test_credentials_in_the_endpoint_keep_the_sdks_transport(receiver):
+    assert not http_transport.usable_for("http://user:token@127.0.0.1:4318/v1/traces")
+    exporter = span_exporter(receiver.endpoint.replace("http://", "http://user:token@"), "http/protobuf")
+    try:
+        assert isinstance(exporter._client._transport, RequestsHTTPTransport)
+    finally:
+        exporter.shutdown()

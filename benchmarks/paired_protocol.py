@@ -100,8 +100,9 @@ def summarize(protocol: Protocol, arm_means: Sequence[float]) -> dict:
 def verdict(mean: float, low: float, high: float) -> str:
     """`met` or `missed` by the target; `unresolved` when the interval is wider than the
     distance the target has to resolve (2 x its upper bound): a run that noisy decides nothing,
-    whichever side of zero its mean fell on, unless all of it lies above the bound, which decides."""
-    if low >= TARGET_CI_HIGH_PCT:
+    whichever side of zero its mean fell on, unless all of it lies at or above the point target:
+    then so does the mean, and the run has missed however wide its interval."""
+    if low >= TARGET_POINT_PCT:
         return "missed"
     if high - low > 2 * TARGET_CI_HIGH_PCT:
         return "unresolved"

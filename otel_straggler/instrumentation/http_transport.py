@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import socket
 import ssl
 import threading
 import urllib.request
@@ -135,6 +136,9 @@ class KeptAliveHTTPTransport(BaseHTTPTransport):
                 if isinstance(error, ssl.SSLCertVerificationError):
                     raise  # will not verify on a retry either
                 raise ConnectFailed(f"{type(error).__name__}: {error}") from error
+            # headers and body go out as two writes: without this the body could wait for the
+            # server's delayed ACK of the headers (urllib3, under requests, sets it too)
+            connection.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._connection, self._origin = connection, (scheme, host, port)
         self._connection.sock.settimeout(timeout)  # a kept connection gets this request's timeout
         return self._connection

@@ -24,11 +24,11 @@ class DetectorProcess:
             cwd=evidence_dir, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         ready, _, _ = select.select([self.process.stdout], [], [], 60)
         line = self.process.stdout.readline() if ready else ""
-        found = re.search(r"OTLP/gRPC ([0-9.]+:[0-9]+)", line)
+        found = re.search(r"OTLP/gRPC ([0-9.]+:[0-9]+), OTLP/HTTP ([0-9.]+:[0-9]+)", line)
         if not found:
             self.stop()
             raise RuntimeError(f"the detector did not start: {line!r}")
-        self.endpoint = found.group(1)
+        self.endpoint, self.http_endpoint = found.group(1), found.group(2)  # host:port each
 
     def spans(self) -> dict:
         """The intake counters of its status.json (refreshed once a second)."""

@@ -230,8 +230,8 @@ def print_report(report: dict) -> None:
               f" ON {_rounded(result['gc_collections_per_1000_steps'][ON])};"
               f" training thread's page faults per step OFF {result['training_thread_page_faults_per_step'][OFF]:.1f}"
               f" ON {result['training_thread_page_faults_per_step'][ON]:.1f}; its context switches per step"
-              + "".join(f" {arm.upper()} {switches['voluntary']:.2f} voluntary, {switches['involuntary']:.2f} involuntary"
-                        for arm, switches in result["training_thread_context_switches_per_step"].items()))
+              + ";".join(f" {arm.upper()} {switches['voluntary']:.2f} voluntary, {switches['involuntary']:.2f} involuntary"
+                         for arm, switches in result["training_thread_context_switches_per_step"].items()))
 
 
 def _rounded(values: list[float]) -> list[float]:

@@ -2,7 +2,8 @@
 OTEL_EXPORTER_OTLP_* variables (or configure() arguments), behind a counting wrapper so every
 export failure is known by number. Spans are encoded by span_encoding, not the SDK's encoder
 (several times the GIL-holding time per span), over gRPC (the default) and over HTTP, where they
-also go out over one kept-alive connection (http_transport) instead of a requests Session."""
+also go out over one kept-alive connection (http_transport) instead of a requests Session when
+the endpoint allows (no proxy, no credentials)."""
 from __future__ import annotations
 
 import contextlib
@@ -100,12 +101,21 @@ def metric_exporter(endpoint: Optional[str], protocol: Optional[str], environ: M
 def _http_span_exporter_class() -> type:
     """The SDK's OTLP/HTTP span exporter (its endpoint, headers, TLS, compression, retries and
     timeouts), encoding with our SpanEncoder and sending over a KeptAliveHTTPTransport. Where the
-    SDK is not shaped as this expects (its `_client` sending encoded bytes), or its transport must
-    stay (a proxy, a credential provider's session), the SDK's own export runs, unchanged."""
+    SDK's transport must stay (a proxy, credentials in the URL or a netrc file, a credential
+    provider's session), only the encoding is ours; where the SDK is not shaped as this expects
+    (its `_client` sending encoded bytes), the SDK's own export runs, unchanged."""
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-    from otel_straggler.instrumentation import http_transport
     from otel_straggler.instrumentation.span_encoding import SpanEncoder
+
+    try:
+        from otel_straggler.instrumentation import http_transport
+    except ImportError:  # the SDK's transport interface (a private module of a beta package) moved
+        http_transport = None
+    try:
+        from opentelemetry.exporter.otlp.proto.http._common import RequestPayloadTooLargeError
+    except ImportError:
+        RequestPayloadTooLargeError = ValueError
 
     class PrewrittenHTTPSpanExporter(OTLPSpanExporter):
         """Exports ReadableSpans and spans already encoded by `prewrite` (SpanEncoder.prewrite)."""
@@ -120,7 +130,8 @@ def _http_span_exporter_class() -> type:
             self.prewrite = self._encoder.prewrite
             session = getattr(getattr(client, "_transport", None), "_session", None)
             credential_session = any(os.environ.get(variable) for variable in _HTTP_CREDENTIAL_PROVIDER_VARIABLES)
-            if session is not None and not credential_session and http_transport.usable_for(self._endpoint):
+            if (http_transport is not None and session is not None and not credential_session
+                    and http_transport.usable_for(self._endpoint)):
                 client._transport.close()
                 client._transport = http_transport.KeptAliveHTTPTransport(verify=session.verify, cert=session.cert)
 
@@ -141,11 +152,15 @@ def _http_span_exporter_class() -> type:
                 if 0 < self._max_request_size < len(body):  # 0 or less: no limit, as in the SDK
                     _logger.warning("otel-straggler: dropping %d spans, %d bytes encoded, over the exporter's "
                                     "max_request_size of %d", len(spans), len(body), self._max_request_size)
-                    outcome.error = ValueError(f"request of {len(body)} bytes over max_request_size")
+                    outcome.error = RequestPayloadTooLargeError(
+                        f"Serialized span request size {len(body)} bytes exceeds max_request_size "
+                        f"{self._max_request_size} bytes.")
                     return SpanExportResult.FAILURE
                 sent = self._client.export(body)
-                if not sent.success:
-                    outcome.error = sent.error or RuntimeError(f"HTTP {sent.status_code}")
+                if not sent.success:  # recorded as the SDK's own export records it
+                    outcome.error = sent.error
+                    if sent.status_code is not None:
+                        outcome.error_attrs = {"http.response.status_code": sent.status_code}
                     return SpanExportResult.FAILURE
             return SpanExportResult.SUCCESS
 

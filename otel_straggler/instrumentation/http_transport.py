@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import http.client
 import os
-import socket
 import ssl
 import threading
 import urllib.request
@@ -108,7 +107,7 @@ class KeptAliveHTTPTransport(BaseHTTPTransport):
                 connection.request(method, path, body=data, headers=headers or {})
                 response = connection.getresponse()
                 body = response.read()
-                if response.will_close or self._closing:
+                if response.will_close:
                     self._drop()
                 headers_received = _Headers()
                 for key, value in response.getheaders():  # repeated headers joined, as the interface asks
@@ -119,6 +118,9 @@ class KeptAliveHTTPTransport(BaseHTTPTransport):
             except Exception as error:
                 self._drop()  # whatever state it is in, the next request starts afresh
                 return KeptAliveResult(error=error)
+            finally:
+                if self._closing:  # close() came while this request held the lock
+                    self._drop()
 
     def _connection_to(self, parts, timeout: Optional[float]) -> http.client.HTTPConnection:
         scheme, host = parts.scheme, parts.hostname or ""
@@ -138,9 +140,6 @@ class KeptAliveHTTPTransport(BaseHTTPTransport):
                 if isinstance(error, ssl.SSLCertVerificationError):
                     raise  # will not verify on a retry either
                 raise ConnectFailed(f"{type(error).__name__}: {error}") from error
-            # headers and body go out as two writes: without this the body could wait for the
-            # server's delayed ACK of the headers (urllib3, under requests, sets it too)
-            connection.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._connection, self._origin = connection, (scheme, host, port)
         self._connection.sock.settimeout(timeout)  # a kept connection gets this request's timeout
         return self._connection
@@ -170,10 +169,10 @@ class KeptAliveHTTPTransport(BaseHTTPTransport):
 
     def is_connection_error(self, exception: Optional[Exception]) -> bool:
         # Nothing sent (ConnectFailed) or a kept connection the server had closed: worth sending
-        # again. A timeout waiting for the answer is not (the request may have been taken), as
-        # with the SDK's requests transport.
-        return isinstance(exception, (ConnectFailed, ConnectionResetError, BrokenPipeError,
-                                      http.client.RemoteDisconnected, http.client.BadStatusLine))
+        # again. Unlike the SDK's requests transport, a timeout waiting for the answer is not (the
+        # request may have been taken, and the SDK's timeout is the time its deadline leaves),
+        # nor is a certificate that does not verify.
+        return isinstance(exception, (ConnectionError, http.client.BadStatusLine))
 
     def close(self) -> None:
         self._closing = True  # a request in flight drops the connection when it ends

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import http.server
+import os
 import shutil
 import ssl
 import subprocess
@@ -89,9 +90,11 @@ def serving(server: Http11Receiver):
 
 
 @pytest.fixture(autouse=True)
-def no_proxy_settings(monkeypatch):
-    for variable in PROXY_VARIABLES:
+def no_proxy_or_netrc(monkeypatch, tmp_path):
+    """Whatever this machine's user has configured: no proxy, no netrc (each keeps the SDK's transport)."""
+    for variable in PROXY_VARIABLES + ("NETRC",):
         monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
 
 
 @pytest.fixture
@@ -187,10 +190,42 @@ def test_a_proxy_or_a_credential_provider_keeps_the_sdks_transport(receiver, mon
 @pytest.mark.parametrize("url, usable", [("http://collector:4318/v1/traces", True),
                                          ("https://collector/v1/traces", True),
                                          ("ftp://collector/v1/traces", False), ("not a url", False)])
-def test_which_endpoints_the_kept_alive_transport_takes(url, usable, monkeypatch):
-    for variable in PROXY_VARIABLES:
-        monkeypatch.delenv(variable, raising=False)
+def test_which_endpoints_the_kept_alive_transport_takes(url, usable):
     assert http_transport.usable_for(url) is usable
+
+
+def test_a_netrc_file_keeps_the_sdks_transport(tmp_path):
+    assert http_transport.usable_for("http://collector:4318/v1/traces")
+    (tmp_path / ".netrc").write_text("machine collector login user password token\n")  # HOME is tmp_path
+    assert not http_transport.usable_for("http://collector:4318/v1/traces")
+
+
+def test_an_oversized_batch_is_dropped_unsent_and_a_limit_of_0_is_no_limit(receiver):
+    exporter = span_exporter(receiver.endpoint, "http/protobuf")
+    try:
+        exporter._max_request_size = 100  # three spans encode to more
+        assert export_batches(exporter, 1) == [SpanExportResult.FAILURE]
+        assert receiver.requests == []
+        exporter._max_request_size = 0
+        assert export_batches(exporter, 1) == [SpanExportResult.SUCCESS]
+    finally:
+        exporter.shutdown()
+
+
+def test_a_forked_child_exports_on_its_own_connection(receiver):
+    exporter = span_exporter(receiver.endpoint, "http/protobuf")
+    try:
+        assert export_batches(exporter, 1) == [SpanExportResult.SUCCESS]  # the parent's connection is made
+        child = os.fork()
+        if child == 0:
+            code = 0 if export_batches(exporter, 1) == [SpanExportResult.SUCCESS] else 1
+            os._exit(code)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert export_batches(exporter, 1) == [SpanExportResult.SUCCESS]  # the parent's is untouched
+    finally:
+        exporter.shutdown()
+    assert len(receiver.span_names()) == 9 and receiver.connections() == 2
 
 
 def test_an_unreachable_endpoint_is_a_connection_error_and_the_transport_recovers(receiver, unreachable_endpoint):

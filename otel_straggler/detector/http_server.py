@@ -32,9 +32,9 @@ _REFUSED_CONNECTION = (
 
 class BoundedRequestHandler(BaseHTTPRequestHandler):
     timeout = IDLE_CONNECTION_TIMEOUT_S
-    # A response goes out in two writes (headers, then body); with Nagle's algorithm the second
-    # waits for the client's delayed ACK of the first, 40 ms on Linux, on every request of a
-    # kept-alive connection.
+    # A response goes out in two writes (headers, then body); with Nagle's algorithm the body
+    # waits for the client's delayed ACK of the headers, 40 ms on Linux, on every answer with a
+    # body on a kept-alive connection.
     disable_nagle_algorithm = True
     server: "BoundedHTTPServer"
 

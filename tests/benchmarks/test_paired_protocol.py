@@ -39,7 +39,7 @@ def test_a_known_overhead_is_recovered_and_decided():
     assert none["mean_pct"] == 0.0 and none["verdict"] == "met"
 
 
-def test_a_wide_interval_is_unresolved_unless_all_of_it_is_above_the_bound():
+def test_a_wide_interval_is_unresolved_unless_all_of_it_is_at_or_above_the_point_target():
     assert verdict(0.3, -0.5, 1.1) == "unresolved"
     assert verdict(1.5, 0.85, 2.17) == "missed"  # 1.33 points wide, yet every value in it misses
     assert verdict(0.9, 0.1, 1.7) == "missed"  # its mean cannot be under the 0.1% point target

@@ -136,7 +136,8 @@ def test_answers_with_a_body_on_a_kept_alive_connection_come_without_a_delayed_a
     """A response written in two pieces (headers, then a body: here a partial success) with
     Nagle's algorithm on waits for the client's delayed ACK of the first, 40 ms on Linux, on
     every request of a kept-alive connection: 20 would take 0.8 s at least."""
-    bodies = [request_bytes(with_one_malformed(stage_spans(step, 40))) for step in range(20)]
+    bodies = [request_bytes(with_one_malformed(stage_spans(rank=0, count=40, first_seq=40 * request)))
+              for request in range(20)]
     with running_service(service_config(tmp_path)) as service:
         connection = http.client.HTTPConnection("127.0.0.1", service.bound_ports[1], timeout=10)
         try:

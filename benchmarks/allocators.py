@@ -21,11 +21,13 @@ ALLOCATORS: dict[str, dict[str, str]] = {
     "glibc-default": {},
 }
 # what would change glibc's malloc behaviour if inherited from the caller's environment
-_MALLOC_VARIABLES = ("MALLOC_", "GLIBC_TUNABLES", "LD_PRELOAD")
+# PYTHONMALLOC too: =malloc sends every Python object to glibc's malloc, moving what faults
+_MALLOC_VARIABLES = ("MALLOC_", "GLIBC_TUNABLES", "LD_PRELOAD", "PYTHONMALLOC")
 
 
 def allocator_environment(name: str, environ: Mapping[str, str]) -> dict[str, str]:
     """`environ` for a training process under the allocator `name`: the caller's own malloc
-    settings (MALLOC_*, GLIBC_TUNABLES, a preloaded allocator) removed, then the allocator's set."""
+    settings (MALLOC_*, GLIBC_TUNABLES, a preloaded allocator, Python's own allocator choice)
+    removed, then the allocator's set."""
     kept = {key: value for key, value in environ.items() if not key.startswith(_MALLOC_VARIABLES)}
     return {**kept, **ALLOCATORS[name]}

@@ -51,6 +51,6 @@ def test_kept_memory_reuses_freed_pages_where_glibc_default_faults_them_in_again
 
 def test_the_callers_malloc_settings_are_replaced_not_inherited():
     caller = {"PATH": "/bin", "MALLOC_ARENA_MAX": "2", "MALLOC_TRIM_THRESHOLD_": "1", "GLIBC_TUNABLES": "glibc.malloc.tcache_count=0",
-              "LD_PRELOAD": "libjemalloc.so.2"}
+              "LD_PRELOAD": "libjemalloc.so.2", "PYTHONMALLOC": "malloc"}
     assert allocator_environment("glibc-default", caller) == {"PATH": "/bin"}
     assert allocator_environment("kept-memory", caller) == {"PATH": "/bin", **ALLOCATORS["kept-memory"]}

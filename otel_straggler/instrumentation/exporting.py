@@ -124,7 +124,8 @@ def _http_span_exporter_class() -> type:
             super().__init__(**kwargs)
             self._encoder: Optional[SpanEncoder] = None
             client = getattr(self, "_client", None)
-            if not callable(getattr(client, "export", None)) or not isinstance(getattr(self, "_max_request_size", None), int):
+            sends_bytes = callable(getattr(client, "export", None))
+            if not sends_bytes or not isinstance(getattr(self, "_max_request_size", None), int):
                 return
             self._encoder = SpanEncoder()
             self.prewrite = self._encoder.prewrite

@@ -24,7 +24,6 @@ from urllib.parse import urlsplit
 from opentelemetry.exporter.http.transport._base import BaseHTTPResult, BaseHTTPTransport
 
 
-
 def usable_for(url: str) -> bool:
     """Whether this transport reaches `url` as requests would: http or https, no proxy, and no
     credentials requests would add (in the URL, or from a netrc file)."""
@@ -35,7 +34,8 @@ def usable_for(url: str) -> bool:
         if os.environ.get("NETRC") or os.path.exists(os.path.expanduser("~/.netrc")):
             return False
         proxies = urllib.request.getproxies()  # requests reads the same variables
-        return not (proxies.get(parts.scheme) or proxies.get("all")) or bool(urllib.request.proxy_bypass(parts.hostname))
+        proxied = proxies.get(parts.scheme) or proxies.get("all")
+        return not proxied or bool(urllib.request.proxy_bypass(parts.hostname))
     except Exception:
         return False
 

@@ -120,10 +120,14 @@ def analyze(workload: Workload, protocol: Protocol, ranks: list[dict], detector_
                    for index in range(len(schedule))]
     step_s = {arm: statistics.mean(mean for mean, name in zip(arm_means, schedule) if name == arm) for arm in (OFF, ON)}
 
-    def per_step_ms(arm_name: str, measure) -> float:
-        """Mean over the arms of that name and over ranks of a CPU figure per measured step, in ms."""
-        return statistics.mean(measure(arms[index]) / protocol.steps_per_arm / 1e6
+    def per_step(arm_name: str, measure) -> float:
+        """Mean over the arms of that name and over ranks of a figure per measured step."""
+        return statistics.mean(measure(arms[index]) / protocol.steps_per_arm
                                for index, name in enumerate(schedule) if name == arm_name for arms in arms_by_rank)
+
+    def per_step_ms(arm_name: str, measure) -> float:
+        """per_step() of a CPU figure in ns, in ms."""
+        return per_step(arm_name, measure) / 1e6
 
     background = {arm: per_step_ms(arm, background_cpu_ns) for arm in (OFF, ON)}
     library_threads = per_step_ms(ON, library_threads_cpu_ns)
@@ -131,16 +135,12 @@ def analyze(workload: Workload, protocol: Protocol, ranks: list[dict], detector_
     # wall time the training thread spent not running: waiting for the GIL or for a core
     training_waits = {arm: per_step_ms(arm, lambda record: sum(record["step_s"]) * 1e9 - record["training_thread_cpu_ns"])
                       for arm in (OFF, ON)}
-    page_faults = {arm: statistics.mean(arms[index]["training_thread_page_faults"] / protocol.steps_per_arm
-                                        for index, name in enumerate(schedule) if name == arm for arms in arms_by_rank)
-                   for arm in (OFF, ON)}
-    switches = {arm: {kind: statistics.mean(arms[index]["training_thread_context_switches"][kind] / protocol.steps_per_arm
-                                            for index, name in enumerate(schedule) if name == arm for arms in arms_by_rank)
+    page_faults = {arm: per_step(arm, lambda record: record["training_thread_page_faults"]) for arm in (OFF, ON)}
+    switches = {arm: {kind: per_step(arm, lambda record, kind=kind: record["training_thread_context_switches"][kind])
                       for kind in ("voluntary", "involuntary")}
                 for arm in (OFF, ON)}
-    gc_per_1000_steps = {arm: [1000 * statistics.mean(arms[index]["gc_collections"][generation] / protocol.steps_per_arm
-                                                      for index, name in enumerate(schedule) if name == arm
-                                                      for arms in arms_by_rank) for generation in range(3)]
+    gc_per_1000_steps = {arm: [1000 * per_step(arm, lambda record, generation=generation:
+                                               record["gc_collections"][generation]) for generation in range(3)]
                          for arm in (OFF, ON)}
     on_steps = sum(warmup + protocol.steps_per_arm for warmup, name in zip(protocol.warmups(), schedule) if name == ON)
     intervals_per_step = workload.stages_per_step + 1  # the step() mark counted as one more interval

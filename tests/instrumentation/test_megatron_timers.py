@@ -32,8 +32,10 @@ MEGATRON_SIGNATURES = {
     (Timer, "reset"): [],
     (Timer, "elapsed"): [("reset", True), ("barrier", False)],
     (Timer, "active_time"): [],
+    (Timer, "set_elapsed"): [("value", REQUIRED)],
+    (Timer, "set_barrier_group"): [("barrier_group", REQUIRED)],
 }
-NO_OP_TIMER = type(Timers(log_level=0)("above-level", log_level=2))
+NO_OP_TIMER = megatron_timers.DummyTimer
 
 
 @pytest.mark.parametrize("owner, method", list(MEGATRON_SIGNATURES))
@@ -63,7 +65,7 @@ class FakeClock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeClock]:
     fake = FakeClock()
-    monkeypatch.setattr(megatron_timers, "time", types.SimpleNamespace(perf_counter_ns=fake.read_ns))
+    monkeypatch.setattr(megatron_timers, "time", types.SimpleNamespace(time_ns=fake.read_ns))
     hot_path.use_clock(fake.read_ns)
     yield fake
     hot_path.use_clock(None)
@@ -124,51 +126,117 @@ def test_log_level_filter_makes_timers_above_the_level_no_ops(clock, in_memory):
     assert Timers(0, "minmax")("forward-compute", log_level=1).elapsed() == 0.0
 
 
-def test_log_level_must_be_a_megatron_level():
-    with pytest.raises(ValueError, match="log_level"):
-        Timers(log_level=3, log_option="minmax")
+def test_misuse_megatron_asserts_on_is_counted_and_training_goes_on(clock):
+    before = megatron_timers.misuse_counts()
+    timers = Timers(log_level=None, log_option="no-such-option")  # None: every level enabled
+    timer = timers("forward-compute", log_level=2)
+    assert timers("forward-compute", log_level=1) is timer
+    assert isinstance(timers("deeper", log_level=3), Timer)  # above Megatron's max: kept at level 2
+    timer.stop()
+    timer.start()
+    timer.start()
+    clock.advance(2)
+    timer.stop()
+    assert timers.get_all_timers_string(["forward-compute"], normalizer=0.0, reset=False) is None
+    assert Timers(0, "minmax")("optimizer").elapsed() == 0.0
+    counted = {kind: count - before.get(kind, 0) for kind, count in megatron_timers.misuse_counts().items()}
+    assert counted == {"invalid_log_option": 1, "log_level_mismatch": 1, "log_level_above_max": 1,
+                       "stop_while_stopped": 1, "start_while_running": 1, "normalizer_not_positive": 1,
+                       "dummy_timer_read": 1}
+    assert timer.elapsed() == pytest.approx(0.002)
+    assert Timers(3, "all")("any-level", log_level=2).elapsed() == 0.0  # Megatron accepts 3 too
 
 
-def test_log_prints_this_ranks_values_on_the_chosen_rank(clock, capsys, in_memory):
+def test_misuse_counts_are_in_the_ranks_status(clock, in_memory):
+    handle = in_memory.configure()
+    before = handle.status()["timer_misuse"].get("stop_while_stopped", 0)
+    Timers(2, "minmax")("optimizer").stop()
+    assert handle.status()["timer_misuse"]["stop_while_stopped"] == before + 1
+
+
+def test_reset_stops_a_running_timer_and_elapsed_does_not_split_its_span(clock, in_memory):
+    in_memory.configure()
+    timers = Timers(2, "minmax")
+    otel_straggler.step(0)
+    interval = timers("interval-time", log_level=0)
+    interval.start()
+    clock.advance(4)
+    assert interval.elapsed(reset=False) == pytest.approx(0.004)
+    clock.advance(6)
+    assert interval.elapsed() == pytest.approx(0.010)
+    clock.advance(5)
+    interval.stop()
+    assert interval.elapsed() == pytest.approx(0.005)
+    assert interval.active_time() == pytest.approx(0.015)
+    (span,) = in_memory.stage_spans()
+    assert (span.name, span.end_time - span.start_time) == ("interval-time", 15_000_000)  # one span
+
+    running = timers("batch-generator")
+    running.start()
+    clock.advance(3)
+    running.reset()  # Megatron: elapsed 0, the timer stopped, active_time not added to
+    assert (running.elapsed(), running.active_time()) == (0.0, 0.0)
+    running.start()  # no misuse: it is stopped
+    clock.advance(1)
+    running.stop()
+    assert running.elapsed() == pytest.approx(0.001)
+
+
+def test_set_elapsed_reports_a_given_value():
+    timer = Timers(2, "minmax")("startup-time", log_level=0)
+    timer.set_elapsed(12.5)
+    timer.set_barrier_group(object())
+    assert timer.elapsed() == 12.5
+
+
+def test_log_writes_this_ranks_values_through_megatrons_logger_on_the_chosen_rank(clock, caplog, in_memory):
     in_memory.configure(rank=0, world_size=2)
     timers = Timers(2, "minmax")
     for name, ms in (("forward-compute", 10), ("backward-compute", 30)):
         timers(name).start()
         clock.advance(ms)
         timers(name).stop()
+    caplog.set_level("INFO", logger="megatron.core.timers")
 
-    timers.log(["forward-compute", "backward-compute"], normalizer=2.0, reset=False)  # Megatron: last rank prints
-    assert capsys.readouterr().out == ""
+    timers.log(["forward-compute", "backward-compute"], normalizer=2.0, reset=False)  # Megatron: last rank logs
+    assert caplog.records == []
     timers.log(["forward-compute", "backward-compute"], rank=0, normalizer=2.0, reset=True, barrier=True)
-    printed = capsys.readouterr().out
-    assert "(this rank 0) times (ms):" in printed
-    assert "forward-compute ...: 5.00" in printed and "backward-compute ...: 15.00" in printed
-    assert timers.get_all_timers_string(["forward-compute", "backward-compute"]) == (
-        "(this rank 0) times (ms):\n    forward-compute ...: 0.00\n    backward-compute ...: 0.00")
+    (record,) = caplog.records
+    assert record.name == "megatron.core.timers" and record.levelname == "INFO"
+    assert record.getMessage() == (
+        "(min, max) time on rank 0 of 2 (this rank only, not gathered) (ms):\n"
+        "    forward-compute ................................: (5.00, 5.00)\n"
+        "    backward-compute ...............................: (15.00, 15.00)")
+    assert timers.get_all_timers_string(["forward-compute", "backward-compute"]) is None  # reset: 0 is left out
     assert timers.get_all_timers_string(["never-started"]) is None
 
 
-def test_log_without_the_instrumentation_prints_locally(clock, capsys):
-    timers = Timers(2, "minmax")
+@pytest.mark.parametrize("log_option, expected", [
+    ("max", "max time on this rank only, not gathered (ms):\n    forward-compute ................................: 3.00"),
+    ("all", "times on this rank only, not gathered (ms):\n  forward-compute:\n     rank  0: 3.00"),
+])
+def test_log_options_keep_megatrons_format(clock, log_option, expected):
+    timers = Timers(2, log_option)
     timers("forward-compute").start()
     clock.advance(3)
     timers("forward-compute").stop()
-    timers.log(["forward-compute"])
-    assert "forward-compute ...: 3.00" in capsys.readouterr().out
+    assert timers.get_all_timers_string() == expected
 
 
-def test_write_adds_one_scalar_per_timer(clock):
-    written = []
-    writer = types.SimpleNamespace(add_scalar=lambda *args: written.append(args))
+def test_write_gives_seconds_over_the_normalizer_to_tensorboard_and_wandb(clock):
+    written, logged = [], []
+    tensorboard = types.SimpleNamespace(add_scalar=lambda *args: written.append(args))
+    wandb = types.SimpleNamespace(log=lambda *args: logged.append(args))
     timers = Timers(2, "minmax")
     timers("optimizer").start()
     clock.advance(8)
     timers("optimizer").stop()
-    timers.write(["optimizer", "not-a-timer"], writer, 7, normalizer=4.0, reset=False)
-    timers.write(["optimizer"], writer, 8)
-    timers.write(["optimizer"], writer, 9, 1.0, True, False)
-    assert written == [("optimizer-time", pytest.approx(2.0), 7), ("optimizer-time", pytest.approx(8.0), 8),
-                       ("optimizer-time", 0.0, 9)]
+    timers.write(["optimizer", "not-a-timer"], tensorboard, 7, normalizer=4.0, reset=False)
+    timers.write(["optimizer"], wandb, 8, reset=False)
+    timers.write(["optimizer"], None, 9)  # not the last rank: read and reset, nothing written
+    timers.write(["optimizer"], tensorboard, 10, 1.0, True, False)  # 0 is left out, as Megatron does
+    assert written == [("optimizer-time", pytest.approx(0.002), 7)]
+    assert logged == [({"optimizer-time": pytest.approx(0.008)}, 8)]
 
 
 def test_nested_timers_give_nested_spans_under_the_step(in_memory):

@@ -12,6 +12,9 @@ class StageKind(NamedTuple):
     collective: bool
 
 
+# Every timer name megatron-core 0.16-0.19 and Megatron-LM's training loop use (the one list:
+# tests/instrumentation/test_stage_names.py fails on a literal name in the installed megatron-core
+# that is missing here).
 _EXACT: dict[str, StageKind] = {
     # whole-step and compute
     "forward-backward": StageKind("other", False),
@@ -22,16 +25,30 @@ _EXACT: dict[str, StageKind] = {
     "train-step": StageKind("other", False),
     "evaluate": StageKind("eval", False),
     "eval-time": StageKind("eval", False),
+    # start-up and checkpoints (the startup-* names are set with set_elapsed, never timed as spans)
     "save-checkpoint": StageKind("setup", False),
+    "save-checkpoint-non-persistent": StageKind("setup", False),
     "load-checkpoint": StageKind("setup", False),
     "model-and-optimizer-setup": StageKind("setup", False),
     "train/valid/test-data-iterators-setup": StageKind("setup", False),
+    "gpu-sniff-test": StageKind("setup", False),
+    "startup-program-entry-spread": StageKind("setup", False),
+    "startup-library-setup": StageKind("setup", False),
+    "startup-program-setup": StageKind("setup", False),
+    "startup-in-process-setup": StageKind("setup", False),
+    "startup-in-job-setup": StageKind("setup", False),
+    "startup-initialize-megatron": StageKind("setup", False),
+    "startup-set-jit-fusion-options": StageKind("setup", False),
+    "startup-megatron-init-local": StageKind("setup", False),
+    "startup-megatron-init-global": StageKind("setup", False),
+    "all-reduce-start-timestamps-tensor": StageKind("setup", True),
     # data-parallel gradient and parameter collectives (ranks wait for peers inside them)
     "all-grads-sync": StageKind("communication", True),
     "params-all-gather": StageKind("communication", True),
     "embedding-grads-all-reduce": StageKind("communication", True),
     "position-embedding-grads-all-reduce": StageKind("communication", True),
     "layernorm-grads-all-reduce": StageKind("communication", True),
+    "non-tensor-parallel-grads-all-reduce": StageKind("communication", True),
     "conditional-embedder-grads-all-reduce": StageKind("communication", True),
     "backward-embedding-all-reduce": StageKind("communication", True),
     "backward-params-all-reduce": StageKind("communication", True),
@@ -41,8 +58,10 @@ _EXACT: dict[str, StageKind] = {
     "backward-recv": StageKind("communication", True),
     "forward-send": StageKind("communication", True),
     "backward-send": StageKind("communication", True),
+    "forward-send-forward-recv": StageKind("communication", True),
     "forward-send-backward-recv": StageKind("communication", True),
     "backward-send-forward-recv": StageKind("communication", True),
+    "backward-send-backward-recv": StageKind("communication", True),
     "forward-backward-send-forward-backward-recv": StageKind("communication", True),
     "cross-rank-barrier": StageKind("communication", True),
     # optimizer
@@ -53,6 +72,24 @@ _EXACT: dict[str, StageKind] = {
     "optimizer-count-zeros": StageKind("optimizer", True),
     "optimizer-inner-step": StageKind("optimizer", False),
     "optimizer-copy-main-to-model-params": StageKind("optimizer", False),
+    # Megatron-LM's RL loop (megatron/rl): rollouts are inference, the rest data and memory moves
+    **{name: StageKind("eval", False) for name in (
+        "rl/rollout-collection", "rl/inference-setup", "rl/collect-rollouts", "rl/suspend-engine",
+        "rl/build-cuda-graphs", "rl/wait-for-decode-only")},
+    "rl/sync-rollouts": StageKind("communication", True),  # a broadcast
+    **{name: StageKind("forward", False) for name in (
+        "rl/compute-logprobs", "rl/compute-old-logprobs", "rl/compute-ref-logprobs", "rl/get-logprobs",
+        "rl/forward-pass", "rl/log-softmax", "rl/pack-logprobs", "rl/train/forward")},
+    "rl/train/grpo-loss": StageKind("forward", False),
+    **{name: StageKind("data", False) for name in (
+        "rl/prepare-data-for-update", "rl/compute-group-stats", "rl/prepare-advantages", "rl/prepare-trajectories",
+        "rl/get-ltor-masks", "rl/create-dataloader", "rl/sequence-packing", "rl/align-inference-logprobs",
+        "rl/pack-sequences", "rl/regather-trajectories")},
+    **{name: StageKind("other", False) for name in (
+        "rl/offload-optimizer-before-inference", "rl/restore-optimizer-after-inference",
+        "rl/offload-kv-cache-after-inference", "rl/restore-kv-cache-before-inference", "rl/restore/grad-buffers",
+        "rl/restore/optimizer-state", "rl/restore/wait-for-transfers", "rl/offload/grad-buffers",
+        "rl/offload/optimizer-state", "rl/prefetch-weights-to-gpu", "rl/prefetch-weights-to-cpu", "rl/log-wandb-tb")},
 }
 
 _OTHER = StageKind("other", False)

@@ -18,4 +18,11 @@ if [ $# -eq 0 ]; then
   scripts/test_python_floor.sh
   floor=$?
 fi
-exit $(( suite != 0 ? suite : floor ))
+# install() against Megatron-LM's real training package (megatron-core 0.19, Python 3.12), in its
+# own virtualenv; likewise only with no arguments
+megatron_lm=0
+if [ $# -eq 0 ]; then
+  scripts/test_megatron_lm.sh
+  megatron_lm=$?
+fi
+exit $(( suite != 0 ? suite : floor != 0 ? floor : megatron_lm ))

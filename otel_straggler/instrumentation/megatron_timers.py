@@ -77,8 +77,8 @@ class Timer:
     """One named timer. Each start()/stop() interval is a span when the instrumentation is on;
     `elapsed()` and `active_time()` are seconds, as Megatron's."""
 
-    __slots__ = ("name", "_open", "_started", "_started_ns", "_accounted_ns", "_elapsed", "_active_time",
-                 "_barrier_group")
+    __slots__ = ("name", "_open", "_started", "_started_ns", "_accounted_ns", "_elapsed_ns", "_elapsed_set",
+                 "_active_ns", "_barrier_group")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -86,8 +86,10 @@ class Timer:
         self._started = False
         self._started_ns = 0  # start of the running interval
         self._accounted_ns = 0  # of the running interval, what elapsed() already counted
-        self._elapsed = 0.0
-        self._active_time = 0.0
+        # elapsed seconds = _elapsed_ns / 1e9 + _elapsed_set: integers on the training thread
+        self._elapsed_ns = 0
+        self._elapsed_set = 0.0  # what set_elapsed() gave
+        self._active_ns = 0
         self._barrier_group = None
 
     def set_barrier_group(self, barrier_group: Any) -> None:
@@ -99,67 +101,72 @@ class Timer:
             _misuse["start_while_running"] += 1
             return
         recorder = api._recorder
-        opened = recorder.start(self.name) if recorder is not None else None
-        self._open = opened
-        self._started_ns = opened[_START_NS] if opened is not None else time.time_ns()
-        self._accounted_ns = 0
+        opened = self._open = recorder.start(self.name) if recorder is not None else None
+        if opened is None:  # off (or the recorder failed): timed here, no span
+            self._started_ns = time.time_ns()
         self._started = True
 
     def stop(self, barrier: bool = False) -> None:
+        # start()/stop() run on the training thread, often: inlined, no helper calls
         if not self._started:
             _misuse["stop_while_stopped"] += 1
             return
-        self._add(max(0, self._close() - self._accounted_ns))  # 0: it could not be timed
+        opened, self._open = self._open, None
+        self._started = False
+        recorder = api._recorder
+        if opened is not None and recorder is not None:
+            duration_ns = recorder.stop(opened)  # the span's own clock readings: no extra ones
+        else:
+            duration_ns = time.time_ns() - (self._started_ns if opened is None else opened[_START_NS])
+        if self._accounted_ns:  # elapsed() read the running timer: that part is counted already
+            duration_ns = max(0, duration_ns - self._accounted_ns)  # 0: it could not be timed
+            self._accounted_ns = 0
+        self._elapsed_ns += duration_ns
+        self._active_ns += duration_ns
 
     def reset(self) -> None:
         """Elapsed back to 0; a running timer stops, as Megatron's does, without adding to
         `active_time()` (its span ends here: the stage did run until now)."""
-        self._elapsed = 0.0
+        self._elapsed_ns, self._elapsed_set = 0, 0.0
         if self._started:
-            self._close()
+            opened, self._open = self._open, None
+            self._started = False
+            self._accounted_ns = 0
+            recorder = api._recorder
+            if opened is not None and recorder is not None:
+                recorder.stop(opened)
 
     def set_elapsed(self, value: float) -> None:
         """Sets the elapsed seconds (Megatron-LM reports its start-up timestamps this way)."""
-        self._elapsed = value
+        self._elapsed_ns, self._elapsed_set = 0, value
 
     def elapsed(self, reset: bool = True, barrier: bool = False) -> float:
         """Seconds since the last reset. A running timer goes on running in the same span (Megatron
         stops and restarts it, which would split the span in two)."""
         if self._started:
-            run_ns = time.time_ns() - self._started_ns
-            self._add(run_ns - self._accounted_ns)
+            opened = self._open
+            run_ns = time.time_ns() - (self._started_ns if opened is None else opened[_START_NS])
+            self._elapsed_ns += run_ns - self._accounted_ns
+            self._active_ns += run_ns - self._accounted_ns
             self._accounted_ns = run_ns
-        seconds = self._elapsed
+        seconds = self._elapsed_ns / 1e9 + self._elapsed_set
         if reset:
-            self._elapsed = 0.0
+            self._elapsed_ns, self._elapsed_set = 0, 0.0
         return seconds
 
     def active_time(self) -> float:
         """Seconds this timer has run in all, resets or not."""
-        return self._active_time
-
-    def _close(self) -> int:
-        """Ends the running interval (and its span); returns its duration in ns."""
-        opened, self._open = self._open, None
-        self._started = False
-        recorder = api._recorder
-        if opened is not None and recorder is not None:
-            return recorder.stop(opened)  # the span's own clock readings: no extra ones
-        return time.time_ns() - self._started_ns
-
-    def _add(self, duration_ns: int) -> None:
-        seconds = duration_ns / 1e9
-        self._elapsed += seconds
-        self._active_time += seconds
+        return self._active_ns / 1e9
 
     def __getstate__(self) -> dict:
         # An open interval belongs to the process that started it: copies start closed.
-        return {"name": self.name, "elapsed": self._elapsed, "active_time": self._active_time}
+        return {"name": self.name, "elapsed_ns": self._elapsed_ns, "elapsed_set": self._elapsed_set,
+                "active_ns": self._active_ns}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["name"])
-        self._elapsed = state["elapsed"]
-        self._active_time = state["active_time"]
+        self._elapsed_ns, self._elapsed_set = state["elapsed_ns"], state["elapsed_set"]
+        self._active_ns = state["active_ns"]
 
 
 class Timers:

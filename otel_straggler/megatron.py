@@ -5,13 +5,17 @@ imported from `megatron.core`, then hands them to its model and optimizer config
 (`config.timers = timers`), so a `config.timers` set by the caller does not take there. install()
 makes `Timers` ours wherever Megatron looks it up (and replaces global timers already built), so
 every timer of the training loop and of megatron-core records spans instead of synchronising.
-Code that drives megatron-core directly can keep `config.timers = ots.Timers(...)`.
+It also binds each iteration's number to what is recorded in it (`ots.step(iteration)`, by
+wrapping Megatron-LM's `train_step`), since the detector compares ranks step by step.
+Code that drives megatron-core directly can keep `config.timers = ots.Timers(...)` and call
+`ots.step()` itself.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from otel_straggler.instrumentation import api
 from otel_straggler.instrumentation.megatron_timers import Timers
@@ -31,14 +35,40 @@ def install(**configure_options: Any) -> api.Instrumentation:
         raise ImportError(f"otel_straggler.megatron.install(): megatron-core is not importable ({error})") from None
     try:
         importlib.import_module("megatron.training.global_vars")
+        training = importlib.import_module("megatron.training.training")
     except ImportError:
-        pass  # megatron-core alone: whatever builds megatron.core.Timers from now on gets ours
+        training = None  # megatron-core alone: whatever builds megatron.core.Timers from now on gets ours
     for home in TIMERS_CLASS_HOMES:
         module = sys.modules.get(home)
         if module is not None and hasattr(module, "Timers"):
             module.Timers = Timers
     _replace_built_global_timers(sys.modules.get("megatron.training.global_vars"))
+    train_step = getattr(training, "train_step", None)
+    if train_step is not None and not getattr(train_step, "binds_otel_straggler_step", False):
+        training.train_step = binding_the_step(train_step)  # train() looks it up in its module
     return handle
+
+
+def binding_the_step(train_step: Callable) -> Callable:
+    """Megatron-LM's train_step, calling `ots.step(iteration)` first. The iteration is its
+    `iteration=` argument (Megatron-LM passes it), else `args.curr_iteration`."""
+
+    @functools.wraps(train_step)
+    def train_step_bound_to_its_iteration(*args: Any, **kwargs: Any) -> Any:
+        try:
+            iteration = kwargs.get("iteration")
+            if iteration is None:
+                from megatron.training.global_vars import get_args
+
+                iteration = getattr(get_args(), "curr_iteration", None)
+            if iteration is not None:
+                api.step(iteration)
+        except Exception:
+            pass  # fail open: the step goes on unbound
+        return train_step(*args, **kwargs)
+
+    train_step_bound_to_its_iteration.binds_otel_straggler_step = True
+    return train_step_bound_to_its_iteration
 
 
 def _replace_built_global_timers(global_vars: Any) -> None:

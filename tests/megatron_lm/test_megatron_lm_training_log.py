@@ -92,6 +92,7 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch):
     assert global_vars._GLOBAL_TIMERS is None and global_vars._GLOBAL_ARGS is None
     for home in (megatron.core.timers, megatron.core, global_vars):
         monkeypatch.setattr(home, "Timers", megatron.core.timers.Timers)
+    monkeypatch.setattr(training, "train_step", training.train_step)  # install() wraps it
     yield
     global_vars.unset_global_variables()
     handle = otel_straggler.current()
@@ -267,3 +268,32 @@ def test_training_log_writes_our_timers_to_tensorboard_in_seconds_over_log_inter
     by_id = {span.context.span_id: span for span in finished}
     assert all(by_id[span.parent.span_id].name == "forward-backward"
                for span in finished if span.name == "forward-compute")
+
+
+def test_install_binds_each_train_step_to_its_iteration(monkeypatch, in_memory):
+    """Megatron-LM's train() calls train_step(..., iteration=iteration) from its module: after
+    install() what the step records carries that iteration. The train_step underneath is a
+    recording stand-in (its real body needs a model and an optimizer); the wrapping is ours."""
+    provider, spans = in_memory
+    calls = []
+
+    def recorded_train_step(*args, **kwargs):
+        calls.append((args, kwargs))
+        with otel_straggler.stage("forward-compute"):
+            pass
+        return "result"
+
+    monkeypatch.setattr(training, "train_step", recorded_train_step)
+    handle = otel_straggler.megatron.install(job_id="megatron-lm-steps", rank=0, tracer_provider=provider,
+                                             export_metrics=False)
+    wrapped = training.train_step
+    assert wrapped is not recorded_train_step
+    otel_straggler.megatron.install()
+    assert training.train_step is wrapped  # idempotent: wrapped once
+    for iteration in (7, 8):
+        assert training.train_step("forward_step_func", "data", iteration=iteration) == "result"
+    assert calls == [(("forward_step_func", "data"), {"iteration": 7}), (("forward_step_func", "data"), {"iteration": 8})]
+    assert handle.flush(5.0)
+    steps = sorted(span.attributes["training.step"] for span in spans.get_finished_spans()
+                   if span.name == "forward-compute")
+    assert steps == [7, 8]

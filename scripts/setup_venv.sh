@@ -32,7 +32,7 @@ for source in "$repo"/otel_straggler/*/_*.c; do
   [ -e "${source%.c}$suffix" ] || built=no  # this Python's build: another's may sit beside it
 done
 if [ "$built" = no ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "installing otel-straggler[$extras] ${requirements[*]} into $venv"
+  echo "installing otel-straggler[$extras]${requirements[*]:+ ${requirements[*]}} into $venv"
   # setuptools notes that an editable install resolves the package through a finder and that a
   # folder named like the package could shadow it: here that folder is the package itself.
   PYTHONWARNINGS="ignore:Editable installation" \

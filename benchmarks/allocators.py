@@ -4,9 +4,9 @@ glibc's malloc gives freed memory back to the OS by heuristics (a dynamic mmap t
 trimming the heap's top), so how many of a CPU training step's tensor pages come back fresh, to be
 faulted in again at 1.4-1.7 us each, depends on where they happen to lie in the address space:
 on the 2-core VM, from 0 to 1,142 faults a step from one arm to the next in the same process, in
-OFF's arms as in ON's, redrawn by any allocation made before the model's (docs/overhead.md, "Page
-faults"). `kept-memory` keeps freed memory mapped, so a pair compares the library, not where the
-heap's top fell; `glibc-default` is glibc's own behaviour.
+OFF's arms as in ON's, redrawn by any allocation made before the model's (docs/overhead.md,
+"Allocator"). `kept-memory` keeps freed memory mapped, so a pair compares the library, not where
+the heap's top fell; `glibc-default` is glibc's own behaviour.
 """
 from __future__ import annotations
 

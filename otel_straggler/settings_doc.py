@@ -1,6 +1,6 @@
 """Markdown tables of every setting, generated from the settings tables so the docs cannot
-drift: `python -m otel_straggler.settings_doc rank|detector`. A test compares them with the
-README and docs/detector.md."""
+drift: `python -m otel_straggler.settings_doc rank|detector`. A test compares them with
+docs/instrumentation.md and docs/detector.md."""
 from __future__ import annotations
 
 import sys

@@ -36,12 +36,22 @@ hash_of() {  # hash of the given files' contents plus extra words
   { cat "${files[@]}"; echo "$EXTRA_KEY"; } | sha256sum | cut -c1-16
 }
 
+collector_out() {  # the cache folder of the collector build for this manifest and Go
+  local go="$1"
+  EXTRA_KEY="$OCB_VERSION $("$go" env GOVERSION)"
+  echo "$CACHE/build/otelcol-$(hash_of "$REPO/collector-config/builder-config.yaml")"
+}
+
+jaeger_out() {
+  local go="$1" module="$REPO/collector-config/jaeger"
+  EXTRA_KEY="$("$go" env GOVERSION)"
+  echo "$CACHE/build/jaeger-$(hash_of "$module/go.mod" "$module/go.sum")"
+}
+
 build_collector() {
   local go; go="$(find_go)"
   local manifest="$REPO/collector-config/builder-config.yaml"
-  EXTRA_KEY="$OCB_VERSION $("$go" env GOVERSION)"
-  local key; key="$(hash_of "$manifest")"
-  local out="$CACHE/build/otelcol-$key"
+  local out; out="$(collector_out "$go")"
   if [ -x "$out/otelcol-straggler" ]; then
     log "collector: cached ($out)"
   else
@@ -67,9 +77,7 @@ build_collector() {
 build_jaeger() {
   local go; go="$(find_go)"
   local module="$REPO/collector-config/jaeger"
-  EXTRA_KEY="$("$go" env GOVERSION)"
-  local key; key="$(hash_of "$module/go.mod" "$module/go.sum")"
-  local out="$CACHE/build/jaeger-$key"
+  local out; out="$(jaeger_out "$go")"
   if [ -x "$out/jaeger" ]; then
     log "jaeger: cached ($out)"
   else
@@ -115,6 +123,11 @@ python_for_helpers() {  # the helper is standard-library only: any Python 3.9+ w
 case "${1:-}" in
   build)
     start=$SECONDS
+    go="$(find_go)"
+    if [ ! -x "$(collector_out "$go")/otelcol-straggler" ] || [ ! -x "$(jaeger_out "$go")/jaeger" ]; then
+      log "next: building the OTel Collector and Jaeger from source with Go, several minutes" \
+          "from nothing (about 6 on 2 cores); later runs reuse the build"
+    fi
     install_debian_packages
     build_collector
     build_jaeger

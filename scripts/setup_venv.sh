@@ -12,7 +12,11 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-python3}
 
 if [ ! -x "$venv/bin/python" ]; then
-  echo "creating virtualenv $venv"
+  case ",$extras," in
+    *,test,*|*,torch,*) echo "creating virtualenv $venv: downloads torch with its CUDA libraries" \
+      "(5-6 GB installed); about a minute with pip's cache warm, longer on a first download" ;;
+    *) echo "creating virtualenv $venv" ;;
+  esac
   mkdir -p "$(dirname "$venv")"
   "$python" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip
@@ -28,7 +32,10 @@ for source in "$repo"/otel_straggler/*/_*.c; do
   [ -e "${source%.c}$suffix" ] || built=no  # this Python's build: another's may sit beside it
 done
 if [ "$built" = no ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "installing otel-straggler[$extras] ${requirements[*]} into $venv"
-  "$venv/bin/python" -m pip install -q -e "$repo[$extras]" "${requirements[@]}"
+  echo "installing otel-straggler[$extras]${requirements[*]:+ ${requirements[*]}} into $venv"
+  # setuptools notes that an editable install resolves the package through a finder and that a
+  # folder named like the package could shadow it: here that folder is the package itself.
+  PYTHONWARNINGS="ignore:Editable installation" \
+    "$venv/bin/python" -m pip install -q -e "$repo[$extras]" "${requirements[@]}"
   echo "$want" > "$stamp"
 fi

@@ -6,6 +6,8 @@ import argparse
 import datetime
 import importlib.util
 import os
+import re
+import shutil
 import signal
 import socket
 import sys
@@ -23,6 +25,8 @@ DEMO_STAGES = ("batch-generator", "forward-compute", "backward-compute", "optimi
 RANKS_PER_CORE = 4  # beyond this, a rank waits for a core longer than it computes
 RANK_MEMORY_BYTES = 600 * 1024 * 1024  # one rank: torch, the model, the OTel SDK
 MIN_RANKS = 3  # a rank is judged against at least two peers (the detector's min_cohort_size)
+DEMO_RUNS_KEPT = 10  # runs kept in the default output folder; older ones are removed at the next run
+RUN_NAME = re.compile(r"\d{8}-\d{6}(-\d+)?")  # the default output folders' names: <date>-<time>[-n]
 EXIT_RANK_FAILED = 1
 
 
@@ -40,7 +44,8 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--from-step", type=int, default=40, help="first slowed step (default 40)")
     parser.add_argument("--healthy", action="store_true", help="inject nothing: no rank should be flagged")
     parser.add_argument("--out", type=Path, default=None,
-                        help="folder for the report and evidence (default: a new straggler-demo-<time> folder here)")
+                        help="folder for the report and evidence (default: a new folder in "
+                             f"~/.cache/otel-straggler/demo-runs, which keeps the last {DEMO_RUNS_KEPT} runs)")
     parser.add_argument("--grpc-port", type=int, default=0,
                         help="OTLP/gRPC port of the embedded detector (default: any free port)")
 
@@ -76,7 +81,7 @@ def run_demo(args: argparse.Namespace) -> int:
         raise UsageError("torch is not installed; install it with: pip install torch")
     if args.grpc_port:
         _check_port_free(args.grpc_port)
-    out_dir = _fresh_out_dir(args.out)
+    out_dir = _fresh_out_dir(args.out, demo_runs_dir(os.environ))
 
     from otel_straggler.demo.run import DemoSettings, run  # torch-free; imports the detector service
 
@@ -187,7 +192,13 @@ def _external_endpoint() -> Optional[str]:
     return os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
 
 
-def _fresh_out_dir(requested: Optional[Path]) -> Path:
+def demo_runs_dir(environ: Mapping[str, str]) -> Path:
+    """Where runs without --out go: outside any checkout, beside the project's other caches."""
+    cache = environ.get("OTEL_STRAGGLER_CACHE") or Path.home() / ".cache" / "otel-straggler"
+    return Path(cache) / "demo-runs"
+
+
+def _fresh_out_dir(requested: Optional[Path], runs_dir: Path) -> Path:
     if requested is not None:
         if requested.exists() and (not requested.is_dir() or any(requested.iterdir())):
             raise UsageError(f"--out {requested}: exists and is not an empty folder; pick a new one")
@@ -195,15 +206,32 @@ def _fresh_out_dir(requested: Optional[Path]) -> Path:
             requested.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise UsageError(f"--out {requested}: {error.strerror}") from None
-        return requested
+        return requested.resolve()
+    try:
+        runs_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(f"cannot create {runs_dir}: {error.strerror}; pass --out") from None
+    _prune_old_runs(runs_dir, keep=DEMO_RUNS_KEPT - 1)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     for attempt in range(100):
-        candidate = Path(f"straggler-demo-{stamp}" + (f"-{attempt}" if attempt else ""))
+        candidate = runs_dir / (stamp + (f"-{attempt}" if attempt else ""))
         try:
             candidate.mkdir()
-            return candidate
+            return candidate.resolve()
         except FileExistsError:
             continue
         except OSError as error:
             raise UsageError(f"cannot create {candidate}: {error.strerror}; pass --out") from None
-    raise UsageError("cannot find a free folder name here; pass --out")
+    raise UsageError(f"cannot find a free folder name in {runs_dir}; pass --out")
+
+
+def _prune_old_runs(runs_dir: Path, keep: int) -> None:
+    """Removes all but the newest `keep` earlier runs; only folders named as this command names them."""
+    def age(path: Path):
+        date, time, *attempt = path.name.split("-")
+        return date, time, int(attempt[0]) if attempt else 0
+
+    runs = sorted((path for path in runs_dir.iterdir() if path.is_dir() and RUN_NAME.fullmatch(path.name)),
+                  key=age)
+    for old_run in runs[:max(0, len(runs) - keep)]:
+        shutil.rmtree(old_run, ignore_errors=True)

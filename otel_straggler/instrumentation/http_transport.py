@@ -5,7 +5,7 @@ headers, compression and timeouts, and sends through this instead of a requests 
 Why: a rank exports every half second, and on a rank whose cores are all busy each export's CPU
 is taken from training. Paced so, an export of 40 spans cost 638 µs of CPU this way, 1,624 through
 a requests Session and 1,946 over gRPC, whose threads also run between exports
-(`python benchmarks/export_transport.py`; docs/overhead.md, "Export over OTLP/HTTP"). Where
+(`python benchmarks/export_transport.py`; docs/overhead.md, "Where the cost is"). Where
 requests would do something this does not (a proxy from the environment, credentials in the URL
 or a netrc file, a credential provider's session), the exporter keeps the SDK's transport
 (`usable_for`)."""

@@ -63,3 +63,27 @@ def test_machine_rank_limit_counts_cores(monkeypatch):
     assert commands.machine_rank_limit() == 8
     monkeypatch.setattr(commands, "_available_memory_bytes", lambda: 3 * commands.RANK_MEMORY_BYTES)
     assert commands.machine_rank_limit() == 3
+
+
+def test_runs_without_out_go_to_the_cache_not_the_working_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OTEL_STRAGGLER_CACHE", str(tmp_path / "cache"))
+    runs_dir = commands.demo_runs_dir(commands.os.environ)
+    assert runs_dir == tmp_path / "cache" / "demo-runs"
+    first = commands._fresh_out_dir(None, runs_dir)
+    second = commands._fresh_out_dir(None, runs_dir)
+    assert first.parent == runs_dir and second.parent == runs_dir and first != second
+    assert first.is_absolute() and list(tmp_path.iterdir()) == [tmp_path / "cache"]
+
+
+def test_the_default_folder_keeps_the_newest_runs_and_nothing_else_is_touched(tmp_path):
+    runs_dir = tmp_path / "demo-runs"
+    old_runs = [f"20260101-1200{second:02d}" for second in range(12)] + ["20260101-120011-1"]
+    for name in old_runs + ["mine"]:
+        (runs_dir / name).mkdir(parents=True)
+    (runs_dir / "20260101-000000.txt").write_text("not a run")
+    new_run = commands._fresh_out_dir(None, runs_dir)
+    kept = sorted(path.name for path in runs_dir.iterdir() if commands.RUN_NAME.fullmatch(path.name))
+    assert len(kept) == commands.DEMO_RUNS_KEPT and new_run.name in kept
+    assert old_runs[-(commands.DEMO_RUNS_KEPT - 1):] == [name for name in kept if name != new_run.name]
+    assert (runs_dir / "mine").is_dir() and (runs_dir / "20260101-000000.txt").is_file()

@@ -9,7 +9,8 @@ Training side:
             loss = model(batch)
     handle.shutdown()
 
-Megatron-LM: `config.timers = ots.Timers(log_level, log_option)`, or use `ots.timers`.
+Megatron-LM: `otel_straggler.megatron.install()` before `pretrain()`; on megatron-core alone,
+`config.timers = ots.Timers(log_level, log_option)`, or use `ots.timers`.
 """
 from otel_straggler.instrumentation.api import Instrumentation, configure, current, stage, step
 from otel_straggler.instrumentation.megatron_timers import Timer, Timers

@@ -10,10 +10,8 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 version=3.12
 venv=${OTEL_STRAGGLER_MEGATRON_VENV:-$HOME/.cache/otel-straggler/venv-megatron-lm}
 
-python=$(command -v "python$version" || true)
-if [ -z "$python" ] || ! "$python" -c '' 2>/dev/null; then  # a pyenv shim without that version fails here
-  python=$(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$version".*/bin/python 2>/dev/null | sort -V | tail -n 1 || true)
-fi
+. "$repo/scripts/find_python.sh"
+python=$(find_python "$version")
 if [ -z "$python" ]; then
   echo "Megatron-LM check NOT RUN: no python$version on this machine (megatron-core 0.19.2, which ships megatron.training, is for Python $version)" >&2
   case "${CI:-}" in ""|false|0) exit 0 ;; *) exit 1 ;; esac

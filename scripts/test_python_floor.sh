@@ -10,10 +10,8 @@ floor=$(sed -n 's/^requires-python = ">=\([0-9.]*\)".*/\1/p' "$repo/pyproject.to
 [ -n "$floor" ] || { echo "scripts/test_python_floor.sh: cannot read requires-python = \">=X.Y\" in pyproject.toml" >&2; exit 1; }
 venv=${OTEL_STRAGGLER_FLOOR_VENV:-$HOME/.cache/otel-straggler/venv-py$floor}
 
-python=$(command -v "python$floor" || true)
-if [ -z "$python" ] || ! "$python" -c '' 2>/dev/null; then  # a pyenv shim without that version fails here
-  python=$(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$floor".*/bin/python 2>/dev/null | sort -V | tail -n 1 || true)
-fi
+. "$repo/scripts/find_python.sh"
+python=$(find_python "$floor")
 if [ -z "$python" ]; then
   echo "python floor check NOT RUN: no python$floor on this machine (requires-python >=$floor)" >&2
   case "${CI:-}" in ""|false|0) exit 0 ;; *) exit 1 ;; esac

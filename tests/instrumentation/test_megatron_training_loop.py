@@ -1,15 +1,12 @@
 """Our timers inside Megatron's own code: megatron-core's real schedule driving a tiny model on
 the CPU (stand-ins for the GPU in megatron_on_cpu.py), and `otel_straggler.megatron.install()`.
 
-Megatron-LM's `pretrain()` and `training_log()` themselves are not run here: Megatron-LM
-(`megatron/training/`) is not published as a package (PyPI has megatron-core, which does not
-contain it), and this machine reaches no other source. What install() relies on in it is one
-fact: `megatron/training/global_vars.py` does `from megatron.core import Timers` and builds its
-global timers with `Timers(args.timing_log_level, args.timing_log_option)` in `_set_timers`. The
-stand-in below does exactly that and nothing else; the calls `training_log()` makes on the timers
-(writer None on all but the last rank, the wandb module as a writer, `interval-time` read while it
-runs, start-up `set_elapsed`) are run against megatron-core's real Timers in
-test_megatron_differential.py.
+Megatron-LM's own training package (`megatron/training/`) ships only with megatron-core 0.19+,
+which needs Python 3.12: install() runs against it, `training_log()` included, in
+tests/megatron_lm (scripts/test_megatron_lm.sh). Here, on the main suite's megatron-core 0.16.1,
+the stand-in below does the one thing install() relies on in it: `global_vars.py` does
+`from megatron.core import Timers` and builds its global timers with
+`Timers(args.timing_log_level, args.timing_log_option)` in `_set_timers`.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ command line, `global_vars.set_global_variables(args, build_tokenizer=False)` (w
 global timers in `_set_timers(args)`), and `training.training_log()` with
 `--log-timers-to-tensorboard`, on a world of one rank (so that rank is the last and gets the
 writer). The stand-ins, all for the missing GPU or for what is left out of a real run:
-- a one-process gloo group (`store=dist.HashStore()`) and megatron-core's model-parallel state
+- a one-process gloo group (megatron_on_cpu.py) and megatron-core's model-parallel state
   initialised on it (training_log all-reduces the learning rate over the model-parallel group);
 - `torch.cuda.synchronize` a no-op and `torch.cuda.current_device()` "cpu" (the all-reduce above
   puts its tensor on the current device);
@@ -19,8 +19,8 @@ writer). The stand-ins, all for the missing GPU or for what is left out of a rea
   (`--tensorboard-dir` would build a real SummaryWriter).
 The timed work is `time.sleep`: our timers measure host wall time, so each recorded `*-time`
 scalar can be checked against the seconds the test measured itself. The loop calls
-`otel_straggler.step()` each iteration, as a training script does (README), so that the spans nest
-per step.
+`otel_straggler.step()` each iteration, as install()'s wrapper of `train_step` does in a real run
+(tested on its own below), so that the spans nest per step.
 
 The main suite runs on Python 3.11 with megatron-core 0.16.1, which has no `megatron.training`:
 this module skips there; scripts/test_megatron_lm.sh runs it in its own virtualenv.
@@ -51,7 +51,6 @@ if not _has_megatron_training():
                 "run by scripts/test_megatron_lm.sh", allow_module_level=True)
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed", at import
     warnings.simplefilter("ignore")
@@ -67,6 +66,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 import otel_straggler  # noqa: E402
 import otel_straggler.megatron  # noqa: E402
 from otel_straggler.instrumentation import megatron_timers  # noqa: E402
+
+from megatron_on_cpu import TorchOnCpu, one_rank_group, without_cuda  # noqa: E402
 
 # Megatron's own noise: argparse's FileType deprecation (Python 3.12) in its parser, and its rank
 # guess in the tests without a process group.
@@ -103,35 +104,17 @@ def clean_environment(monkeypatch: pytest.MonkeyPatch):
 
 @pytest.fixture(scope="module")
 def one_rank_world():
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
+    with one_rank_group():
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture
 def on_cpu(monkeypatch: pytest.MonkeyPatch, one_rank_world):
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    without_cuda(monkeypatch)
     monkeypatch.setattr(training, "torch", TorchOnCpu())
     parallel_state.initialize_model_parallel(1, 1)
     yield
     parallel_state.destroy_model_parallel()
-
-
-class TorchOnCpu(types.ModuleType):
-    """`torch` for megatron.training.training, with the tensors it makes on "cuda" made on the CPU."""
-
-    def __init__(self) -> None:
-        super().__init__("torch")
-
-    def __getattr__(self, name: str):
-        return getattr(torch, name)
-
-    @staticmethod
-    def tensor(*args, device=None, **kwargs):
-        return torch.tensor(*args, **kwargs)
 
 
 class RecordingWriter:

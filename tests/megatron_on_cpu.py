@@ -1,7 +1,8 @@
-"""What megatron-core needs to run on a machine without a GPU, for the tests that drive it:
+"""What Megatron's code needs to run on a machine without a GPU, for the tests that drive it:
 a one-process gloo group (its gathers run for real there), `torch.cuda.synchronize` as a no-op,
-`torch.cuda.current_device()` as "cpu", and, for its schedules, `torch.zeros(device="cuda")`
-made on the CPU (the token counter it makes on the GPU unconditionally)."""
+`torch.cuda.current_device()` as "cpu", and, for the modules that make tensors on "cuda"
+unconditionally (megatron-core's schedules: a token counter; Megatron-LM's training_log: its loss
+accumulator), a `torch` whose `zeros()` and `tensor()` make them on the CPU."""
 from __future__ import annotations
 
 import contextlib
@@ -31,7 +32,7 @@ def without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class TorchOnCpu(types.ModuleType):
-    """`torch` for a megatron-core module, with tensors it asks for on "cuda" made on the CPU."""
+    """`torch` for one Megatron module, with the tensors it asks for on "cuda" made on the CPU."""
 
     def __init__(self) -> None:
         super().__init__("torch")
@@ -42,3 +43,7 @@ class TorchOnCpu(types.ModuleType):
     @staticmethod
     def zeros(*size, device=None, **kwargs):
         return torch.zeros(*size, **kwargs)
+
+    @staticmethod
+    def tensor(*data, device=None, **kwargs):
+        return torch.tensor(*data, **kwargs)

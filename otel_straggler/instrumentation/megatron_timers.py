@@ -33,6 +33,7 @@ _START_NS = 4  # where an open interval from the recorder keeps its start time (
 # What the text of log()/get_all_timers_string() says in place of Megatron's "across ranks".
 THIS_RANK_ONLY = "this rank only, not gathered"
 
+_said_rows_are_this_ranks = False
 # Misuse Megatron asserts on, counted by kind instead (process-wide: timers may be deep-copied).
 _misuse: collections.Counter = collections.Counter()
 
@@ -211,6 +212,12 @@ class Timers:
         if not names:
             return None
         import torch
+
+        global _said_rows_are_this_ranks
+        if not _said_rows_are_this_ranks:  # a tensor cannot say it: the log does, once
+            _said_rows_are_this_ranks = True
+            logger.warning("otel-straggler timers: _get_elapsed_time_all_ranks() fills this rank's row only "
+                           "(no gather); the other ranks' rows are 0, read as no timing")
 
         rank, world_size = _rank_and_world_size()
         rank = rank if rank is not None else 0

@@ -214,17 +214,24 @@ def test_write_agrees_for_tensorboard_wandb_and_no_writer(clock, writer_kind):
         assert theirs == mine == []
 
 
-def test_the_gathered_tensor_has_this_ranks_row(clock):
+def test_the_gathered_tensor_has_this_ranks_row(clock, caplog, monkeypatch):
+    monkeypatch.setattr(ours, "_said_rows_are_this_ranks", False)
     both = Both(clock)
     both.run("forward-compute", 6)
     theirs, mine = both.call("_get_elapsed_time_all_ranks", ["forward-compute", "not-a-timer"], False, False)
     assert mine.shape == theirs.shape == (1, 2) and mine.dtype == theirs.dtype
     assert mine.flatten().tolist() == pytest.approx(theirs.flatten().tolist())
+    assert [record.getMessage() for record in caplog.records if record.levelname == "WARNING"] == [
+        "otel-straggler timers: _get_elapsed_time_all_ranks() fills this rank's row only (no gather); "
+        "the other ranks' rows are 0, read as no timing"]  # said once, however often it is called
     assert both.call("_get_elapsed_time_all_ranks", [], True, False) == [None, None]
     theirs, mine = both.call("_get_global_min_max_time", ["forward-compute"], True, False, 2.0)
     assert list(mine) == list(theirs) == ["forward-compute"]
     for their_value, our_value in zip(theirs["forward-compute"], mine["forward-compute"]):
         same_numbers(their_value, our_value)
+    ours_only = both.ours._get_elapsed_time_all_ranks(["forward-compute"], True, False)
+    assert ours_only is not None
+    assert len([record for record in caplog.records if record.levelname == "WARNING"]) == 1
 
 
 def test_log_levels_filter_alike(clock):

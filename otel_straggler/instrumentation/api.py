@@ -6,6 +6,7 @@ calls can stay in the training script whether the instrumentation is on or off.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import threading
 from typing import Any, Mapping, Optional
@@ -46,8 +47,7 @@ class Instrumentation:
 
         recorder, pipeline = self.recorder, self._pipeline
         if recorder is None or pipeline is None:
-            return {"enabled": False, "intervals": 0, "spans_built": 0, "exported": 0, "lost": {},
-                    "timer_misuse": misuse_counts()}
+            return {"enabled": False, "intervals": 0, "spans_built": 0, "exported": 0, "lost": {}}
         # calls Megatron's timers would assert on, which ours count and let pass
         return {**pipeline.status(recorder), "shut_down": self._shut_down, "timer_misuse": misuse_counts()}
 
@@ -120,6 +120,11 @@ def configure(
                                         tracer_provider, device_processor, environ)
         _use(handle, handle.recorder)
         atexit.register(handle.shutdown, 5.0)
+        if contract.JOB_ID not in attributes:
+            # the detector rejects every span without one: say it here, once, where it can be set
+            logging.getLogger("otel_straggler").warning(
+                "otel-straggler: no job id found (set OTEL_STRAGGLER_JOB_ID, or training.job.id in "
+                "OTEL_RESOURCE_ATTRIBUTES, to one value for every rank); the detector will reject these spans")
         return handle
 
 

@@ -129,7 +129,8 @@ def discover(
                 return fallback
         return None
 
-    job_id = pick(contract.JOB_ID, "job_id", _torchrun_run_id(environ), environ.get("SLURM_JOB_ID"))
+    job_id = pick(contract.JOB_ID, "job_id", _torchrun_run_id(environ), environ.get("SLURM_JOB_ID"),
+                  _rendezvous_address(environ))
     attributes: dict[str, Any] = {
         contract.SERVICE_NAME: environ.get("OTEL_SERVICE_NAME") or from_env.get(contract.SERVICE_NAME) or "training",
         contract.JOB_ID: job_id,
@@ -143,6 +144,14 @@ def discover(
     }
     attributes.update(parallel)
     return {key: value for key, value in attributes.items() if value is not None}
+
+
+def _rendezvous_address(environ: Mapping[str, str]) -> Optional[str]:
+    """torch.distributed's env:// rendezvous (torchrun's static one, SLURM scripts that set it):
+    every rank of the job has the same MASTER_ADDR and MASTER_PORT, and no other job has both while
+    this one runs, so the pair names the job without a collective."""
+    address, port = environ.get("MASTER_ADDR"), environ.get("MASTER_PORT")
+    return f"rendezvous-{address}:{port}" if address and port else None
 
 
 def _torchrun_run_id(environ: Mapping[str, str]) -> Optional[str]:

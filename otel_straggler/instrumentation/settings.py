@@ -9,7 +9,8 @@ DEVICE_TIMING_MODES = ("auto", "cuda", "fake", "off")
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("enabled", parse_bool, False, "turn the instrumentation on under opentelemetry-instrument"),
-    Setting("job_id", str, "", "training.job.id (default: TORCHELASTIC_RUN_ID, then SLURM_JOB_ID, else left out)"),
+    Setting("job_id", str, "", "training.job.id (default: TORCHELASTIC_RUN_ID, then SLURM_JOB_ID, then "
+                               "MASTER_ADDR:MASTER_PORT; none: configure() warns)"),
     Setting("cohort", str, "", "training.cohort (default: from Megatron parallel state, else left out)"),
     Setting("topology_epoch", int, 0, "training.topology.epoch; bump when the job re-shards", 0, 1 << 62),
     Setting("device_timing", str, "auto", "CUDA-event timing: auto (when a GPU is visible), cuda (configure() fails without one), fake, off",

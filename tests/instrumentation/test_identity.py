@@ -151,3 +151,25 @@ def test_identity_is_read_again_from_configures_environment_not_the_process(in_m
     (span,) = in_memory.stage_spans()
     assert span.attributes[contract.RANK] == 1
     assert contract.COHORT not in span.attributes  # the process's tp/pp ranks would make one
+
+
+def test_a_static_rendezvous_names_the_job_by_its_address():
+    # torchrun --master-port N (static rendezvous): run id "none", every rank the same address
+    ranks = [discover({}, {"TORCHELASTIC_RUN_ID": "none", "MASTER_ADDR": "node-0", "MASTER_PORT": "29500",
+                           "RANK": str(rank), "WORLD_SIZE": "4"}) for rank in range(4)]
+    assert {found[contract.JOB_ID] for found in ranks} == {"rendezvous-node-0:29500"}
+    assert discover({}, {"MASTER_ADDR": "node-0", "MASTER_PORT": "29500", "SLURM_JOB_ID": "4242"})[
+        contract.JOB_ID] == "4242"  # a scheduler's id comes first
+    assert contract.JOB_ID not in discover({}, {"MASTER_ADDR": "node-0"})
+
+
+def test_configure_without_a_job_id_says_what_to_set(configure, caplog):
+    configure(environ={"RANK": "0"})
+    assert [record.getMessage() for record in caplog.records if record.name == "otel_straggler"] == [
+        "otel-straggler: no job id found (set OTEL_STRAGGLER_JOB_ID, or training.job.id in OTEL_RESOURCE_ATTRIBUTES, "
+        "to one value for every rank); the detector will reject these spans"]
+
+
+def test_configure_with_a_job_id_says_nothing(configure, caplog):
+    configure(job_id="named", environ={})
+    assert [record for record in caplog.records if record.name == "otel_straggler"] == []

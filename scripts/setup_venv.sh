@@ -12,8 +12,8 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-python3}
 
 if [ ! -x "$venv/bin/python" ]; then
-  case ",$extras," in
-    *,test,*|*,torch,*) echo "creating virtualenv $venv: downloads torch with its CUDA libraries" \
+  case ",$extras,${requirements[*]}" in
+    *,test,*|*torch*) echo "creating virtualenv $venv: downloads torch with its CUDA libraries" \
       "(5-6 GB installed); about a minute with pip's cache warm, longer on a first download" ;;
     *) echo "creating virtualenv $venv" ;;
   esac

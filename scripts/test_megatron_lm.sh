@@ -11,11 +11,7 @@ version=3.12
 venv=${OTEL_STRAGGLER_MEGATRON_VENV:-$HOME/.cache/otel-straggler/venv-megatron-lm}
 
 . "$repo/scripts/find_python.sh"
-python=$(find_python "$version")
-if [ -z "$python" ]; then
-  echo "Megatron-LM check NOT RUN: no python$version on this machine (megatron-core 0.19.2, which ships megatron.training, is for Python $version)" >&2
-  case "${CI:-}" in ""|false|0) exit 0 ;; *) exit 1 ;; esac
-fi
+need_python "$version" "Megatron-LM check" "megatron-core 0.19.2, which ships megatron.training, is for Python $version"
 
 PYTHON=$python "$repo/scripts/setup_venv.sh" "$venv" instrument "pytest>=8" "torch>=2.6" "megatron-core==0.19.2"
 

@@ -9,10 +9,14 @@ Training side:
             loss = model(batch)
     handle.shutdown()
 
+PyTorch DDP: `ots.instrument_ddp(model)` on the DistributedDataParallel model splits backward into
+the rank's own gradient compute and the wait for its peers.
+
 Megatron-LM: `otel_straggler.megatron.install()` before `pretrain()`; on megatron-core alone,
 `config.timers = ots.Timers(log_level, log_option)`, or use `ots.timers`.
 """
 from otel_straggler.instrumentation.api import Instrumentation, configure, current, stage, step
+from otel_straggler.instrumentation.ddp import instrument_ddp
 from otel_straggler.instrumentation.megatron_timers import Timer, Timers
 
 __version__ = "0.1.0"
@@ -20,4 +24,4 @@ __version__ = "0.1.0"
 # A ready Timers at the most detailed level, for scripts that want Megatron-style timers.
 timers = Timers(log_level=2)
 
-__all__ = ["Instrumentation", "Timer", "Timers", "configure", "current", "stage", "step", "timers", "__version__"]
+__all__ = ["Instrumentation", "Timer", "Timers", "configure", "current", "instrument_ddp", "stage", "step", "timers", "__version__"]

@@ -1,6 +1,7 @@
 """What a stage (timer) name means: its `training.stage.group` and whether it is a blocking
-collective. Megatron-LM's timer names are mapped explicitly; any other name is `other` and
-not a collective unless the caller says so (never guessed from a substring)."""
+collective. Megatron-LM's timer names and the stages instrument_ddp records are mapped
+explicitly; any other name is `other` and not a collective unless the caller says so (never
+guessed from a substring)."""
 from __future__ import annotations
 
 import functools
@@ -53,6 +54,10 @@ _EXACT: dict[str, StageKind] = {
     "backward-embedding-all-reduce": StageKind("communication", True),
     "backward-params-all-reduce": StageKind("communication", True),
     "backward-layernorm-all-reduce": StageKind("communication", True),
+    # PyTorch DDP's backward as instrument_ddp splits it: the rank's own gradient compute, then the
+    # wait for the slowest rank's gradients and the all-reduce
+    "ddp-grads-ready": StageKind("backward", False),
+    "ddp-grads-sync": StageKind("communication", True),
     # pipeline point-to-point: a receive blocks until the peer stage sends
     "forward-recv": StageKind("communication", True),
     "backward-recv": StageKind("communication", True),

@@ -41,6 +41,8 @@ from otel_straggler.instrumentation.stage_names import classify
     ("gpu-sniff-test", "setup", False),
     ("startup-initialize-megatron", "setup", False),
     ("rl/sync-rollouts", "communication", True),
+    ("ddp-grads-ready", "backward", False),
+    ("ddp-grads-sync", "communication", True),
 ])
 def test_megatron_names_have_their_group_and_collective_flag(name, group, collective):
     kind = classify(name)

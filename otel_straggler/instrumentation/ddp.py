@@ -15,8 +15,8 @@ optimizer step, on the host clock:
 The communication hook wraps DDP's own all-reduce (`allreduce_hook`, which DDP documents as
 computing what it computes without a hook) or the hook given, and hands its future on with a
 `then()` that returns the value unchanged. Both intervals are appended to the running recorder's
-queue as the hot path's own records (no CUDA events), bound to the step `step()` bound when the
-last bucket became ready. With the instrumentation off the hooks cost one global read each.
+queue as the hot path's own records, bound to the step `step()` bound when the last bucket became
+ready; they carry no CUDA events (timing `host_only`, reason `host_clock_only`). With the instrumentation off the hooks cost one global read each.
 Nothing here ever changes a gradient or raises into training: our own failures are counted in
 `status()["ddp"]["hook_errors"]`, a full queue in `lost.queue_full`. The hooks may run on
 autograd's or the process group's threads; deque appends are atomic.

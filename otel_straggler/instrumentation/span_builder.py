@@ -346,6 +346,9 @@ class SpanBuilder:
             if not self.device_timing:
                 attributes[contract.TIMING] = contract.TIMING_HOST_ONLY
                 attributes[contract.TIMING_REASON] = "no_cuda"
+            elif kind.host_clock_only:  # instrument_ddp's hooks: no events by design, not a loss
+                attributes[contract.TIMING] = contract.TIMING_HOST_ONLY
+                attributes[contract.TIMING_REASON] = "host_clock_only"
             elif start_step is None:
                 # begun before the first step(), which makes the event pool (on the training thread,
                 # where CUDA events must be made): by design, not a loss

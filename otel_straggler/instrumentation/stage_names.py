@@ -11,6 +11,8 @@ from typing import NamedTuple
 class StageKind(NamedTuple):
     group: str
     collective: bool
+    # recorded from hooks on the host clock alone, never with CUDA events: host-only by design
+    host_clock_only: bool = False
 
 
 # Every timer name megatron-core 0.16-0.19 and Megatron-LM's training loop use (the one list:
@@ -56,8 +58,8 @@ _EXACT: dict[str, StageKind] = {
     "backward-layernorm-all-reduce": StageKind("communication", True),
     # PyTorch DDP's backward as instrument_ddp splits it: the rank's own gradient compute, then the
     # wait for the slowest rank's gradients and the all-reduce
-    "ddp-grads-ready": StageKind("backward", False),
-    "ddp-grads-sync": StageKind("communication", True),
+    "ddp-grads-ready": StageKind("backward", False, host_clock_only=True),
+    "ddp-grads-sync": StageKind("communication", True, host_clock_only=True),
     # pipeline point-to-point: a receive blocks until the peer stage sends
     "forward-recv": StageKind("communication", True),
     "backward-recv": StageKind("communication", True),

@@ -18,9 +18,11 @@ torch = pytest.importorskip("torch")
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import otel_straggler as ots  # noqa: E402
+from otel_straggler import contract  # noqa: E402
 from ddp_ranks import SLOW_BACKWARD_S, STEPS, build_model, run_ranks  # noqa: E402
 from megatron_on_cpu import one_rank_group  # noqa: E402
 from otel_straggler.instrumentation import api, ddp, hot_path, recorder  # noqa: E402
+from otel_straggler.processors.device_events import FakeDeviceEvents  # noqa: E402
 
 RECORDERS = {"python": recorder.IntervalRecorder, hot_path.IMPLEMENTATION: hot_path.IntervalRecorder}
 
@@ -142,6 +144,17 @@ def test_a_failure_of_our_own_is_counted_and_training_is_unchanged(one_rank, mon
     assert same(train(ots.instrument_ddp(ddp_model()), steps=3), train(ddp_model(), steps=3))
     assert ddp.hook_counts()["hook_errors"] == before + 3  # each step's sync record
     assert [record[1][0] for record in failing.completed] == [ddp.GRADS_READY] * 3
+
+
+def test_with_device_timing_on_the_spans_are_host_only_by_design_not_lost(one_rank, in_memory):
+    handle = in_memory.configure(device_backend=FakeDeviceEvents(auto_complete=True, kernel_ms=1.0))
+    train(ots.instrument_ddp(ddp_model()), steps=2)
+    spans = [span for span in in_memory.stage_spans() if span.name.startswith("ddp-")]
+    assert len(spans) == 4
+    for span in spans:
+        assert span.attributes[contract.TIMING] == contract.TIMING_HOST_ONLY
+        assert span.attributes[contract.TIMING_REASON] == "host_clock_only"
+    assert handle.status()["lost"]["pool_exhausted"] == 0
 
 
 def test_status_shows_the_hooks_counters(configure):

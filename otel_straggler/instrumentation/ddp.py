@@ -21,7 +21,8 @@ Nothing here ever changes a gradient or raises into training: our own failures a
 `status()["ddp"]["hook_errors"]`, a full queue in `lost.queue_full`. The hooks may run on
 autograd's or the process group's threads; deque appends are atomic.
 
-On CUDA (NCCL) these host times are when the work was launched, not when the device did it.
+On CUDA (NCCL) these host times are when the work was launched (NCCL's future may complete once
+the all-reduce is enqueued), not when the device did it.
 """
 from __future__ import annotations
 

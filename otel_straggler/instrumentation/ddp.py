@@ -43,7 +43,7 @@ _counts = {"hook_errors": 0, "models": 0}
 
 def hook_counts() -> dict[str, int]:
     """Models instrumented and failures of our own bookkeeping in their hooks, since the process
-    started (the hooks are process-wide, like the recorder they record on)."""
+    started (counted per process, as the recorder they record on is one per process)."""
     return dict(_counts)
 
 
@@ -69,7 +69,8 @@ def instrument_ddp(model: Any, hook: Optional[Callable] = None, state: Any = Non
     try:
         model.register_comm_hook(state, timing.timed(hook))
     except RuntimeError as error:
-        if "only be called once" not in str(error):  # a built-in hook, registered in C++ only
+        # a built-in hook is registered in C++ only, out of _comm_hooks' sight: the reducer refuses ours
+        if "only be called once" not in str(error):
             raise
         raise RuntimeError(_already_hooked(None)) from None
     model.register_forward_hook(timing.forward_ended)

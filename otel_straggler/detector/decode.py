@@ -3,8 +3,9 @@
 A span is ours when it carries `training.stage` (CONTRACT §2). Everything else, including the
 per-rank `train.step` spans, is counted as ignored: the engine derives whole-step compute from the
 stage spans (DESIGN §3), so the step span adds nothing. A stage span that lacks a required field
-(job id, rank, step, seq, timestamps) or has one of the wrong type is counted as malformed; the rest
-of its request still counts. A payload that cannot be parsed at all raises MalformedPayload.
+(job id, rank, step, seq, timestamps) or has one of the wrong type is counted as malformed, with a
+Rejection: its kind, one of the few of REJECTION_KINDS (a metric attribute), and a reason for people;
+the rest of its request still counts. A payload that cannot be parsed at all raises MalformedPayload.
 
 Resource attributes (CONTRACT §1) may also arrive on the span itself, e.g. from an exporter that
 flattens resources; the span's value is used only when the resource has none. A missing cohort means
@@ -29,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -51,6 +53,48 @@ class MalformedPayload(ValueError):
     """The request as a whole cannot be decoded; the message says why in one line."""
 
 
+@dataclass(frozen=True)
+class Rejection:
+    """Why a stage span is malformed: `kind` for machines, `reason` for people."""
+
+    kind: str
+    reason: str
+
+
+MISSING_JOB_ID = Rejection("missing_job_id", f"{contract.JOB_ID} missing or empty")
+BAD_JOB_ID = Rejection("bad_job_id", f"{contract.JOB_ID} is not a string")
+MISSING_RANK = Rejection("missing_rank", f"{contract.RANK} missing")
+BAD_RANK = Rejection("bad_rank", f"{contract.RANK} is not a non-negative int")
+BAD_EPOCH = Rejection("bad_epoch", f"{contract.TOPOLOGY_EPOCH} is not a non-negative int")
+BAD_COHORT = Rejection("bad_cohort", f"{contract.COHORT} is not a string")
+BAD_STAGE = Rejection("bad_stage", f"{contract.STAGE} is not a non-empty string")
+MISSING_STEP = Rejection("missing_step", f"{contract.STEP} missing")
+BAD_STEP = Rejection("bad_step", f"{contract.STEP} is not a non-negative int")
+MISSING_SEQ = Rejection("missing_seq", f"{contract.SEQ} missing")
+BAD_SEQ = Rejection("bad_seq", f"{contract.SEQ} is not a non-negative int")
+BAD_TIMESTAMPS = Rejection("bad_timestamps", "start/end time missing or end before start")
+BAD_ATTRIBUTES_KIND = "bad_attributes"  # OTLP/JSON attributes that are not a list of keyed values
+OTHER_KIND = "other"  # a span the engine refused after decoding (pipeline.py counts those)
+# every kind, in the order of the checks: a bounded set, so a metric attribute
+REJECTION_KINDS = (
+    MISSING_JOB_ID.kind, BAD_JOB_ID.kind, MISSING_RANK.kind, BAD_RANK.kind, BAD_EPOCH.kind, BAD_COHORT.kind,
+    BAD_STAGE.kind, MISSING_STEP.kind, BAD_STEP.kind, MISSING_SEQ.kind, BAD_SEQ.kind, BAD_TIMESTAMPS.kind,
+    BAD_ATTRIBUTES_KIND, OTHER_KIND,
+)
+
+
+@dataclass(frozen=True)
+class RejectedSpan:
+    """The first span of a kind rejected in a request: what the detector's log shows of it. Identity
+    values are as they arrived (None when absent)."""
+
+    rejection: Rejection
+    span_name: str
+    job_id: Any
+    rank: Any
+    host: Any
+
+
 @dataclass
 class DecodedBatch:
     """What one OTLP request held."""
@@ -59,11 +103,17 @@ class DecodedBatch:
     ignored: int = 0  # spans that are not stage spans
     malformed: int = 0  # stage spans rejected for a missing or invalid field
     first_error: str = ""  # the first rejection, for OTLP partial success
+    rejections: Counter[str] = field(default_factory=Counter)  # malformed by kind
+    first_rejected: dict[str, RejectedSpan] = field(default_factory=dict)  # by kind
 
-    def reject(self, span_name: str, reason: str) -> None:
+    def reject(self, span_name: str, rejection: Rejection, job_id: Any = None, rank: Any = None,
+               host: Any = None) -> None:
         self.malformed += 1
+        self.rejections[rejection.kind] += 1
+        if rejection.kind not in self.first_rejected:
+            self.first_rejected[rejection.kind] = RejectedSpan(rejection, span_name, job_id, rank, host)
         if not self.first_error:
-            self.first_error = f"span {span_name!r}: {reason}"
+            self.first_error = f"span {span_name!r}: {rejection.reason}"
 
     @property
     def span_count(self) -> int:
@@ -90,39 +140,39 @@ def _positive_count(value: Any) -> Optional[int]:
     return None
 
 
-def _identity(job_id: Any, epoch: Any, cohort: Any, rank: Any) -> tuple | str:
+def _identity(job_id: Any, epoch: Any, cohort: Any, rank: Any) -> tuple | Rejection:
     """A rank's identity (CONTRACT §1) validated, defaults applied, or why it is rejected.
     `type(x) is int` on purpose: a bool is an int subclass and is not a valid rank."""
     if type(job_id) is not str or not job_id:
-        return f"{contract.JOB_ID} missing or not a string"
+        return MISSING_JOB_ID if job_id is None or job_id == "" else BAD_JOB_ID
     if type(rank) is not int or rank < 0:
-        return f"{contract.RANK} missing or not a non-negative int"
+        return MISSING_RANK if rank is None else BAD_RANK
     if epoch is None:
         epoch = 0
     elif type(epoch) is not int or epoch < 0:
-        return f"{contract.TOPOLOGY_EPOCH} is not a non-negative int"
+        return BAD_EPOCH
     if not cohort:
         cohort = DEFAULT_COHORT
     elif type(cohort) is not str:
-        return f"{contract.COHORT} is not a string"
+        return BAD_COHORT
     return job_id, epoch, cohort, rank
 
 
 def _observation(
     identity: tuple | str, stage: Any, step: Any, seq: Any, timing: Any, device_ms: Any, collective: Any,
     tokens: Any, samples: Any, start: int, end: int,
-) -> Observation | str:
+) -> Observation | Rejection:
     """One stage span's typed values -> its Observation, or why it is rejected."""
-    if type(identity) is str:
+    if type(identity) is Rejection:
         return identity
     if type(stage) is not str or not stage:
-        return f"{contract.STAGE} is not a non-empty string"
+        return BAD_STAGE
     if type(step) is not int or step < 0:
-        return f"{contract.STEP} missing or not a non-negative int"
+        return MISSING_STEP if step is None else BAD_STEP
     if type(seq) is not int or seq < 0:
-        return f"{contract.SEQ} missing or not a non-negative int"
+        return MISSING_SEQ if seq is None else BAD_SEQ
     if type(start) is not int or type(end) is not int or start <= 0 or end < start:
-        return "start/end time missing or end before start"
+        return BAD_TIMESTAMPS
     if timing == contract.TIMING_DEVICE and type(device_ms) in (float, int) and 0 <= device_ms < math.inf:
         device_ms = float(device_ms)
     else:
@@ -346,8 +396,10 @@ class ProtobufDecoder:
                         continue
                     result = _observation(identity, stage, step, seq, timing, device_ms, collective, tokens,
                                           samples, start, end)
-                    if type(result) is str:
-                        batch.reject(span.name, result)
+                    if type(result) is Rejection:
+                        values = merged if from_span else resource_identity
+                        host = resource.get(contract.HOST_NAME, get(contract.HOST_NAME))
+                        batch.reject(span.name, result, values[0], values[3], value_of(host))
                     else:
                         append(result)
         return batch
@@ -455,13 +507,15 @@ def decode_json_request(request: Any) -> DecodedBatch:
                 try:
                     attributes = _json_attributes(span.get("attributes", []))
                 except MalformedPayload as error:
-                    batch.reject(name, str(error))
+                    batch.reject(name, Rejection(BAD_ATTRIBUTES_KIND, str(error)), resource.get(contract.JOB_ID),
+                                 resource.get(contract.RANK), resource.get(contract.HOST_NAME))
                     continue
                 if contract.STAGE not in attributes:
                     batch.ignored += 1
                     continue
-                identity = _identity(*(attributes.get(key) if resource.get(key) is None else resource[key]
-                                       for key in _IDENTITY_KEYS))
+                values = [attributes.get(key) if resource.get(key) is None else resource[key]
+                          for key in (*_IDENTITY_KEYS, contract.HOST_NAME)]
+                identity = _identity(*values[:-1])
                 result = _observation(
                     identity, attributes[contract.STAGE], attributes.get(contract.STEP), attributes.get(contract.SEQ),
                     attributes.get(contract.TIMING), attributes.get(contract.DEVICE_DURATION_MS),
@@ -469,8 +523,8 @@ def decode_json_request(request: Any) -> DecodedBatch:
                     attributes.get(contract.WORKLOAD_SAMPLES),
                     _json_time(span.get("startTimeUnixNano", 0)), _json_time(span.get("endTimeUnixNano", 0)),
                 )
-                if type(result) is str:
-                    batch.reject(name, result)
+                if type(result) is Rejection:
+                    batch.reject(name, result, values[0], values[3], values[4])
                 else:
                     batch.observations.append(result)
     return batch

@@ -137,6 +137,7 @@ def status_record(driver: EngineDriver, emitter: VerdictEmitter, telemetry: Opti
     errors.update(emitted["errors"])
     return {
         "spans": counts["spans"],
+        "rejections": counts["rejections"],
         "requests": counts["requests"],
         "errors": dict(errors),
         "engine": driver.stats(),

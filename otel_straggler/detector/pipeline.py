@@ -17,8 +17,9 @@ from collections import Counter
 from typing import Callable, Optional
 
 from otel_straggler.detector.config import DetectorConfig
-from otel_straggler.detector.decode import DecodedBatch
+from otel_straggler.detector.decode import OTHER_KIND, DecodedBatch, RejectedSpan, Rejection
 from otel_straggler.detector.observation import Verdict
+from otel_straggler.detector.rejections import RejectionLog
 
 _log = logging.getLogger(__name__)
 
@@ -30,21 +31,29 @@ SPAN_OUTCOMES = ("accepted", "duplicate", "late", "malformed", "dropped")
 # each wake-up costs CPU (70 µs on a small VM, benchmarks/detector_idle.py), and a detector mostly waits.
 ADVANCE_INTERVAL_S = 0.1
 IDLE_WAKE_S = 1.0
+# spans the engine refuses after decoding: their kind, so that rejections add up to spans.malformed
+_ENGINE_REFUSED = RejectedSpan(Rejection(OTHER_KIND, "refused by the engine after decoding (a host duration that "
+                                         "is not finite, or a value of the wrong type)"), None, None, None, None)
 
 
 class IntakeCounters:
-    """Thread-safe running totals: spans by outcome (plus `ignored`), requests by result, and
-    internal errors survived by kind."""
+    """Thread-safe running totals: spans by outcome (plus `ignored`), malformed spans by kind of
+    rejection, requests by result, and internal errors survived by kind."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._spans: Counter[str] = Counter({outcome: 0 for outcome in SPAN_OUTCOMES + ("ignored",)})
+        self._rejections: Counter[str] = Counter()
         self._requests: Counter[str] = Counter()
         self._errors: Counter[str] = Counter()
 
     def add(self, **span_counts: int) -> None:
         with self._lock:
             self._spans.update(span_counts)
+
+    def add_rejections(self, counts: dict[str, int]) -> None:
+        with self._lock:
+            self._rejections.update(counts)
 
     def add_request(self, result: str) -> None:
         with self._lock:
@@ -56,7 +65,8 @@ class IntakeCounters:
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         with self._lock:
-            return {"spans": dict(self._spans), "requests": dict(self._requests), "errors": dict(self._errors)}
+            return {"spans": dict(self._spans), "rejections": dict(self._rejections),
+                    "requests": dict(self._requests), "errors": dict(self._errors)}
 
 
 VerdictSink = Callable[[list[Verdict]], None]
@@ -66,12 +76,14 @@ class EngineDriver:
     """Feeds decoded batches to an engine and passes its verdicts to `deliver`. Every engine call
     holds one lock, so other threads may call `rank_state()` at any time; `stats()` is a copy taken
     after each advance, so status and metrics never wait for the engine. An engine exception is
-    counted and logged, and intake goes on: fail open."""
+    counted and logged, and intake goes on: fail open. Malformed spans are counted by kind and
+    logged, rate-limited (rejections.py)."""
 
     def __init__(self, engine, counters: IntakeCounters, deliver: VerdictSink,
                  on_ingest_lag: Optional[Callable[[float], None]] = None) -> None:
         self.engine = engine
         self.counters = counters
+        self.rejection_log = RejectionLog()
         self._deliver = deliver
         self._on_ingest_lag = on_ingest_lag
         self._engine_lock = threading.RLock()
@@ -82,6 +94,9 @@ class EngineDriver:
 
     def count_decoded(self, batch: DecodedBatch) -> None:
         self.counters.add(malformed=batch.malformed, ignored=batch.ignored)
+        if batch.malformed:
+            self.counters.add_rejections(batch.rejections)
+            self.rejection_log.note(batch.rejections, batch.first_rejected)
 
     def ingest(self, batch: DecodedBatch, now_unix_nano: int) -> None:
         observations = batch.observations
@@ -95,6 +110,10 @@ class EngineDriver:
             self.counters.add(dropped=len(observations))
             return
         self.counters.add(**outcomes)
+        if outcomes.get("malformed"):
+            refused = {OTHER_KIND: outcomes["malformed"]}
+            self.counters.add_rejections(refused)
+            self.rejection_log.note(refused, {OTHER_KIND: _ENGINE_REFUSED})
         if outcomes.get("late") and not self._logged_late:  # once: the counter has the rest
             self._logged_late = True
             _log.warning("%d spans arrived after their window was judged: counted as late, not judged "
@@ -107,6 +126,7 @@ class EngineDriver:
 
     def advance(self, now_unix_nano: int) -> None:
         self._close("advance", now_unix_nano)
+        self.rejection_log.log_due()  # the count of the last minute's rejections, if no more come
 
     def drain(self, now_unix_nano: int) -> None:
         self._close("drain", now_unix_nano)

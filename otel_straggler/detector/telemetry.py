@@ -147,6 +147,9 @@ class DetectorTelemetry:
             contract.METRIC_DETECTOR_SPANS, [self._observe_health("spans", "outcome", only=SPAN_OUTCOMES)],
             description="spans reaching the detector, by outcome")
         meter.create_observable_counter(
+            "straggler.detector.rejections", [self._observe_health("rejections", "reason")],
+            description="malformed spans, by kind of rejection (missing_job_id, bad_rank, ...)")
+        meter.create_observable_counter(
             "straggler.detector.spans.ignored", [self._observe_total("spans", "ignored")],
             description="spans without training.stage (not stage spans), ignored")
         meter.create_observable_counter(

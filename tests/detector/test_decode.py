@@ -70,23 +70,42 @@ def test_spans_that_are_not_stage_spans_are_ignored_and_counted():
         assert (len(batch.observations), batch.ignored, batch.malformed) == (1, 2, 0)
 
 
-@pytest.mark.parametrize("attributes, resource, complaint", [
-    (stage_attributes(**{contract.SEQ: None}), None, contract.SEQ),
-    (stage_attributes(**{contract.STEP: None}), None, contract.STEP),
-    (stage_attributes(**{contract.STEP: True}), None, contract.STEP),  # a bool is not a step
-    (stage_attributes(**{contract.SEQ: -1}), None, contract.SEQ),
-    (stage_attributes(**{contract.STEP: 4.0}), None, contract.STEP),
-    (stage_attributes(**{contract.STAGE: ""}), None, contract.STAGE),
-    (stage_attributes(), {contract.JOB_ID: "job-7"}, contract.RANK),
-    (stage_attributes(), {contract.JOB_ID: "job-7", contract.RANK: "5"}, contract.RANK),
-    (stage_attributes(), {contract.RANK: 5}, contract.JOB_ID),
-    (stage_attributes(), {contract.JOB_ID: "job-7", contract.RANK: 5, contract.TOPOLOGY_EPOCH: "two"}, contract.TOPOLOGY_EPOCH),
-    (stage_attributes(), {contract.JOB_ID: "job-7", contract.RANK: 5, contract.COHORT: 3}, contract.COHORT),
+@pytest.mark.parametrize("attributes, resource, complaint, kind", [
+    (stage_attributes(**{contract.SEQ: None}), None, contract.SEQ, "missing_seq"),
+    (stage_attributes(**{contract.STEP: None}), None, contract.STEP, "missing_step"),
+    (stage_attributes(**{contract.STEP: True}), None, contract.STEP, "bad_step"),  # a bool is not a step
+    (stage_attributes(**{contract.SEQ: -1}), None, contract.SEQ, "bad_seq"),
+    (stage_attributes(**{contract.STEP: 4.0}), None, contract.STEP, "bad_step"),
+    (stage_attributes(**{contract.STAGE: ""}), None, contract.STAGE, "bad_stage"),
+    (stage_attributes(), {contract.JOB_ID: "job-7"}, contract.RANK, "missing_rank"),
+    (stage_attributes(), {contract.JOB_ID: "job-7", contract.RANK: "5"}, contract.RANK, "bad_rank"),
+    (stage_attributes(), {contract.JOB_ID: "job-7", contract.RANK: -1}, contract.RANK, "bad_rank"),
+    (stage_attributes(), {contract.RANK: 5}, contract.JOB_ID, "missing_job_id"),
+    (stage_attributes(), {contract.JOB_ID: "", contract.RANK: 5}, contract.JOB_ID, "missing_job_id"),
+    (stage_attributes(), {contract.JOB_ID: 7, contract.RANK: 5}, contract.JOB_ID, "bad_job_id"),
+    (stage_attributes(), {contract.JOB_ID: "job-7", contract.RANK: 5, contract.TOPOLOGY_EPOCH: "two"},
+     contract.TOPOLOGY_EPOCH, "bad_epoch"),
+    (stage_attributes(), {contract.JOB_ID: "job-7", contract.RANK: 5, contract.COHORT: 3}, contract.COHORT, "bad_cohort"),
 ])
-def test_a_stage_span_missing_or_mistyping_a_required_field_is_malformed(attributes, resource, complaint):
-    for batch in decode_both([one_span(attributes, resource), one_span(stage_attributes())]):
+def test_a_stage_span_missing_or_mistyping_a_required_field_is_malformed_with_its_kind(attributes, resource,
+                                                                                       complaint, kind):
+    spans = [one_span(attributes, resource), one_span(stage_attributes())]
+    reference = ProtobufDecoder().decode_in_python(request_bytes(spans))
+    for batch in (*decode_both(spans), reference):
         assert (len(batch.observations), batch.malformed) == (1, 1)
         assert complaint in batch.first_error
+        assert batch.rejections == {kind: 1}
+        assert kind in decode.REJECTION_KINDS
+
+
+def test_a_rejected_span_keeps_an_example_with_what_is_known_of_its_sender():
+    resource = {contract.RANK: 3, contract.HOST_NAME: "node-0"}
+    spans = [one_span(stage_attributes(), resource, name="forward-compute") for _ in range(5)]
+    for batch in decode_both(spans):
+        assert batch.rejections == {"missing_job_id": 5}
+        (example,) = batch.first_rejected.values()
+        assert example.rejection is decode.MISSING_JOB_ID
+        assert (example.span_name, example.job_id, example.rank, example.host) == ("forward-compute", None, 3, "node-0")
 
 
 def test_a_span_ending_before_it_starts_is_malformed():
@@ -94,6 +113,7 @@ def test_a_span_ending_before_it_starts_is_malformed():
     span._start_time, span._end_time = END, END - 1
     for batch in decode_both([span]):
         assert batch.malformed == 1 and "end before start" in batch.first_error
+        assert batch.rejections == {"bad_timestamps": 1}
 
 
 def test_identity_attributes_on_the_span_are_used_when_the_resource_has_none():
@@ -182,6 +202,7 @@ def test_a_json_span_with_bad_attributes_is_malformed_and_its_neighbours_count()
     good["resourceSpans"] += bad["resourceSpans"]
     batch = decode_json(json.dumps(good).encode())
     assert (len(batch.observations), batch.malformed) == (1, 1)
+    assert batch.rejections == {"bad_attributes": 1}
 
 
 def test_an_empty_request_is_valid_and_empty():

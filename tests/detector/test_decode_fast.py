@@ -227,3 +227,16 @@ def test_a_rejected_span_is_left_to_the_reference_decoder():
     assert SCAN(payload) is None
     batch = ProtobufDecoder().decode(payload)
     assert batch.malformed == 1 and len(batch.observations) == 1 and "training.step" in batch.first_error
+    assert batch.rejections == {"bad_step": 1}
+
+
+def test_a_span_without_a_job_id_is_declined_and_gets_the_reference_kind():
+    request = ExportTraceServiceRequest.FromString(request_bytes(stage_spans(0, 2)))
+    attributes = request.resource_spans[0].resource.attributes
+    kept = [attribute for attribute in attributes if attribute.key != contract.JOB_ID]
+    del attributes[:]
+    attributes.extend(kept)
+    payload = request.SerializeToString()
+    assert SCAN(payload) is None
+    for batch in (ProtobufDecoder().decode(payload), reference(payload)):
+        assert batch.rejections == {"missing_job_id": 2} and batch.observations == []

@@ -5,9 +5,11 @@ from __future__ import annotations
 import gzip
 import http.client
 import json
+import logging
 import socket
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -358,3 +360,33 @@ def test_tls_serves_both_protocols(tmp_path, monkeypatch):
         with pytest.raises((http.client.HTTPException, ConnectionError, OSError)):
             post(http_port, request_bytes(stage_spans(2, 2)))  # plain HTTP to a TLS port
         assert accepted(service) == 4
+
+
+def without_job_id(spans):
+    """The spans as a rank that found no job id sends them."""
+    from opentelemetry.sdk.resources import Resource
+
+    resource = Resource({key: value for key, value in spans[0].resource.attributes.items() if key != contract.JOB_ID})
+    return [ReadableSpan(name=span.name, context=span.context, resource=resource, attributes=span.attributes,
+                         start_time=span.start_time, end_time=span.end_time) for span in spans]
+
+
+def test_spans_without_a_job_id_are_counted_by_kind_in_status_and_metrics_and_logged_once(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, "otel_straggler.detector.rejections")
+    with running_service(service_config(tmp_path, prometheus_port=0)) as service:
+        for _ in range(2):
+            status, _, answer = post(service.bound_ports[1], request_bytes(without_job_id(stage_spans(0, 5))))
+            assert status == 200 and ExportTraceServiceResponse.FromString(answer).partial_success.rejected_spans == 5
+        status_file = tmp_path / "evidence" / "status.json"
+        deadline = time.monotonic() + 10
+        while json.loads(status_file.read_text() if status_file.exists() else "{}").get("rejections") != {
+                "missing_job_id": 10}:
+            assert time.monotonic() < deadline, "status.json never counted the rejections"
+            time.sleep(0.02)
+        assert service.status()["spans"]["malformed"] == 10
+        with urllib.request.urlopen(f"http://127.0.0.1:{service.prometheus_port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+    assert 'straggler_detector_rejections_total{reason="missing_job_id"} 10' in text
+    assert 'straggler_detector_spans_total{outcome="malformed"} 10' in text
+    (line,) = [record.getMessage() for record in caplog.records if record.name == "otel_straggler.detector.rejections"]
+    assert line.startswith("5 span(s) rejected as malformed (missing_job_id)") and "rank 0, host 'node-0'" in line

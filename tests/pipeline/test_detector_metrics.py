@@ -40,3 +40,20 @@ def test_detector_intake_counter_reaches_prometheus(pipeline, detector):
         services.wait_until(accepted, DEADLINE_S, what=query)
     except TimeoutError:
         pytest.fail(f"{query} stayed below the spans sent\n--- detector log ---\n{detector.log_tail()}")
+
+
+def test_detector_rejections_reach_prometheus_by_reason(pipeline, detector):
+    # a rank that found no job id: every stage span is rejected, and the metric says why
+    send_rank_steps(pipeline.collector_grpc, Rank("", 0, 1, "tp0-pp0"), range(2))
+    query = 'sum(straggler_detector_rejections_total{job="otel-straggler-detector", reason="missing_job_id"})'
+    stage_spans = 2 * 3  # steps x stages
+
+    def rejected():
+        result = services.prometheus_query(pipeline.prometheus_url, query)
+        return result and float(result[0]["value"][1]) >= stage_spans
+
+    try:
+        services.wait_until(rejected, DEADLINE_S, what=query)
+    except TimeoutError:
+        pytest.fail(f"{query} stayed below the spans sent\n--- detector log ---\n{detector.log_tail()}")
+    assert "rejected as malformed (missing_job_id)" in detector.log_tail()

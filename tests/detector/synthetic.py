@@ -108,19 +108,18 @@ class SyntheticJob:
         seq = {rank: seq_start for rank in rank_ids}
         clock_ns = {rank: int(1.7e18 + (start_skew_s or {}).get(rank, 0.0) * 1e9
                               + (clock_offset_ms or {}).get(rank, 0.0) * 1e6) for rank in rank_ids}
+        tokens = {rank: self._tokens_by_rank.get(rank, self.tokens) for rank in rank_ids}
+        job_id, epoch, cohort = self.job_id, self.epoch, self.cohort
+        # positional Observation(...) from plain lists: the benchmarks build hundreds of thousands
         for step in range(first_step, first_step + steps):
             host, device = self._step_durations(rng, step, noise_level)
-            for index, rank in enumerate(rank_ids):
+            for index, (rank, host_row, device_row) in enumerate(zip(rank_ids, host.tolist(), device.tolist())):
                 batch = []
-                for stage_index, stage in enumerate(self.stages):
-                    host_ms = float(host[index, stage_index])
+                for stage, host_ms, device_ms in zip(self.stages, host_row, device_row):
                     clock_ns[rank] += int(host_ms * 1e6)
-                    batch.append(Observation(
-                        job_id=self.job_id, epoch=self.epoch, cohort=self.cohort, rank=rank,
-                        stage=stage.name, step=step, seq=seq[rank], host_ms=host_ms,
-                        device_ms=float(device[index, stage_index]) if stage.device else None,
-                        collective=stage.collective, tokens=self._tokens_by_rank.get(rank, self.tokens),
-                        samples=None, end_unix_nano=clock_ns[rank]))
+                    batch.append(Observation(job_id, epoch, cohort, rank, stage.name, step, seq[rank], host_ms,
+                                             device_ms if stage.device else None, stage.collective, tokens[rank],
+                                             None, clock_ns[rank]))
                     seq[rank] += 1
                 arrivals.append((step + export_delay_steps.get(rank, 0), index, batch))
         arrivals.sort(key=lambda arrival: (arrival[0], arrival[1]))

@@ -9,8 +9,18 @@ Jobs: a ~1 s training step (data-load 20 ms, forward 300 ms, backward 600 ms, a 
 - persistent spread: healthy ranks that are persistently up to +-2.5% apart (a slower GPU, thermals)
 - detection: one rank slower by +4% ... +10% on every compute stage: share of seeds where it was
   caught within the run, and the median number of windows from its first judged window to onset
+Busy hosts (tests/detector/host_noise.py): instead of the Gaussian jitter, each rank drifts (an AR(1)
+factor, 3.5% std dev, correlation time 5 windows), its per-step jitter is Student-t (3 degrees of
+freedom) and 0.5% of intervals are 3x, so healthy ranks sit 5-8% off their peers for windows in a row.
+- false positives: healthy ranks under that noise; then the same jobs with a busy host (the last 8
+  ranks, 56-63, slower by +5% to +15% together in windows 20-27, then back): a noisy neighbour, no
+  straggler
+- detection: the same jobs with one rank +5%, +10% or +20% slower in backward-compute only; then
+  +10% with the busy host as well. Noise and seeds are those of the false-positive rows: the other
+  ranks alerted compare with them, and the busy host adds its episode and nothing else.
 Reference choices: the median of the comparable peers (the default), their 25th percentile, and the
-fastest peer (quantile 0). The rank under test is always left out of its own reference.
+fastest peer (quantile 0). The rank under test is always left out of its own reference. Seeds run in
+`--jobs` processes (default: one per core); the figures do not depend on how many.
 """
 from __future__ import annotations
 
@@ -18,6 +28,9 @@ import argparse
 import os
 import statistics
 import sys
+from concurrent.futures import Executor, ProcessPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Optional
 
 import numpy as np
 
@@ -26,9 +39,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from otel_straggler import contract  # noqa: E402
 from otel_straggler.detector.config import DetectorConfig  # noqa: E402
 from otel_straggler.detector.engine import Engine  # noqa: E402
+from tests.detector.host_noise import BusyHost, HostNoise  # noqa: E402
 from tests.detector.synthetic import LARGE_MODEL_STAGES as STAGES, SyntheticJob  # noqa: E402
+
 QUANTILES = {"median (default)": 0.5, "25th percentile": 0.25, "fastest peer": 0.0}
 STEP_NS = 100_000_000
+HOST_NOISE = HostNoise()  # the defaults: see tests/detector/host_noise.py
+NOISY_SLOW_STAGE = "backward-compute"
+WINDOW_STEPS = DetectorConfig().window_steps
 
 
 def onsets(observations: list, ranks: int, quantile: float) -> dict[int, int]:
@@ -48,37 +66,94 @@ def onsets(observations: list, ranks: int, quantile: float) -> dict[int, int]:
     return first
 
 
-def false_positives(ranks: int, seeds: int, windows: int, spread: float) -> dict[str, tuple[int, int]]:
+@dataclass(frozen=True)
+class Scenario:
+    """One kind of seeded job: how its healthy ranks differ and which rank, if any, is slow."""
+    ranks: int
+    seed_base: int
+    spread: float = 0.0  # healthy ranks persistently up to +-spread apart
+    slow_factor: Optional[float] = None  # the rank ranks // 3 this much slower
+    slow_stages: Optional[tuple[str, ...]] = None  # None: every compute stage
+    noise: Optional[HostNoise] = None  # None: the synthetic job's Gaussian jitter
+
+    @property
+    def slow_rank(self) -> Optional[int]:
+        return self.ranks // 3 if self.slow_factor is not None else None
+
+    def job(self, seed: int) -> SyntheticJob:
+        job = SyntheticJob(ranks=self.ranks, stages=STAGES, seed=self.seed_base + seed, noise=self.noise)
+        if self.spread:
+            offsets = np.random.default_rng(seed).uniform(-self.spread, self.spread, size=self.ranks)
+            for rank, offset in enumerate(offsets):
+                job.slow(rank, 1.0 + offset)
+        if self.slow_factor is not None:
+            job.slow(self.slow_rank, self.slow_factor, stages=self.slow_stages)
+        return job
+
+
+def alerts(scenario: Scenario, seed: int, windows: int) -> dict[str, dict[int, int]]:
+    """per reference: rank -> window of its first straggler verdict, for one seed."""
+    observations = scenario.job(seed).observations(windows * WINDOW_STEPS)
+    return {name: onsets(observations, scenario.ranks, quantile) for name, quantile in QUANTILES.items()}
+
+
+def runs(pool: Executor, scenario: Scenario, seeds: int, windows: int) -> list[dict[str, dict[int, int]]]:
+    return list(pool.map(alerts, [scenario] * seeds, range(seeds), [windows] * seeds))
+
+
+def false_positives(pool: Executor, scenario: Scenario, seeds: int, windows: int) -> dict[str, tuple[int, int]]:
     """per reference: (ranks alerted, rank-windows judged)."""
     alerted = {name: 0 for name in QUANTILES}
-    for seed in range(seeds):
-        job = SyntheticJob(ranks=ranks, stages=STAGES, seed=1000 + seed)
-        offsets = np.random.default_rng(seed).uniform(-spread, spread, size=ranks)
-        for rank, offset in enumerate(offsets):
-            if spread:
-                job.slow(rank, 1.0 + offset)
-        observations = job.observations(windows * 10)
-        for name, quantile in QUANTILES.items():
-            alerted[name] += len(onsets(observations, ranks, quantile))
-    judged = seeds * ranks * (windows - DetectorConfig().warmup_windows)
+    for first in runs(pool, scenario, seeds, windows):
+        for name in QUANTILES:
+            alerted[name] += len(first[name])
+    judged = seeds * scenario.ranks * (windows - DetectorConfig().warmup_windows)
     return {name: (count, judged) for name, count in alerted.items()}
 
 
-def detection(ranks: int, seeds: int, windows: int, factor: float) -> dict[str, tuple[float, float, int]]:
+def detection(pool: Executor, scenario: Scenario, seeds: int, windows: int) -> dict[str, tuple[float, float, int]]:
     """per reference: (share of seeds caught, median windows to onset, other ranks alerted)."""
     caught = {name: [] for name in QUANTILES}
     others = {name: 0 for name in QUANTILES}
     first_judged = DetectorConfig().warmup_windows
-    for seed in range(seeds):
-        job = SyntheticJob(ranks=ranks, stages=STAGES, seed=2000 + seed).slow(ranks // 3, factor)
-        observations = job.observations(windows * 10)
-        for name, quantile in QUANTILES.items():
-            first = onsets(observations, ranks, quantile)
-            if ranks // 3 in first:
-                caught[name].append(first[ranks // 3] - first_judged + 1)
-            others[name] += len(set(first) - {ranks // 3})
+    slow_rank = scenario.slow_rank
+    for first_by_reference in runs(pool, scenario, seeds, windows):
+        for name, first in first_by_reference.items():
+            if slow_rank in first:
+                caught[name].append(first[slow_rank] - first_judged + 1)
+            others[name] += len(set(first) - {slow_rank})
     return {name: (len(times) / seeds, statistics.median(times) if times else float("nan"), others[name])
             for name, times in caught.items()}
+
+
+def describe(noise: HostNoise) -> str:
+    return (f"each rank drifting (AR(1), {noise.drift_std:.1%} std dev, correlation time "
+            f"{noise.drift_steps / WINDOW_STEPS:g} windows), Student-t (df {noise.jitter_df:g}) jitter of "
+            f"{noise.jitter_scale:.1%} scale, {noise.spike_rate:.1%} of intervals {noise.spike_factor:g}x")
+
+
+def describe_episode(episode: BusyHost) -> str:
+    first_rank = episode.host * episode.ranks_per_host
+    return (f"ranks {first_rank}-{first_rank + episode.ranks_per_host - 1} {episode.slowdown[0] - 1:+.0%} to "
+            f"{episode.slowdown[1] - 1:+.0%} in windows {episode.first_step // WINDOW_STEPS}-"
+            f"{episode.last_step // WINDOW_STEPS}")
+
+
+def print_false_positives(pool: Executor, rows, windows: int) -> None:
+    names = list(QUANTILES)
+    print(f"{'scenario':<40}" + "".join(f"{name:>20}" for name in names))
+    for label, scenario, row_seeds in rows:
+        result = false_positives(pool, scenario, row_seeds, windows)
+        print(f"{label:<40}" + "".join(f"{f'{a} / {j}':>20}" for a, j in (result[n] for n in names)))
+
+
+def print_detection(pool: Executor, rows, seeds: int, windows: int) -> None:
+    names = list(QUANTILES)
+    print(f"{'slow rank':<40}" + "".join(f"{name:>20}" for name in names))
+    for label, scenario in rows:
+        result = detection(pool, scenario, seeds, windows)
+        print(f"{label:<40}"
+              + "".join(f"{f'{s:.0%}, {m:g}, {o}':>20}" for s, m, o in (result[n] for n in names)))
 
 
 def main() -> int:
@@ -87,27 +162,43 @@ def main() -> int:
     parser.add_argument("--windows", type=int, default=60)
     parser.add_argument("--ranks", type=int, default=64)
     parser.add_argument("--large-ranks", type=int, default=256)
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="seeds run in this many processes (the figures do not depend on it)")
     args = parser.parse_args()
-    names = list(QUANTILES)
-    print(f"jobs: ~1 s steps, 2-3% per-step jitter, {args.windows} windows of 10 steps, {args.seeds} seeds, "
-          f"default thresholds (5%, 5 ms, 3 windows)")
+    ranks, seeds, windows = args.ranks, args.seeds, args.windows
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        print(f"jobs: ~1 s steps, 2-3% per-step jitter, {windows} windows of 10 steps, {seeds} seeds, "
+              f"default thresholds (5%, 5 ms, 3 windows)")
 
-    print(f"\nfalse positives: ranks alerted / rank-windows judged")
-    print(f"{'scenario':<40}" + "".join(f"{name:>20}" for name in names))
-    for ranks, spread, label in ((args.ranks, 0.0, f"{args.ranks} healthy ranks"),
-                                 (args.large_ranks, 0.0, f"{args.large_ranks} healthy ranks"),
-                                 (args.ranks, 0.025, f"{args.ranks} ranks, persistent +-2.5% spread")):
-        seeds = max(1, args.seeds // 4) if ranks > args.ranks else args.seeds
-        result = false_positives(ranks, seeds, args.windows, spread)
-        print(f"{label:<40}" + "".join(f"{f'{a} / {j}':>20}" for a, j in (result[n] for n in names)))
+        print(f"\nfalse positives: ranks alerted / rank-windows judged")
+        print_false_positives(pool, (
+            (f"{ranks} healthy ranks", Scenario(ranks, 1000), seeds),
+            (f"{args.large_ranks} healthy ranks", Scenario(args.large_ranks, 1000), max(1, seeds // 4)),
+            (f"{ranks} ranks, persistent +-2.5% spread", Scenario(ranks, 1000, spread=0.025), seeds),
+        ), windows)
 
-    print(f"\ndetection at {args.ranks} ranks: caught in share of seeds, median windows to onset "
-          f"(3 is the minimum), other ranks alerted")
-    print(f"{'slow rank':<40}" + "".join(f"{name:>20}" for name in names))
-    for factor in (1.04, 1.05, 1.06, 1.08, 1.10):
-        result = detection(args.ranks, args.seeds, args.windows, factor)
-        print(f"{f'+{round((factor - 1) * 100)}%':<40}"
-              + "".join(f"{f'{s:.0%}, {m:g}, {o}':>20}" for s, m, o in (result[n] for n in names)))
+        print(f"\ndetection at {ranks} ranks: caught in share of seeds, median windows to onset "
+              f"(3 is the minimum), other ranks alerted")
+        print_detection(pool, [(f"+{round((factor - 1) * 100)}%", Scenario(ranks, 2000, slow_factor=factor))
+                               for factor in (1.04, 1.05, 1.06, 1.08, 1.10)], seeds, windows)
+
+        busy = BusyHost(host=ranks // 8 - 1, first_step=20 * WINDOW_STEPS, last_step=28 * WINDOW_STEPS - 1)
+        print(f"\nbusy hosts: {describe(HOST_NOISE)}; busy host: {describe_episode(busy)}")
+        print("\nfalse positives under busy-host noise: ranks alerted / rank-windows judged")
+        with_busy_host = replace(HOST_NOISE, busy_host=busy)
+        print_false_positives(pool, (
+            (f"{ranks} ranks, drifting heavy-tailed noise", Scenario(ranks, 3000, noise=HOST_NOISE), seeds),
+            (f"{ranks} ranks, same, busy host", Scenario(ranks, 3000, noise=with_busy_host), seeds),
+        ), windows)
+
+        print(f"\ndetection at {ranks} ranks under busy-host noise, one rank slower in {NOISY_SLOW_STAGE}: "
+              f"caught in share of seeds, median windows to onset, other ranks alerted")
+        print_detection(pool, [(f"+{round((factor - 1) * 100)}%",
+                                Scenario(ranks, 3000, slow_factor=factor, slow_stages=(NOISY_SLOW_STAGE,),
+                                         noise=HOST_NOISE)) for factor in (1.05, 1.10, 1.20)]
+                        + [("+10%, busy host elsewhere",
+                            Scenario(ranks, 3000, slow_factor=1.10, slow_stages=(NOISY_SLOW_STAGE,),
+                                     noise=with_busy_host))], seeds, windows)
     return 0
 
 

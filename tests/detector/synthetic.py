@@ -7,16 +7,18 @@ on the device) is 97% of that. Slowdowns are added per rank with `slow(...)`. A 
 lasts its own base time plus the wait for the slowest rank of the step, as a blocking all-reduce does.
 `observations()` returns them in an arrival order close to OTLP exports: step by step, each rank's
 spans together, optionally with ranks' exports delayed, clocks offset and starts skewed (which only
-move `end_unix_nano`, as on real hosts).
+move `end_unix_nano`, as on real hosts). With `noise` (a `HostNoise`, tests/detector/host_noise.py)
+the per-step noise is that of busy hosts, drifting and heavy-tailed, instead of the Gaussian jitter.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
 from otel_straggler.detector.observation import Observation
+from .host_noise import HostNoise
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class SyntheticJob:
     epoch: int = 0
     first_rank: int = 0
     tokens: Optional[int] = None  # tokens per step reported on every span; None: not reported
+    noise: Optional[HostNoise] = None  # replaces `jitter` when set
     _slowdowns: dict = field(default_factory=dict)
     _tokens_by_rank: dict = field(default_factory=dict)
     _stage_jitter: dict = field(default_factory=dict)
@@ -108,30 +111,35 @@ class SyntheticJob:
         seq = {rank: seq_start for rank in rank_ids}
         clock_ns = {rank: int(1.7e18 + (start_skew_s or {}).get(rank, 0.0) * 1e9
                               + (clock_offset_ms or {}).get(rank, 0.0) * 1e6) for rank in rank_ids}
+        noise_factors = (self.noise.step_factors(self.ranks, len(self.stages), self.seed, first_step)
+                         if self.noise is not None else None)
+        tokens = {rank: self._tokens_by_rank.get(rank, self.tokens) for rank in rank_ids}
+        job_id, epoch, cohort = self.job_id, self.epoch, self.cohort
+        # positional Observation(...) from plain lists: the benchmarks build hundreds of thousands
         for step in range(first_step, first_step + steps):
-            host, device = self._step_durations(rng, step, noise_level)
-            for index, rank in enumerate(rank_ids):
+            host, device = self._step_durations(rng, step, noise_level, noise_factors)
+            for index, (rank, host_row, device_row) in enumerate(zip(rank_ids, host.tolist(), device.tolist())):
                 batch = []
-                for stage_index, stage in enumerate(self.stages):
-                    host_ms = float(host[index, stage_index])
+                for stage, host_ms, device_ms in zip(self.stages, host_row, device_row):
                     clock_ns[rank] += int(host_ms * 1e6)
-                    batch.append(Observation(
-                        job_id=self.job_id, epoch=self.epoch, cohort=self.cohort, rank=rank,
-                        stage=stage.name, step=step, seq=seq[rank], host_ms=host_ms,
-                        device_ms=float(device[index, stage_index]) if stage.device else None,
-                        collective=stage.collective, tokens=self._tokens_by_rank.get(rank, self.tokens),
-                        samples=None, end_unix_nano=clock_ns[rank]))
+                    batch.append(Observation(job_id, epoch, cohort, rank, stage.name, step, seq[rank], host_ms,
+                                             device_ms if stage.device else None, stage.collective, tokens[rank],
+                                             None, clock_ns[rank]))
                     seq[rank] += 1
                 arrivals.append((step + export_delay_steps.get(rank, 0), index, batch))
         arrivals.sort(key=lambda arrival: (arrival[0], arrival[1]))
         return [observation for _, _, batch in arrivals for observation in batch]
 
-    def _step_durations(self, rng: np.random.Generator, step: int, noise_level: np.ndarray):
+    def _step_durations(self, rng: np.random.Generator, step: int, noise_level: np.ndarray,
+                        noise_factors: Optional[Iterator[np.ndarray]]):
         """(host, device) durations, shape (ranks, stages), collectives including the wait."""
         stage_count = len(self.stages)
         base = np.array([stage.base_ms for stage in self.stages])
-        noise = rng.normal(0.0, 1.0, size=(self.ranks, stage_count)) * noise_level[:, None]
-        host = base * np.clip(1.0 + noise, 0.5, 1.5)
+        if noise_factors is not None:
+            host = base * next(noise_factors)
+        else:
+            noise = rng.normal(0.0, 1.0, size=(self.ranks, stage_count)) * noise_level[:, None]
+            host = base * np.clip(1.0 + noise, 0.5, 1.5)
         for stage_index, stage in enumerate(self.stages):
             sigma = self._stage_jitter.get(stage.name)
             if sigma is not None:

@@ -178,7 +178,7 @@ class Engine:
             self._counts["evictions_cohorts"] += 1
         config = self._config
         cohort = Cohort(job_id, epoch, name, self._layout, config.max_ranks, config.max_stages,
-                        config.max_open_windows, self._counts, self._now)
+                        config.max_open_windows, self._counts, self._now, config.max_export_lag_s)
         self._cohorts[key] = cohort
         self._cohorts_by_job.setdefault(job_id, []).append(key)
         return cohort

@@ -6,8 +6,12 @@ ms, tokens) appended on the ingest hot path; all grouping happens once, when the
 
 A window closes, at the caller's `advance(now)`, when
 - every reporting rank of the cohort has reported a later window (the cohort moved past it), or
-- more than half of them have reported a window `window_close_lag` later (so one lagging rank, or
-  one lagging exporter, cannot hold it open, while a straggler's own late data still counts), or
+- every reporting rank that has not moved past it is overdue: its last new window came longer ago
+  than its own delivery gap allows (twice the largest recent gap between its deliveries, plus a
+  second; `max_export_lag_s` before a gap is known, and never more). Ranks export in bursts (the
+  SDK's batch processor waits 5 s by default), so a rank 2-3 windows behind its peers is usually
+  one export away, not stuck: the window waits for it, bounded, instead of judging without it, or
+- more than half of them have reported a window `window_close_lag` later (a bound in steps), or
 - it received no data for `window_grace_s` by the caller's clock, or
 - the cohort would exceed `max_open_windows` (the oldest is closed early, counted).
 "Reporting" ranks exclude `silent` ones, so a rank that stopped does not hold windows open for long.
@@ -27,6 +31,9 @@ from otel_straggler.detector.judge import CohortVerdictState
 NEVER_REPORTED = -(1 << 62)  # a rank's latest window before its first accepted row
 SEQ_UNSEEN = -(1 << 63)  # de-duplication slot never written
 OUT_OF_ORDER_JUDGED_KEPT = 64  # windows judged while an older one was still open, remembered for `late`
+GAP_DECAY = 0.8  # a rank's largest recent delivery gap shrinks by this at each delivery, so it follows a faster exporter
+DELIVERY_MARGIN_NS = 1_000_000_000  # beyond twice the gap: one transfer and one detector tick
+STARTUP_HOLD_NS = 1_000_000_000  # a cohort's windows wait this long after its first data for ranks not seen yet
 
 
 class RowLayout:
@@ -107,7 +114,8 @@ class Cohort:
     """Ranks, stage names and open windows of one cohort, all bounded, and its verdict state."""
 
     def __init__(self, job_id: str, epoch: int, name: str, layout: RowLayout, max_ranks: int,
-                 max_stages: int, max_open_windows: int, counts: Counter, now_unix_nano: int) -> None:
+                 max_stages: int, max_open_windows: int, counts: Counter, now_unix_nano: int,
+                 max_export_lag_s: float = 15.0) -> None:
         self.job_id = job_id
         self.epoch = epoch
         self.name = name
@@ -123,6 +131,15 @@ class Cohort:
         self._entries_by_rank: dict[int, RankEntry] = {}
         self._free_slots: list[int] = []
         self._latest_window_by_slot = np.zeros(0, dtype=np.int64)
+        # delivery timing by the caller's clock: when each rank last reached a new window, and its
+        # largest recent gap between such deliveries (0: not known yet)
+        self._reached_ns_by_slot = np.zeros(0, dtype=np.int64)
+        self._delivery_gap_ns_by_slot = np.zeros(0, dtype=np.int64)
+        self._reached_since_advance: list[int] = []
+        self._first_advance_unix_nano: Optional[int] = None
+        self._last_advance_unix_nano = 0
+        self._max_lag_ns = int(max_export_lag_s * 1e9)
+        self._startup_hold_ns = min(STARTUP_HOLD_NS, self._max_lag_ns)
         # closing rule: how many reporting (not silent) ranks have each latest window
         self._ranks_by_latest_window: Counter = Counter()
         self._reporting_ranks = 0
@@ -156,14 +173,19 @@ class Cohort:
             slot = len(self.slot_entries)
             self.slot_entries.append(None)
             if slot >= self._latest_window_by_slot.size:
-                grown = np.full(max(16, 2 * self._latest_window_by_slot.size), NEVER_REPORTED, dtype=np.int64)
+                size = max(16, 2 * self._latest_window_by_slot.size)
+                grown = np.full(size, NEVER_REPORTED, dtype=np.int64)
                 grown[:self._latest_window_by_slot.size] = self._latest_window_by_slot
                 self._latest_window_by_slot = grown
+                for name in ("_reached_ns_by_slot", "_delivery_gap_ns_by_slot"):
+                    old = getattr(self, name)
+                    setattr(self, name, np.concatenate((old, np.zeros(size - old.size, dtype=np.int64))))
             self.verdict_state.ensure(len(self.stage_names), slot + 1)
         entry = RankEntry(self.job_id, self.epoch, rank, self, slot, self.layout, dedup_horizon)
         self.slot_entries[slot] = entry
         self._entries_by_rank[rank] = entry
         self._latest_window_by_slot[slot] = NEVER_REPORTED
+        self._reached_ns_by_slot[slot] = self._delivery_gap_ns_by_slot[slot] = 0
         self.verdict_state.reset_slot(slot)
         return entry, evicted
 
@@ -186,6 +208,7 @@ class Cohort:
         self._latest_window_by_slot[entry.slot] = window
         self._ranks_by_latest_window[window] += 1
         self._reporting_ranks += 1
+        self._reached_since_advance.append(entry.slot)
 
     def rank_restarted(self, entry: RankEntry) -> None:
         """Its sequence numbers started over: a new process, so its warmup starts over too."""
@@ -309,14 +332,22 @@ class Cohort:
                 rows.rows_noticed = len(rows)
                 rows.last_data_unix_nano = now_unix_nano
                 self.last_active_unix_nano = now_unix_nano
+        self._note_deliveries(now_unix_nano)
         latest = sorted(self._ranks_by_latest_window.items())
         reporting = self._reporting_ranks
         # a bound that grows with the cohort, so an ordinary window of a large one never reaches it
         max_rows = None if max_rows_per_rank is None else max_rows_per_rank * max(1, reporting)
+        on_time_from = self._lowest_on_time_window(now_unix_nano) if self.open_windows else None
+        # at the start a rank's first export can come up to one export period after another's, and
+        # a rank never seen is not waited for: the cohort's first windows wait that long for them
+        starting = self._starting(now_unix_nano)
         for window in sorted(self.open_windows):
             moved_past = sum(count for latest_window, count in latest if latest_window > window)
             far_ahead = sum(count for latest_window, count in latest if latest_window >= window + close_lag)
-            cohort_moved_on = reporting > 0 and (moved_past >= reporting or 2 * far_ahead > reporting)
+            # the ranks still short of this window are all overdue
+            only_overdue_short = moved_past > 0 and window < on_time_from
+            cohort_moved_on = reporting > 0 and not starting and (
+                moved_past >= reporting or 2 * far_ahead > reporting or only_overdue_short)
             rows = self.open_windows[window]
             idle = now_unix_nano - rows.last_data_unix_nano >= grace_ns
             # full: a window whose step does not advance while spans keep coming would grow without bound
@@ -328,8 +359,9 @@ class Cohort:
         return closing
 
     def next_idle_close_unix_nano(self, grace_ns: int) -> Optional[int]:
-        """When the earliest open window goes idle if no data comes (None: no open window); 0 when
-        a window waits to be judged now or has rows the last `windows_to_judge` did not notice."""
+        """When the earliest open window goes idle, or the ranks it waits for become overdue, if no
+        data comes (None: no open window); 0 when a window waits to be judged now or has rows the
+        last `windows_to_judge` did not notice."""
         if self._closed_early:
             return 0
         earliest: Optional[int] = None
@@ -338,7 +370,57 @@ class Cohort:
                 return 0
             due = rows.last_data_unix_nano + grace_ns
             earliest = due if earliest is None else min(earliest, due)
+        if self.open_windows and self._first_advance_unix_nano is not None:
+            hold_ends = self._first_advance_unix_nano + self._startup_hold_ns
+            if hold_ends > self._last_advance_unix_nano:  # held at the last look: look again when it ends
+                earliest = hold_ends if earliest is None else min(earliest, hold_ends)
+        if self.open_windows and self._reporting_ranks:
+            waiting = self._waiting_slots(min(self.open_windows))
+            if waiting.size and waiting.size < self._reporting_ranks:
+                due = int(np.max(self._reached_ns_by_slot[waiting] + self._patience_ns(waiting))) + 1
+                earliest = due if earliest is None else min(earliest, due)
         return earliest
+
+    # ---- delivery lag ----
+    def _note_deliveries(self, now_unix_nano: int) -> None:
+        """Ranks that reached a new window since the last call delivered at about `now`: their gap
+        since the previous delivery updates a decaying maximum (the largest recent gap)."""
+        slots, self._reached_since_advance = self._reached_since_advance, []
+        for slot in set(slots):
+            if slot >= len(self.slot_entries) or self.slot_entries[slot] is None:
+                continue  # evicted since
+            previous = int(self._reached_ns_by_slot[slot])
+            if previous:
+                gap = min(max(0, now_unix_nano - previous), self._max_lag_ns)
+                self._delivery_gap_ns_by_slot[slot] = max(gap, int(self._delivery_gap_ns_by_slot[slot] * GAP_DECAY))
+            self._reached_ns_by_slot[slot] = now_unix_nano
+
+    def _starting(self, now_unix_nano: int) -> bool:
+        if self._first_advance_unix_nano is None:
+            self._first_advance_unix_nano = now_unix_nano
+        self._last_advance_unix_nano = now_unix_nano
+        return now_unix_nano - self._first_advance_unix_nano < self._startup_hold_ns
+
+    def _patience_ns(self, slots: np.ndarray) -> np.ndarray:
+        gap = self._delivery_gap_ns_by_slot[slots]
+        return np.where(gap > 0, np.minimum(2 * gap + DELIVERY_MARGIN_NS, self._max_lag_ns), self._max_lag_ns)
+
+    def _reporting_slots(self) -> np.ndarray:
+        count = len(self.slot_entries)
+        latest = self._latest_window_by_slot[:count]
+        return np.flatnonzero((latest != NEVER_REPORTED) & ~self.verdict_state.silent[:count])
+
+    def _waiting_slots(self, window: int) -> np.ndarray:
+        """Reporting (not silent) ranks whose latest window is `window` or earlier."""
+        slots = self._reporting_slots()
+        return slots[self._latest_window_by_slot[slots] <= window]
+
+    def _lowest_on_time_window(self, now_unix_nano: int) -> int:
+        """The lowest latest window among reporting ranks that are not overdue: a window below it
+        waits only for overdue ranks. Very large when every rank is overdue."""
+        slots = self._reporting_slots()
+        on_time = slots[now_unix_nano - self._reached_ns_by_slot[slots] <= self._patience_ns(slots)]
+        return int(self._latest_window_by_slot[on_time].min()) if on_time.size else 1 << 62
 
     def all_windows(self) -> list[WindowRows]:
         """Takes every window still to be judged, oldest first (end of input)."""

@@ -22,7 +22,8 @@ from otel_straggler.detector.engine import Engine
 from .otlp_spans import eventful_observations, per_step_requests, request_bytes, verdict_records, without_time
 
 FLUSH_INTERVAL_S = 0.5
-ENGINE_FLAGS = ("--window-steps", "5", "--window-grace-s", "3600")
+# a short startup hold (max-export-lag-s bounds it): these tests time what comes after the first spans
+ENGINE_FLAGS = ("--window-steps", "5", "--window-grace-s", "3600", "--max-export-lag-s", "0.1")
 STARTED = re.compile(r"OTLP/gRPC 127\.0\.0\.1:(\d+), OTLP/HTTP 127\.0\.0\.1:(\d+)")
 
 
@@ -48,14 +49,16 @@ def send(grpc_port: int, requests) -> int:
 
 def engine_verdicts(requests, drain: bool) -> list[dict]:
     """What the engine makes of the same spans in-process, with or without the final drain."""
-    engine = Engine(DetectorConfig(window_steps=5, window_grace_s=3600))
+    engine = Engine(DetectorConfig(window_steps=5, window_grace_s=3600, max_export_lag_s=0.1))
     decoder = ProtobufDecoder()
     verdicts = []
+    now = 0
     for spans in requests:
         engine.ingest_many(decoder.decode(request_bytes(spans)).observations)
-        verdicts += engine.advance(0)
+        now += 10**9  # a second per request: past the startup hold, short of any idle close
+        verdicts += engine.advance(now)
     if drain:
-        verdicts += engine.drain(0)
+        verdicts += engine.drain(now)
     return [verdict.to_dict() for verdict in verdicts]
 
 

@@ -118,33 +118,98 @@ def test_comparable_set_a_rank_that_changes_cohort_is_compared_in_its_new_one():
 
 # ---------------------------------------------------------------- windows by step
 
-def test_windows_by_step_close_when_the_cohort_moved_past():
-    engine = Engine(DetectorConfig(window_close_lag=4))
-    seq = {rank: 0 for rank in range(5)}
+SECOND = 10**9
+
+
+def _feeder(engine, ranks):
+    seq = {rank: 0 for rank in range(ranks)}
 
     def feed_steps(ranks, steps):
         for step in steps:
             for rank in ranks:
                 assert engine.ingest(observation(rank, step, seq[rank])) == "accepted"
                 seq[rank] += 1
+    return feed_steps, seq
 
+
+def test_windows_by_step_close_when_the_cohort_moved_past():
+    engine = Engine(DetectorConfig())
+    feed_steps, _ = _feeder(engine, 5)
     feed_steps(range(5), range(0, 10))
     assert engine.advance(START_NS) == [] and engine.stats()["windows_closed"] == 0
     feed_steps(range(4), [10])  # four of five ranks reached window 1
-    engine.advance(START_NS + 1)
+    engine.advance(START_NS + 2 * SECOND)
     assert engine.stats()["windows_closed"] == 0
     feed_steps([4], [10])  # the whole cohort moved past window 0
-    engine.advance(START_NS + 2)
+    engine.advance(START_NS + 3 * SECOND)
     assert engine.stats()["windows_closed"] == 1
-    # rank 4 lags: window 1 stays open for its data until most ranks are window_close_lag windows on
-    feed_steps(range(4), range(11, 50))
-    engine.advance(START_NS + 3)
-    assert engine.stats()["windows_closed"] == 1
-    feed_steps([4], [11])  # the lagging rank's data still counts while its window is open
-    feed_steps(range(4), [50])
-    engine.advance(START_NS + 4)
-    assert engine.stats()["windows_closed"] == 2
-    assert engine.ingest(observation(4, 12, seq[4])) == "late"
+
+
+def test_windows_hold_at_the_start_for_ranks_not_seen_yet():
+    """A rank's first export can come after another's: the cohort's first windows wait a second
+    for ranks it has not seen, so their first spans are not late."""
+    engine = Engine(DetectorConfig())
+    feed_steps, _ = _feeder(engine, 2)
+    feed_steps([0], range(0, 25))
+    engine.advance(START_NS)
+    engine.advance(START_NS + SECOND // 2)
+    assert engine.stats()["windows_closed"] == 0
+    feed_steps([1], range(0, 25))  # half a second later
+    engine.advance(START_NS + SECOND)
+    assert engine.stats()["windows_closed"] == 2 and engine.stats()["late"] == 0
+
+
+def test_windows_wait_for_a_lagging_rank_that_still_delivers():
+    """Ranks export in bursts (5 s apart at the SDK's defaults): a rank several windows behind its
+    peers but delivering at its own pace is waited for and judged, not closed out and late."""
+    engine = Engine(DetectorConfig())
+    feed_steps, _ = _feeder(engine, 5)
+    now = START_NS
+    for burst in range(6):  # ranks 0-3 deliver a window each second; rank 4 windows 1-5 at once, 5 s on
+        feed_steps(range(4), range(10 * burst, 10 * burst + 10))
+        if burst == 0:
+            feed_steps([4], range(0, 10))
+        if burst == 5:
+            feed_steps([4], range(10, 60))
+        now += SECOND
+        engine.advance(now)
+        if burst == 4:
+            assert engine.stats()["windows_closed"] == 0  # windows 1-4 wait for rank 4 ...
+    assert engine.stats()["late"] == 0  # ... and get its data
+    assert engine.stats()["windows_closed"] == 5
+
+
+def test_windows_close_without_a_rank_once_it_is_overdue_for_its_own_delivery_gap():
+    """A rank that delivered every second and then stopped is overdue after twice that plus a
+    second: its peers' windows close without it (a coverage gap), so a stalled rank holds nothing."""
+    engine = Engine(DetectorConfig())
+    feed_steps, seq = _feeder(engine, 4)
+    now = START_NS
+    for window in range(4):
+        feed_steps(range(4), range(10 * window, 10 * window + 10))
+        now += SECOND
+        engine.advance(now)
+    closed = engine.stats()["windows_closed"]
+    feed_steps(range(3), range(40, 60))  # rank 3 stops
+    engine.advance(now + SECOND)
+    assert engine.stats()["windows_closed"] == closed  # one second: still on time
+    engine.advance(now + 3 * SECOND + 1)  # its gap was 1 s: overdue after 2 x 1 s + 1 s
+    assert engine.stats()["windows_closed"] > closed
+    assert engine.ingest(observation(3, 40, seq[3])) == "late"
+
+
+def test_windows_close_without_a_rank_far_behind_in_steps():
+    """However recently it delivered, a window closes once more than half of the cohort is
+    window_close_lag windows past it."""
+    engine = Engine(DetectorConfig(window_close_lag=4))
+    feed_steps, _ = _feeder(engine, 3)
+    feed_steps(range(3), range(0, 10))
+    engine.advance(START_NS)
+    feed_steps([0, 1], range(10, 50))
+    engine.advance(START_NS + 2 * SECOND)
+    feed_steps([2], [10])
+    engine.advance(START_NS + 2 * SECOND + 1)
+    assert engine.stats()["windows_closed"] == 1  # window 0 only: rank 2 is in window 1
 
 
 def test_windows_by_step_close_after_grace_on_the_callers_clock():
@@ -172,12 +237,16 @@ def test_windows_by_step_next_close_tells_when_a_window_could_go_idle():
     engine.ingest(observation(1, 0, 0))
     assert engine.next_close_unix_nano() == 0  # an advance must look at the new rows first
     engine.advance(START_NS)
+    assert engine.next_close_unix_nano() == START_NS + 10**9  # the cohort's startup hold ends: look again
+    engine.advance(START_NS + 10**9)
     assert engine.next_close_unix_nano() == START_NS + grace_ns
     engine.ingest(observation(1, 10, 1))  # window 1 opens; window 0 stays open for rank 0
     engine.advance(START_NS + 5 * 10**9)
-    assert engine.next_close_unix_nano() == START_NS + grace_ns  # window 0's deadline is the earlier
-    assert engine.advance(START_NS + grace_ns - 1) == [] and engine.stats()["windows_closed"] == 0
-    engine.advance(START_NS + grace_ns)
+    # window 0 waits for rank 0 until it is overdue: max_export_lag_s, as its delivery gap is not known
+    lag_ns = int(DetectorConfig().max_export_lag_s * 10**9)
+    assert engine.next_close_unix_nano() == START_NS + lag_ns + 1
+    assert engine.advance(START_NS + lag_ns) == [] and engine.stats()["windows_closed"] == 0
+    engine.advance(START_NS + lag_ns + 1)
     assert engine.stats()["windows_closed"] == 1
     assert engine.next_close_unix_nano() == START_NS + 5 * 10**9 + grace_ns
     engine.drain(START_NS + 10**12)

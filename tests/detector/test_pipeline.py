@@ -74,7 +74,8 @@ def test_a_window_closes_by_grace_on_time_while_the_thread_sleeps_in_between():
 
 
 def test_spans_that_move_the_cohort_on_close_its_window_within_the_advance_interval():
-    pipeline, engine = started(DetectorConfig(window_grace_s=3600.0, window_steps=10))
+    # max_export_lag_s: a short startup hold, as this test times the close after the second batch
+    pipeline, engine = started(DetectorConfig(window_grace_s=3600.0, window_steps=10, max_export_lag_s=0.1))
     try:
         assert pipeline.submit(DecodedBatch(observations=[observation(rank, 0, 0) for rank in range(2)]))
         time.sleep(0.3)
@@ -106,6 +107,8 @@ def test_the_first_late_spans_are_explained_once_in_the_log(caplog):
     now = 10**18
     on_time = [observation(rank=rank, step=step, seq=step) for rank in range(3) for step in range(3)]
     driver.ingest(DecodedBatch(on_time, 0, 0), now)
+    driver.advance(now)
+    now += 10**9  # after the cohort's startup hold
     driver.advance(now)  # every rank is past window 0: it is judged
     with caplog.at_level(logging.WARNING, logger="otel_straggler.detector.pipeline"):
         driver.ingest(DecodedBatch([observation(rank=3, step=0)], 0, 0), now)

@@ -21,6 +21,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("window_steps", int, 10, "steps per window: window w holds steps [w*W, (w+1)*W)", 1, 100_000),
     Setting("rel_threshold", float, 0.05, "slow means slowdown > 1 + this", 0.001, 10.0),
     Setting("min_gap_ms", float, 5.0, "slow also needs rank median - reference > this many ms", 0.0, 3_600_000.0),
+    Setting("false_alarm_rate", float, 0.05, "slow also needs a deviation beyond the cohort's own noise: z x its robust spread, z the normal quantile 1 - this / (comparisons in the window)", 1e-9, 0.5),
     Setting("persist_windows", int, 3, "consecutive slow windows before a straggler alert", 1, 1000),
     Setting("warmup_windows", int, 2, "each rank's first windows are not judged", 0, 1000),
     Setting("work_tolerance", float, 0.1, "ranks are comparable when tokens per step differ by at most this fraction", 0.0, 10.0),
@@ -68,6 +69,7 @@ class DetectorConfig:
     window_steps: int = 10
     rel_threshold: float = 0.05
     min_gap_ms: float = 5.0
+    false_alarm_rate: float = 0.05
     persist_windows: int = 3
     warmup_windows: int = 2
     work_tolerance: float = 0.1

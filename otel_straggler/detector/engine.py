@@ -90,7 +90,7 @@ class Engine:
         for observation in observations:
             try:
                 (job_id, epoch, cohort_name, rank, stage, step, seq, host_ms, device_ms, collective, tokens,
-                 _, _) = observation
+                 _, end_unix_nano) = observation
                 entry = ranks.get((job_id, epoch, rank))
                 if entry is None or entry.cohort_name != cohort_name:
                     entry = self._admit_rank(job_id, epoch, rank, cohort_name)
@@ -123,6 +123,7 @@ class Engine:
                 rows.host_ms.append(host_ms)
                 rows.device_ms.append(nan if device_ms is None else device_ms)
                 rows.tokens.append(tokens if tokens is not None and tokens > 0 else 0.0)
+                rows.end_unix_nano.append(end_unix_nano)
                 rows.keys.append(stage_offset + entry.key_slot + step - window * window_steps
                                  + (collective_offset if collective else 0))
                 if window > entry.latest_window:

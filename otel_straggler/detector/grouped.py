@@ -57,3 +57,16 @@ def grouped_medians(groups: np.ndarray, values: np.ndarray) -> tuple[np.ndarray,
     low = sorted_values[starts + (sizes - 1) // 2]
     high = sorted_values[starts + sizes // 2]
     return sorted_groups[starts], (low + high) / 2.0
+
+
+def grouped_medians_signed(groups: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """grouped_medians for any finite float64 values (negative ones too) and any int64 groups:
+    slower (a lexsort), for the few per-window statistics of deviations."""
+    if groups.size == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0)
+    order = np.lexsort((values, groups))
+    sorted_groups, sorted_values = groups[order], values[order]
+    starts, ends, _ = run_bounds(sorted_groups)
+    low = starts + (ends - starts - 1) // 2
+    high = starts + (ends - starts) // 2
+    return sorted_groups[starts], (sorted_values[low] + sorted_values[high]) / 2

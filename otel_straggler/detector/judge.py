@@ -10,8 +10,10 @@ are built only for the few pairs whose state changes. Per pair and window:
   nests the same way, so the comparison is unaffected.
 - reference: see peer_reference.py (median of the comparable peers, the rank left out). Device
   durations are compared with peers that have device durations.
-- slow: slowdown > 1 + rel_threshold AND gap > min_gap_ms, on host or device; over the relative
-  threshold but not the gap is `below_absolute_floor`, never slow.
+- slow: slowdown > 1 + rel_threshold AND gap > min_gap_ms AND slowdown - 1 beyond z x the stage's
+  noise (_beyond_noise), on host or device; over the relative threshold but not the gap is
+  `below_absolute_floor`, never slow. A stage that ends at a synchronization point
+  (_mark_synchronization_points) is judged as a collective.
 - usable: the rank has at least min_cohort_size - 1 comparable peers; otherwise
   `cohort_below_min_size` (the stage has too few ranks) or `workload_incomparable`.
 
@@ -32,6 +34,8 @@ Verdicts emitted (healthy windows emit nothing; the live slowdown gauge updates 
 from __future__ import annotations
 
 import math
+import functools
+import statistics
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -39,7 +43,7 @@ import numpy as np
 
 from otel_straggler import contract
 from otel_straggler.detector.config import DetectorConfig
-from otel_straggler.detector.grouped import dense_groups, grouped_medians
+from otel_straggler.detector.grouped import dense_groups, grouped_medians, grouped_medians_signed
 from otel_straggler.detector.observation import Verdict
 from otel_straggler.detector.peer_reference import (WORKLOAD_COMPARABLE, WORKLOAD_NOT_REPORTED,
                                                     PeerReferences, peer_references)
@@ -61,6 +65,16 @@ _SMALL, _INCOMPARABLE, _INSUFFICIENT, _FLOOR = 1, 2, 3, 4
 TIMING_HOST = "host"
 TIMING_DEVICE = "device"
 
+# synchronization points (_mark_synchronization_points)
+SYNC_SLOPE_LIMIT = 0.5  # halfway between a synchronized end (slope 0) and a free one (slope 1)
+SYNC_SMOOTHING = 0.3  # weight of each window's slope in the smoothed one
+SYNC_MIN_RANKS = 3  # ranks with the same (stage, step) for its deviations to count
+SYNC_MIN_STEPS = 3
+SYNC_MIN_START_SPREAD_MS = 0.1  # rms start deviation below which the ends say nothing
+# the cohort's noise (_beyond_noise)
+NOISE_SMOOTHING = 0.2  # weight of each window's spread in the smoothed variance
+HALF_NORMAL_MAD = 0.3986  # median absolute deviation from its median of the lower half of N(0, 1)
+
 
 
 class CohortVerdictState:
@@ -75,6 +89,11 @@ class CohortVerdictState:
         self.floor_streak = np.zeros((0, 0), dtype=np.int64)
         self.last_uncertain = np.zeros((0, 0), dtype=np.int8)
         self.slowdown = np.zeros((0, 0))  # latest window's slowdown; nan: none yet
+        # per code: the smoothed slope of the ranks' end-time deviations on their start-time
+        # deviations (near 0: the stage ends at a synchronization point), and the smoothed variance
+        # of the ranks' relative deviations from their references, host and device (nan: none yet)
+        self.sync_slope = np.zeros(0)
+        self.noise_var = np.zeros((2, 0))
 
     def ensure(self, stage_count: int, slot_count: int) -> None:
         """Room for `stage_count` stage indices (two codes each) and `slot_count` slots, grown by doubling."""
@@ -88,6 +107,13 @@ class CohortVerdictState:
             new = np.zeros(slots, dtype=old.dtype)
             new[:old.size] = old
             setattr(self, name, new)
+        if codes > self.sync_slope.size:
+            grown = np.full(codes, np.nan)
+            grown[:self.sync_slope.size] = self.sync_slope
+            self.sync_slope = grown
+            noise = np.full((2, codes), np.nan)
+            noise[:, :self.noise_var.shape[1]] = self.noise_var
+            self.noise_var = noise
         for name, fill in (("alert", False), ("slow_streak", 0), ("floor_streak", 0),
                            ("last_uncertain", 0), ("slowdown", np.nan)):
             old = getattr(self, name)
@@ -102,6 +128,8 @@ class CohortVerdictState:
 
     def reset_code(self, code: int) -> None:
         self._reset((code, slice(None)))
+        self.sync_slope[code] = np.nan
+        self.noise_var[:, code] = np.nan
 
     def rejoin(self, slot: int) -> None:
         """A silent rank reports again, likely a new process: warmup starts over."""
@@ -133,7 +161,8 @@ class _Comparison:
     usable: np.ndarray
     slowdown: np.ndarray
     over: np.ndarray  # slowdown over the relative threshold
-    slow: np.ndarray  # ... and gap over the floor
+    over_floor: np.ndarray  # ... and gap over the floor
+    slow: np.ndarray  # ... and beyond the cohort's noise
 
 
 def judge_window(cohort, rows, config: DetectorConfig, now_unix_nano: int) -> WindowJudgement:
@@ -142,7 +171,7 @@ def judge_window(cohort, rows, config: DetectorConfig, now_unix_nano: int) -> Wi
     layout = cohort.layout
     slot_count = len(cohort.slot_entries)
     with np.errstate(all="ignore"):  # inf/nan from hostile values are handled as unusable below
-        entries, invalid_device_rows = _entries(rows, layout, slot_count)
+        entries, invalid_device_rows = _entries(rows, layout, slot_count, state)
         judgement = _judge_entries(cohort, rows.window, entries, config, now_unix_nano)
     judgement.invalid_device_rows = invalid_device_rows
     _judge_presence(cohort, rows.window, entries.present, config, now_unix_nano, judgement)
@@ -164,12 +193,15 @@ class _Entries:
     present: np.ndarray  # bool per slot: the rank had rows in this window
 
 
-def _entries(rows, layout, slot_count: int) -> tuple[_Entries, int]:
+def _entries(rows, layout, slot_count: int, state: CohortVerdictState) -> tuple[_Entries, int]:
     keys = np.frombuffer(rows.keys, dtype=np.int64)
     host = np.frombuffer(rows.host_ms, dtype=np.float64)
     device = np.frombuffer(rows.device_ms, dtype=np.float64)
     tokens = np.frombuffer(rows.tokens, dtype=np.float64)
+    end_unix_nano = np.frombuffer(rows.end_unix_nano, dtype=np.int64)
     group, code, slot, step_offset = layout.unpack(keys)
+    code = _mark_synchronization_points(state, keys, code, host, end_unix_nano, layout)
+    group = code * layout.slot_stride + slot
     has_device = np.isfinite(device) & (device >= 0)
     invalid_device_rows = int(np.count_nonzero(~np.isnan(device) & ~has_device))
 
@@ -214,6 +246,75 @@ def _entries(rows, layout, slot_count: int) -> tuple[_Entries, int]:
     ), invalid_device_rows
 
 
+def _mark_synchronization_points(state: CohortVerdictState, keys: np.ndarray, code: np.ndarray, host: np.ndarray,
+                                 end_unix_nano: np.ndarray, layout) -> np.ndarray:
+    """`code` with the collective bit set on the rows of stages that end at a synchronization point
+    (a collective hidden inside, such as DDP's all-reduce inside backward), judged as collectives.
+
+    A collective ends at the same instant on every rank of its group, so across ranks the end of
+    such a stage does not follow its start: per (stage, step), each rank's start and end deviate
+    from the ranks' medians; each rank's own median deviation over the window's steps is removed
+    (a clock offset, or a rank that is consistently later); the slope of the end deviations on the
+    start deviations is near 0 at a synchronization point and near 1 for a stage each rank runs on
+    its own. The slope is smoothed over windows and compared with SYNC_SLOPE_LIMIT."""
+    stage_rows = ((code & 1) == 0) & (code > 0)
+    if not stage_rows.any():
+        return code
+    end_ms = (end_unix_nano[stage_rows] - end_unix_nano[stage_rows].min()) / 1e6
+    start_ms = end_ms - host[stage_rows]
+    # one cell per (stage, rank, step): the envelope of its intervals (micro-batches)
+    cells, index = dense_groups(keys[stage_rows])
+    cell_end = np.full(cells.size, -np.inf)
+    np.maximum.at(cell_end, index, end_ms)
+    cell_start = np.full(cells.size, np.inf)
+    np.minimum.at(cell_start, index, start_ms)
+    _, cell_code, cell_slot, cell_step = layout.unpack(cells)
+    usable = np.isfinite(cell_start) & np.isfinite(cell_end)
+    cell_code, cell_slot, cell_step = cell_code[usable], cell_slot[usable], cell_step[usable]
+    cell_start, cell_end = cell_start[usable], cell_end[usable]
+    # deviations from the ranks' medians of the same (stage, step), where enough ranks have it
+    _, by_step = dense_groups(cell_code * layout.window_steps + cell_step)
+    ranks_in_step = np.bincount(by_step)
+    _, median_end = grouped_medians_signed(by_step, cell_end)
+    _, median_start = grouped_medians_signed(by_step, cell_start)
+    enough = ranks_in_step[by_step] >= SYNC_MIN_RANKS
+    end_dev = (cell_end - median_end[by_step])[enough]
+    start_dev = (cell_start - median_start[by_step])[enough]
+    cell_code, cell_slot = cell_code[enough], cell_slot[enough]
+    # each rank's own offset over the window removed
+    _, by_rank = dense_groups(cell_code * layout.slot_stride + cell_slot)
+    _, rank_end = grouped_medians_signed(by_rank, end_dev)
+    _, rank_start = grouped_medians_signed(by_rank, start_dev)
+    end_dev = end_dev - rank_end[by_rank]
+    start_dev = start_dev - rank_start[by_rank]
+    codes, by_code = dense_groups(cell_code)
+    cells_per_code = np.bincount(by_code, minlength=codes.size)
+    covariance = np.bincount(by_code, weights=end_dev * start_dev, minlength=codes.size)
+    start_variance = np.bincount(by_code, weights=start_dev * start_dev, minlength=codes.size)
+    end_variance = np.bincount(by_code, weights=end_dev * end_dev, minlength=codes.size)
+    duration_dev = end_dev - start_dev
+    duration_variance = np.bincount(by_code, weights=duration_dev * duration_dev, minlength=codes.size)
+    # evidence: enough cells; starts that differ enough for their ends to be telling; ends closer
+    # together than the starts, and durations that absorb the starts' spread (a wait does; a stage
+    # too short to hold one does not)
+    evident = (cells_per_code >= SYNC_MIN_RANKS * SYNC_MIN_STEPS) & \
+        (start_variance > cells_per_code * SYNC_MIN_START_SPREAD_MS ** 2) & (end_variance < start_variance) & \
+        (duration_variance >= 0.25 * start_variance)
+    slope = covariance[evident] / start_variance[evident]
+    evident_codes = codes[evident]
+    previous = state.sync_slope[evident_codes]
+    state.sync_slope[evident_codes] = np.where(np.isnan(previous), slope,
+                                               previous + SYNC_SMOOTHING * (slope - previous))
+    # judged as a synchronization point in a window with its own evidence and a smoothed slope
+    # under the limit
+    synchronized = np.zeros(state.sync_slope.size, dtype=bool)
+    synchronized[evident_codes] = state.sync_slope[evident_codes] < SYNC_SLOPE_LIMIT
+    if not synchronized.any():
+        return code
+    marked = stage_rows & synchronized[np.minimum(code, synchronized.size - 1)]
+    return np.where(marked, code | 1, code)
+
+
 def _sums_by_bin(bins: np.ndarray, *weights: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
     """(the distinct bins, each weight column summed per bin)."""
     if bins.size == 0:
@@ -227,14 +328,58 @@ def _sums_by_bin(bins: np.ndarray, *weights: np.ndarray) -> tuple[np.ndarray, li
 
 
 def _compare(entries: np.ndarray, segment: np.ndarray, median: np.ndarray, tokens: np.ndarray,
-             floor_ms: np.ndarray, config: DetectorConfig) -> _Comparison:
+             floor_ms: np.ndarray, config: DetectorConfig, noise_var: np.ndarray) -> _Comparison:
     references = peer_references(segment, median, tokens, config.reference_quantile, config.work_tolerance)
     reference = references.reference
     slowdown = np.where(reference > 0, median / reference, np.where(median > 0, np.inf, 1.0))
     gap = median - reference
     usable = (references.peer_count + 1 >= config.min_cohort_size) & np.isfinite(reference) & ~np.isnan(slowdown)
     over = usable & (slowdown > 1.0 + config.rel_threshold)
-    return _Comparison(median, references, entries, usable, slowdown, over, over & (gap > floor_ms))
+    beyond_noise = _beyond_noise(segment, median, slowdown, usable, config, noise_var)
+    return _Comparison(median, references, entries, usable, slowdown, over, over & (gap > floor_ms),
+                       over & (gap > floor_ms) & beyond_noise)
+
+
+def _beyond_noise(segment: np.ndarray, median: np.ndarray, slowdown: np.ndarray, usable: np.ndarray,
+                  config: DetectorConfig, noise_var: np.ndarray) -> np.ndarray:
+    """Per entry: its deviation from its reference (slowdown - 1) exceeds z * sigma of its stage.
+
+    sigma: the robust spread of the faster half of the stage's ranks (docs/detection.md,
+    Thresholds), smoothed over windows in `noise_var` (one value per code, updated here).
+    z: the normal quantile 1 - false_alarm_rate / n for the n comparisons of the window
+    (Bonferroni): a healthy rank of any stage crosses it in about false_alarm_rate of the windows,
+    before persist_windows asks for more."""
+    result = np.zeros(slowdown.size, dtype=bool)
+    judged = np.flatnonzero(usable & np.isfinite(slowdown) & (median > 0))
+    if judged.size == 0:
+        return result
+    deviation = slowdown[judged] - 1.0
+    segments, by_segment = dense_groups(segment[judged])
+    # the spread of the faster half of the stage's ranks around their own median, relative to the
+    # stage's median: slow ranks, up to half of them, do not widen it (ratios to the leave-one-out
+    # references would also spread a straggler's excess onto its peers)
+    values = median[judged]
+    _, stage_median = grouped_medians_signed(by_segment, values)
+    faster = values < stage_median[by_segment]
+    spread = np.zeros(segments.size)
+    faster_segments, faster_centre = grouped_medians_signed(by_segment[faster], values[faster])
+    centre = np.zeros(segments.size)
+    centre[faster_segments] = faster_centre
+    distance = np.abs(values[faster] - centre[by_segment[faster]]) / stage_median[by_segment[faster]]
+    faster_segments, faster_spread = grouped_medians_signed(by_segment[faster], distance)
+    spread[faster_segments] = faster_spread / HALF_NORMAL_MAD
+    variance = spread ** 2
+    previous = noise_var[segments]
+    smoothed = np.where(np.isnan(previous), variance, previous + NOISE_SMOOTHING * (variance - previous))
+    noise_var[segments] = smoothed
+    sigma = np.sqrt(smoothed)
+    result[judged] = deviation > _noise_z(judged.size, config.false_alarm_rate) * sigma[by_segment]
+    return result
+
+
+@functools.lru_cache(maxsize=4096)
+def _noise_z(comparisons: int, false_alarm_rate: float) -> float:
+    return statistics.NormalDist().inv_cdf(1.0 - false_alarm_rate / max(1, comparisons))
 
 
 def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfig, now: int) -> WindowJudgement:
@@ -252,10 +397,10 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
     step_compute_ms[entries.slot[whole_step]] = entries.host[whole_step]
     floor_ms = np.where(collective, np.fmax(config.min_gap_ms, config.rel_threshold * step_compute_ms[entries.slot]),
                         config.min_gap_ms)
-    host = _compare(everyone, entries.code, entries.host, entries.tokens, floor_ms, config)
+    host = _compare(everyone, entries.code, entries.host, entries.tokens, floor_ms, config, state.noise_var[0])
     with_device = np.flatnonzero(~np.isnan(entries.device))
     device = _compare(with_device, entries.code[with_device], entries.device[with_device],
-                      entries.tokens[with_device], floor_ms[with_device], config)
+                      entries.tokens[with_device], floor_ms[with_device], config, state.noise_var[1])
 
     # device comparisons scattered onto all entries
     device_usable = np.zeros(count, dtype=bool)
@@ -264,13 +409,16 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
     device_over[with_device] = device.over
     device_slow = np.zeros(count, dtype=bool)
     device_slow[with_device] = device.slow
+    device_over_floor = np.zeros(count, dtype=bool)
+    device_over_floor[with_device] = device.over_floor
     device_slowdown = np.full(count, np.nan)
     device_slowdown[with_device] = device.slowdown
 
     usable = host.usable
     slow = usable & (host.slow | device_slow)
     over = usable & (host.over | device_over)
-    floor = over & ~slow
+    # over the ratio, under the absolute floor; over both but within the cohort's noise: neither
+    floor = over & ~(host.over_floor | device_over_floor)
     within = usable & ~over
     # which duration the verdict reports: the one that convicted, else device where comparable
     host_flag = np.where(slow, host.slow, host.over)

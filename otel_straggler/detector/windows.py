@@ -61,7 +61,8 @@ class RowLayout:
 class WindowRows:
     """The rows of one open window, as flat columns."""
 
-    __slots__ = ("window", "keys", "host_ms", "device_ms", "tokens", "rows_noticed", "last_data_unix_nano")
+    __slots__ = ("window", "keys", "host_ms", "device_ms", "tokens", "end_unix_nano", "rows_noticed",
+                 "last_data_unix_nano")
 
     def __init__(self, window: int) -> None:
         self.window = window
@@ -69,6 +70,7 @@ class WindowRows:
         self.host_ms = array("d")
         self.device_ms = array("d")  # nan: no device duration
         self.tokens = array("d")  # 0: not reported
+        self.end_unix_nano = array("q")  # the interval's end by the rank's clock: synchronization points
         self.rows_noticed = 0
         self.last_data_unix_nano: Optional[int] = None
 
@@ -81,8 +83,9 @@ class WindowRows:
 
     def repair(self) -> None:
         """After an append failed half way: cut every column to the common length."""
-        length = min(len(self.keys), len(self.host_ms), len(self.device_ms), len(self.tokens))
-        for column in (self.keys, self.host_ms, self.device_ms, self.tokens):
+        columns = (self.keys, self.host_ms, self.device_ms, self.tokens, self.end_unix_nano)
+        length = min(len(column) for column in columns)
+        for column in columns:
             del column[length:]
 
 

@@ -415,9 +415,17 @@ def test_collectives_make_victims_never_judged_by_their_own_duration():
     waiting = select(verdicts, contract.VERDICT_UNCERTAIN, judge.REASON_WAITING_ON_PEER)
     assert {v.rank for v in waiting} == {0, 1, 2, 3}
     assert all(v.stage == "all-grads-sync" and v.attribution == contract.ATTRIBUTION_WAITING for v in waiting)
-    # control: the same intervals not marked collective are judged, and convict
-    observations = replaced(observations, lambda o: o.collective, lambda o: {"collective": False})
-    assert stragglers(feed(Engine(DetectorConfig()), observations, chunk=16 * 5)) == {0, 1, 2, 3}
+    # not marked collective, the same intervals still end where the peers' do (they started 30 ms
+    # earlier): a synchronization point, judged as a collective
+    unmarked = replaced(observations, lambda o: o.collective, lambda o: {"collective": False})
+    verdicts = feed(Engine(DetectorConfig()), unmarked, chunk=16 * 5)
+    assert stragglers(verdicts) == set()
+    assert {v.rank for v in select(verdicts, contract.VERDICT_UNCERTAIN, judge.REASON_WAITING_ON_PEER)} == {0, 1, 2, 3}
+    # control: ending later as well, by a varying amount (their own work, not a wait or a clock
+    # offset), they are judged, and convict
+    later = replaced(unmarked, lambda o: o.rank < 4,
+                     lambda o: {"end_unix_nano": o.end_unix_nano + (o.step % 5) * 10_000_000})
+    assert stragglers(feed(Engine(DetectorConfig()), later, chunk=16 * 5)) == {0, 1, 2, 3}
 
 
 # ---------------------------------------------------------------- whole-step compute
@@ -589,7 +597,9 @@ def test_case_more_tokens_and_longer_is_incomparable_and_an_underworked_peer_is_
 
 
 def test_case_tiny_metadata_stage_with_10x_jitter_never_alerts():
-    stages = TRAINING_STAGES + (Stage("metadata", 0.2, device=False),)
+    # first in the step: the generator's collective wait covers every compute stage of the step, so
+    # the step's last stage ends where the peers' does (a synchronization point) and is not judged
+    stages = (Stage("metadata", 0.2, device=False),) + TRAINING_STAGES
     job = SyntheticJob(ranks=32, stages=stages, seed=22).stage_jitter("metadata", 1.2).slow(9, 5.0, stages=["metadata"])
     verdicts, _ = run(job, 300)
     assert stragglers(verdicts) == set()

@@ -1,0 +1,169 @@
+"""A plain PyTorch DDP training job on gloo, instrumented the way the README shows: the rank
+process field_precision.py launches (one per rank, torchrun-style env: RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT, OTEL_* for the exporter, OTEL_STRAGGLER_JOB_ID).
+
+    python benchmarks/field_job.py --steps 160 --slow forward --slow-rank 1 --from-step 60
+
+The slowdowns are real work, not the instrumentation's injection knob:
+- forward: extra matrix products inside the model's forward on the slow rank;
+- backward: extra matrix products inside autograd's backward (a custom Function), so under DDP
+  they sit inside `loss.backward()` together with the gradient all-reduce;
+- data: the DataLoader's collate function sleeps `--data-delay-ms` more on the slow rank.
+`--extra-ms` sizes the forward/backward work: calibrated once at start-up, before training.
+Each rank prints `onset <unix ns>` when the slow rank reaches --from-step (the others too, for the
+runner's timing), and `done` at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
+
+import otel_straggler as ots
+
+FEATURES, HIDDEN, BATCH = 1024, 1536, 128
+
+
+class SlowSwitch:
+    """Where the slowdown is on (this rank, from the onset step)."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.products = 0  # matrix products that add about --extra-ms
+        self.matrix = torch.randn(192, 192)
+
+    def work(self) -> None:
+        if self.on:
+            product = self.matrix
+            for _ in range(self.products):
+                product = torch.mm(self.matrix, product).tanh_()
+
+    def calibrate(self, extra_ms: float) -> None:
+        self.products = 8
+        started = time.perf_counter()
+        self.on = True
+        for _ in range(5):
+            self.work()
+        self.on = False
+        per_product_ms = (time.perf_counter() - started) * 1000 / (5 * self.products)
+        self.products = max(1, round(extra_ms / per_product_ms))
+
+
+class SlowForward(nn.Module):
+    def __init__(self, switch: SlowSwitch) -> None:
+        super().__init__()
+        self.switch = switch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.switch.work()
+        return x
+
+
+class _SlowBackwardFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, switch):
+        ctx.switch = switch
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.switch.work()
+        return grad, None
+
+
+class SlowBackward(nn.Module):
+    def __init__(self, switch: SlowSwitch) -> None:
+        super().__init__()
+        self.switch = switch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SlowBackwardFunction.apply(x, self.switch)
+
+
+class Samples(Dataset):
+    def __init__(self, count: int) -> None:
+        generator = torch.Generator().manual_seed(1234 + int(os.environ.get("RANK", "0")))
+        self.x = torch.randn(count, FEATURES, generator=generator)
+        self.y = torch.randn(count, 1, generator=generator)
+
+    def __len__(self) -> int:
+        return self.x.shape[0]
+
+    def __getitem__(self, index: int):
+        return self.x[index], self.y[index]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=160)
+    parser.add_argument("--slow", choices=("none", "forward", "backward", "data"), default="none")
+    parser.add_argument("--slow-rank", type=int, default=1)
+    parser.add_argument("--from-step", type=int, default=60)
+    parser.add_argument("--extra-ms", type=float, default=30.0)
+    parser.add_argument("--data-delay-ms", type=float, default=30.0)
+    parser.add_argument("--no-ddp-hook", action="store_true", help="leave out ots.instrument_ddp")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo")
+    slow_here = args.slow != "none" and rank == args.slow_rank
+    forward_switch, backward_switch = SlowSwitch(), SlowSwitch()
+    data_delay_s = [0.0]
+    if slow_here and args.slow == "forward":
+        forward_switch.calibrate(args.extra_ms)
+    if slow_here and args.slow == "backward":
+        backward_switch.calibrate(args.extra_ms)
+
+    def collate(samples):
+        if data_delay_s[0]:
+            time.sleep(data_delay_s[0])
+        return torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples])
+
+    model = nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.ReLU(), SlowForward(forward_switch),
+                          nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), SlowBackward(backward_switch),
+                          nn.Linear(HIDDEN, 1))
+    model = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    loader = DataLoader(Samples(BATCH * 64), batch_size=BATCH, shuffle=True, collate_fn=collate)
+
+    # the README's loop, as a user would write it
+    telemetry = ots.configure()
+    if not args.no_ddp_hook:
+        ots.instrument_ddp(model)
+    batches = iter(loader)
+    for step_number in range(args.steps):
+        if step_number == args.from_step:
+            print(f"onset {time.time_ns()}", flush=True)
+            forward_switch.on = backward_switch.on = slow_here
+            if slow_here and args.slow == "data":
+                data_delay_s[0] = args.data_delay_ms / 1000
+        ots.step(step_number, samples=BATCH)
+        with ots.stage("batch-generator"):
+            try:
+                x, y = next(batches)
+            except StopIteration:
+                batches = iter(loader)
+                x, y = next(batches)
+        with ots.stage("forward-compute"):
+            loss = nn.functional.mse_loss(model(x), y)
+        with ots.stage("backward-compute"):
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+        with ots.stage("optimizer"):
+            optimizer.step()
+    telemetry.shutdown()
+    dist.destroy_process_group()
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

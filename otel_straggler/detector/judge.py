@@ -34,8 +34,10 @@ Verdicts emitted (healthy windows emit nothing; the live slowdown gauge updates 
 from __future__ import annotations
 
 import math
+import dataclasses
 import functools
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -56,6 +58,7 @@ REASON_WORKLOAD_INCOMPARABLE = "workload_incomparable"
 REASON_RECOVERY_EVIDENCE_INSUFFICIENT = "recovery_evidence_insufficient"
 REASON_WAITING_ON_PEER = "waiting_on_peer"
 REASON_NO_REPORT = "no_report"
+REASON_LAST_TO_ARRIVE = "last_to_arrive"  # at a collective: the rank its peers wait for
 
 # the last uncertain reason noted per pair, as a small int (0: none), so each is noted once
 _UNCERTAIN_REASONS = (None, REASON_COHORT_BELOW_MIN_SIZE, REASON_WORKLOAD_INCOMPARABLE,
@@ -94,6 +97,8 @@ class CohortVerdictState:
         # of the ranks' relative deviations from their references, host and device (nan: none yet)
         self.sync_slope = np.zeros(0)
         self.noise_var = np.zeros((2, 0))
+        self.late_streak = np.zeros((0, 0), dtype=np.int64)  # per (collective code, slot)
+        self.arrival_var = np.zeros(0)  # per collective code: smoothed variance of the ranks' lateness
 
     def ensure(self, stage_count: int, slot_count: int) -> None:
         """Room for `stage_count` stage indices (two codes each) and `slot_count` slots, grown by doubling."""
@@ -114,7 +119,11 @@ class CohortVerdictState:
             noise = np.full((2, codes), np.nan)
             noise[:, :self.noise_var.shape[1]] = self.noise_var
             self.noise_var = noise
-        for name, fill in (("alert", False), ("slow_streak", 0), ("floor_streak", 0),
+            arrival = np.full(codes, np.nan)
+            arrival[:self.arrival_var.size] = self.arrival_var
+            self.arrival_var = arrival
+
+        for name, fill in (("alert", False), ("slow_streak", 0), ("floor_streak", 0), ("late_streak", 0),
                            ("last_uncertain", 0), ("slowdown", np.nan)):
             old = getattr(self, name)
             new = np.full((codes, slots), fill, dtype=old.dtype)
@@ -130,6 +139,7 @@ class CohortVerdictState:
         self._reset((code, slice(None)))
         self.sync_slope[code] = np.nan
         self.noise_var[:, code] = np.nan
+        self.arrival_var[code] = np.nan
 
     def rejoin(self, slot: int) -> None:
         """A silent rank reports again, likely a new process: warmup starts over."""
@@ -138,7 +148,7 @@ class CohortVerdictState:
 
     def _reset(self, where) -> None:
         self.alert[where] = False
-        self.slow_streak[where] = self.floor_streak[where] = 0
+        self.slow_streak[where] = self.floor_streak[where] = self.late_streak[where] = 0
         self.last_uncertain[where] = 0
         self.slowdown[where] = np.nan
 
@@ -191,6 +201,10 @@ class _Entries:
     device: np.ndarray  # nan: no device duration
     tokens: np.ndarray  # the slot's tokens per step; nan: not reported
     present: np.ndarray  # bool per slot: the rank had rows in this window
+    # collective entries: steps in which its wait was under the step's median wait (it arrived
+    # later than half of its peers), and steps with enough ranks to tell; 0 elsewhere
+    late_steps: np.ndarray = None
+    arrival_steps: np.ndarray = None
 
 
 def _entries(rows, layout, slot_count: int, state: CohortVerdictState) -> tuple[_Entries, int]:
@@ -236,7 +250,10 @@ def _entries(rows, layout, slot_count: int, state: CohortVerdictState) -> tuple[
     all_slots = np.concatenate((whole_slots, stage_slot))
     present = np.zeros(slot_count, dtype=bool)
     present[slot] = True
+    entry_codes = np.concatenate((np.zeros(whole_slots.size, dtype=np.int64), stage_code))
+    late_steps, arrival_steps = _late_steps(code, slot, step_offset, host, layout, entry_codes, all_slots)
     return _Entries(
+        late_steps=late_steps, arrival_steps=arrival_steps,
         code=np.concatenate((np.zeros(whole_slots.size, dtype=np.int64), stage_code)),
         slot=all_slots,
         host=np.concatenate((whole_host, stage_host)),
@@ -315,6 +332,32 @@ def _mark_synchronization_points(state: CohortVerdictState, keys: np.ndarray, co
     return np.where(marked, code | 1, code)
 
 
+def _late_steps(code: np.ndarray, slot: np.ndarray, step_offset: np.ndarray, host: np.ndarray, layout,
+                entry_codes: np.ndarray, entry_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per collective entry (code, slot): the steps in which its wait was under the step's median
+    wait, and the steps of its code with at least SYNC_MIN_RANKS ranks."""
+    count = entry_codes.size
+    late, steps = np.zeros(count, np.int64), np.zeros(count, np.int64)
+    rows = np.flatnonzero((code & 1) == 1)
+    if rows.size == 0:
+        return late, steps
+    _, by_step = dense_groups(code[rows] * layout.window_steps + step_offset[rows])
+    ranks_in_step = np.bincount(by_step)
+    _, step_median = grouped_medians_signed(by_step, host[rows])
+    enough = ranks_in_step[by_step] >= SYNC_MIN_RANKS
+    under = enough & (host[rows] < step_median[by_step])
+    pair = code[rows] * layout.slot_stride + slot[rows]
+    late_by_pair = Counter(pair[under].tolist())
+    # one step per (code, step) group with enough ranks
+    first_rows = np.unique(by_step[enough], return_index=True)[1]
+    steps_by_code = Counter(code[rows][enough][first_rows].tolist())
+    for entry in np.flatnonzero(entry_codes & 1).tolist():
+        entry_code = int(entry_codes[entry])
+        late[entry] = late_by_pair.get(entry_code * layout.slot_stride + int(entry_slots[entry]), 0)
+        steps[entry] = steps_by_code.get(entry_code, 0)
+    return late, steps
+
+
 def _sums_by_bin(bins: np.ndarray, *weights: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
     """(the distinct bins, each weight column summed per bin)."""
     if bins.size == 0:
@@ -377,6 +420,50 @@ def _beyond_noise(segment: np.ndarray, median: np.ndarray, slowdown: np.ndarray,
     return result
 
 
+def _late_beyond_noise(code: np.ndarray, wait_ms: np.ndarray, lateness: np.ndarray, step_ms: np.ndarray,
+                       candidates: np.ndarray, arrival_var: np.ndarray, z: float) -> np.ndarray:
+    """Per entry: its lateness at a collective, over its whole-step compute, exceeds z * sigma:
+    as _beyond_noise, mirrored (the spread of the half of the ranks that waited longest, that is
+    arrived earliest, so late ranks, up to half of them, do not widen it). A rank whose host
+    drifts slower for a while is then consistently late, and still not a straggler."""
+    result = np.zeros(code.size, dtype=bool)
+    judged = np.flatnonzero(candidates & np.isfinite(step_ms) & (step_ms > 0) & np.isfinite(lateness))
+    if judged.size == 0:
+        return result
+    segments, by_segment = dense_groups(code[judged])
+    relative_wait = wait_ms[judged] / step_ms[judged]
+    _, centre = grouped_medians_signed(by_segment, relative_wait)
+    earlier = relative_wait > centre[by_segment]
+    spread = np.zeros(segments.size)
+    earlier_segments, earlier_centre = grouped_medians_signed(by_segment[earlier], relative_wait[earlier])
+    earlier_median = np.zeros(segments.size)
+    earlier_median[earlier_segments] = earlier_centre
+    distance = np.abs(relative_wait[earlier] - earlier_median[by_segment[earlier]])
+    earlier_segments, earlier_spread = grouped_medians_signed(by_segment[earlier], distance)
+    spread[earlier_segments] = earlier_spread / HALF_NORMAL_MAD
+    previous = arrival_var[segments]
+    smoothed = np.where(np.isnan(previous), spread ** 2, previous + NOISE_SMOOTHING * (spread ** 2 - previous))
+    arrival_var[segments] = smoothed
+    result[judged] = lateness[judged] / step_ms[judged] > z * np.sqrt(smoothed)[by_segment]
+    return result
+
+
+def _consistently_late(early_steps: int, steps: int, comparisons: int, config: DetectorConfig) -> bool:
+    """A rank whose wait at a collective was under the step's median wait (it arrived later than
+    half of its peers) in `early_steps` of `steps` steps. By chance that is a coin flip per step, so
+    the binomial tail P(X >= early_steps) must be under (false_alarm_rate / comparisons) ** (1 /
+    persist_windows): an alert needs persist_windows such windows in a row, which by chance happen
+    with at most the window's Bonferroni share (for windows that are independent)."""
+    if steps < SYNC_MIN_STEPS or 2 * early_steps <= steps:
+        return False
+    level = (config.false_alarm_rate / max(1, comparisons)) ** (1.0 / config.persist_windows)
+    if steps <= 1000:
+        tail = sum(math.comb(steps, k) for k in range(early_steps, steps + 1)) / 2.0 ** steps
+    else:
+        tail = 0.5 * math.erfc((early_steps - steps / 2) / math.sqrt(steps / 2))
+    return tail < level
+
+
 @functools.lru_cache(maxsize=4096)
 def _noise_z(comparisons: int, false_alarm_rate: float) -> float:
     return statistics.NormalDist().inv_cdf(1.0 - false_alarm_rate / max(1, comparisons))
@@ -426,6 +513,17 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
     use_device = device_flag | (device_usable & ~host_flag)
     slowdown = np.where(usable, np.where(use_device, device_slowdown, host.slowdown), np.nan)
 
+    # at a collective (marked or found) the rank that arrives last waits least: its lateness is the
+    # peers' wait minus its own, counted when over the collective floor and beyond the noise
+    lateness = host.references.reference - entries.host
+    comparisons = int(np.count_nonzero(usable))
+    late = collective & usable & (lateness > floor_ms) & _late_beyond_noise(
+        entries.code, entries.host, lateness, step_compute_ms[entries.slot], collective & usable,
+        state.arrival_var, _noise_z(comparisons, config.false_alarm_rate))
+    for entry in np.flatnonzero(late).tolist():
+        late[entry] = _consistently_late(int(entries.late_steps[entry]), int(entries.arrival_steps[entry]),
+                                         comparisons, config)
+
     flat = entries.code * state.alert.shape[1] + entries.slot
     state.slowdown.reshape(-1)[flat] = slowdown  # gauges update every window, warmup included
     judged = state.windows_seen[entries.slot] >= config.warmup_windows
@@ -447,6 +545,12 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
     uncertain_notice = (uncertain_reason != 0) & (uncertain_reason != last_notice)
     floor_notice = (floor_reason != 0) & (floor_reason != last_notice)
     waiting_notice = waiting & slow & (slow_streak == config.persist_windows)
+    # the arrival rule keeps its own streak; its alert lives in the collective code's alert state
+    late_streak = np.where(late, state.late_streak.reshape(-1)[flat] + 1, 0)
+    late_onset = waiting & late & ~alert & (late_streak >= config.persist_windows)
+    late_recovery = waiting & alert & usable & (lateness <= floor_ms)
+    onset = onset | late_onset
+    recovery = recovery | late_recovery
     # an uncertain reason is noted once per pair, until its next straggler or recovered verdict
     notice = np.where(uncertain_reason != 0, uncertain_reason, np.where(floor_reason != 0, floor_reason, last_notice))
     notice = np.where(onset | recovery, 0, notice)
@@ -455,10 +559,18 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
     state.alert.reshape(-1)[update] = ((alert | onset) & ~recovery)[judged]
     state.slow_streak.reshape(-1)[update] = slow_streak[judged]
     state.floor_streak.reshape(-1)[update] = floor_streak[judged]
+    state.late_streak.reshape(-1)[update] = late_streak[judged]
     state.last_uncertain.reshape(-1)[update] = notice[judged]
 
     context = _VerdictContext(cohort, window, now, entries, host, device, use_device, slowdown)
     for entry in np.flatnonzero(onset | recovery | uncertain_notice | floor_notice | waiting_notice).tolist():
+        if late_onset[entry]:
+            record = context.verdict(entry, contract.VERDICT_STRAGGLER, REASON_LAST_TO_ARRIVE,
+                                     contract.ATTRIBUTION_UNKNOWN, timing_host=True)
+            # slowdown: its time to the collective over its whole-step compute, as its peers see it
+            step_ms = step_compute_ms[int(entries.slot[entry])]
+            judgement.verdicts.append(dataclasses.replace(record, slowdown=_number(1.0 + lateness[entry] / step_ms)))
+            continue
         if onset[entry]:
             verdict, reason = contract.VERDICT_STRAGGLER, REASON_SLOW_VS_PEERS
         elif recovery[entry]:
@@ -493,8 +605,8 @@ class _VerdictContext:
         self.device_row = np.full(entries.code.size, -1, dtype=np.int64)
         self.device_row[device.entries] = np.arange(device.entries.size)
 
-    def verdict(self, entry: int, verdict: str, reason: str, attribution: str) -> Verdict:
-        uses_device = bool(self.use_device[entry])
+    def verdict(self, entry: int, verdict: str, reason: str, attribution: str, timing_host: bool = False) -> Verdict:
+        uses_device = bool(self.use_device[entry]) and not timing_host
         comparison, row = (self.device, int(self.device_row[entry])) if uses_device else (self.host, entry)
         peers = comparison.entries[comparison.references.peers(row)]
         slot = int(self.entries.slot[entry])

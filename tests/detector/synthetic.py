@@ -116,6 +116,7 @@ class SyntheticJob:
         tokens = {rank: self._tokens_by_rank.get(rank, self.tokens) for rank in rank_ids}
         job_id, epoch, cohort = self.job_id, self.epoch, self.cohort
         # positional Observation(...) from plain lists: the benchmarks build hundreds of thousands
+        self._since_sync = np.zeros(self.ranks)
         for step in range(first_step, first_step + steps):
             host, device = self._step_durations(rng, step, noise_level, noise_factors)
             for index, (rank, host_row, device_row) in enumerate(zip(rank_ids, host.tolist(), device.tolist())):
@@ -153,12 +154,18 @@ class SyntheticJob:
                             host[index, stage_index] *= slowdown.factor
                         if slowdown.on in ("both", "device"):
                             device[index, stage_index] *= slowdown.factor
-        # a blocking collective ends when the last rank arrives: the others wait the difference
-        compute = [not stage.collective for stage in self.stages]
-        arrival = np.maximum(host[:, compute], device[:, compute]).sum(axis=1)
-        wait = arrival.max() - arrival
+        # a blocking collective ends when the last rank arrives: the others wait the difference.
+        # A rank arrives after its compute since the previous collective (`since_sync`, carried
+        # over from the previous step's stages after its last collective), so the stages after a
+        # collective run on each rank's own time until the next one
+        since_sync = self._since_sync
         for stage_index, stage in enumerate(self.stages):
             if stage.collective:
+                wait = since_sync.max() - since_sync
                 host[:, stage_index] += wait
                 device[:, stage_index] += wait
+                since_sync = np.zeros(self.ranks)
+            else:
+                since_sync = since_sync + np.maximum(host[:, stage_index], device[:, stage_index])
+        self._since_sync = since_sync
         return host, device

@@ -597,9 +597,7 @@ def test_case_more_tokens_and_longer_is_incomparable_and_an_underworked_peer_is_
 
 
 def test_case_tiny_metadata_stage_with_10x_jitter_never_alerts():
-    # first in the step: the generator's collective wait covers every compute stage of the step, so
-    # the step's last stage ends where the peers' does (a synchronization point) and is not judged
-    stages = (Stage("metadata", 0.2, device=False),) + TRAINING_STAGES
+    stages = TRAINING_STAGES + (Stage("metadata", 0.2, device=False),)
     job = SyntheticJob(ranks=32, stages=stages, seed=22).stage_jitter("metadata", 1.2).slow(9, 5.0, stages=["metadata"])
     verdicts, _ = run(job, 300)
     assert stragglers(verdicts) == set()
@@ -624,7 +622,9 @@ def test_case_slow_rank_in_an_all_reduce_job_only_the_slow_rank_is_a_straggler()
     job = SyntheticJob(ranks=32, seed=24).slow(9, 1.3, stages=["backward-compute"])
     verdicts, engine = run(job, 100)
     assert stragglers(verdicts) == {9}
-    assert not select(verdicts, stage="all-grads-sync")  # the others wait, as a majority: not flagged
+    # the others wait, as a majority: not flagged; the slow rank is the one they wait for
+    at_collective = select(verdicts, stage="all-grads-sync")
+    assert {(v.rank, v.verdict, v.reason) for v in at_collective} == {(9, contract.VERDICT_STRAGGLER, judge.REASON_LAST_TO_ARRIVE)}
     sync = {s.rank: s.slowdown for s in engine.rank_state() if s.stage == "all-grads-sync"}
     assert sync[9] < 0.7 and min(v for r, v in sync.items() if r != 9) > 0.9  # everyone else waits on 9
 
@@ -698,3 +698,45 @@ def test_a_window_whose_step_does_not_advance_is_bounded():
         assert all(len(rows) < 1024 + 200 for cohort in engine._cohorts.values() for rows in cohort.open_windows.values())
     assert engine.stats()["windows_closed_full"] == 1 and engine.stats()["windows_closed"] == 1
     assert outcomes["accepted"] == 1200 and outcomes["late"] == 4000 - 1200
+
+
+# ---------------------------------------------------------------- field rules: noise, synchronization, arrival
+
+def test_slow_needs_a_deviation_beyond_the_cohorts_own_noise(monkeypatch):
+    """Busy hosts: each rank drifting by 3.5% with a 5-window correlation time, heavy-tailed jitter.
+    Healthy ranks then sit 5-8% off their peers for windows on end; none is a straggler. A rank
+    50% slower in one stage still is."""
+    from tests.detector.host_noise import HostNoise
+
+    healthy = SyntheticJob(ranks=32, seed=31, noise=HostNoise())
+    assert stragglers(run(healthy, 400)[0]) == set()
+    slow = SyntheticJob(ranks=32, seed=31, noise=HostNoise()).slow(7, 1.5, stages=["forward-compute"])
+    assert stragglers(run(slow, 400)[0]) == {7}
+    # control: with the noise bound at zero sigmas the drift alone raises alerts
+    monkeypatch.setattr(judge, "_noise_z", lambda comparisons, false_alarm_rate: 0.0)
+    assert stragglers(run(healthy, 400)[0])
+
+
+def test_a_stage_that_ends_at_a_synchronization_point_is_judged_as_a_collective():
+    """DDP's all-reduce inside backward: the stage is not marked collective, but its end is the
+    all-reduce's, the same instant on every rank. The ranks that wait for a slow data loader have
+    long intervals there; they are not convicted, and the slow rank is found by its own stage and
+    as the one the others wait for."""
+    stages = (Stage("data-load", 3.0), Stage("forward-compute", 30.0), Stage("backward-compute", 60.0, collective=True))
+    job = SyntheticJob(ranks=8, stages=stages, seed=32).slow(3, 8.0, stages=["data-load"])
+    unmarked = replaced(job.observations(120), lambda o: o.collective, lambda o: {"collective": False})
+    verdicts = feed(Engine(DetectorConfig()), unmarked, chunk=8 * 3)
+    assert stragglers(verdicts) == {3}
+    assert {v.reason for v in select(verdicts, contract.VERDICT_STRAGGLER, stage="backward-compute")} <= {judge.REASON_LAST_TO_ARRIVE}
+
+
+def test_at_a_collective_the_rank_its_peers_wait_for_is_last_to_arrive():
+    """A slowdown outside every timed stage: only the collective shows it, as the waits of the
+    others. The rank that arrives later than half of its peers in step after step is convicted."""
+    stages = (Stage("untimed", 40.0), Stage("all-grads-sync", 8.0, collective=True), Stage("optimizer", 5.0))
+    job = SyntheticJob(ranks=16, stages=stages, seed=33).slow(5, 1.5, stages=["untimed"])
+    timed = [o for o in job.observations(120) if o.stage != "untimed"]
+    verdicts = feed(Engine(DetectorConfig()), timed, chunk=16 * 2)
+    onsets = select(verdicts, contract.VERDICT_STRAGGLER)
+    assert {(v.rank, v.stage, v.reason) for v in onsets} == {(5, "all-grads-sync", judge.REASON_LAST_TO_ARRIVE)}
+    assert all(v.slowdown and v.slowdown > 1.3 and v.gap_ms < 0 for v in onsets)

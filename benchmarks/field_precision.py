@@ -151,7 +151,7 @@ def exact(kind: str, result: RunResult) -> bool:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=10, help="runs per scenario")
-    parser.add_argument("--steps", type=int, default=160)
+    parser.add_argument("--steps", type=int, default=130)
     parser.add_argument("--from-step", type=int, default=60, help="onset of the slowdown")
     parser.add_argument("--extra-ms", type=float, default=30.0, help="the slow rank's extra time per step")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))

@@ -403,19 +403,8 @@ def _beyond_noise(segment: np.ndarray, median: np.ndarray, slowdown: np.ndarray,
     # references would also spread a straggler's excess onto its peers)
     values = median[judged]
     _, stage_median = grouped_medians_signed(by_segment, values)
-    faster = values < stage_median[by_segment]
-    spread = np.zeros(segments.size)
-    faster_segments, faster_centre = grouped_medians_signed(by_segment[faster], values[faster])
-    centre = np.zeros(segments.size)
-    centre[faster_segments] = faster_centre
-    distance = np.abs(values[faster] - centre[by_segment[faster]]) / stage_median[by_segment[faster]]
-    faster_segments, faster_spread = grouped_medians_signed(by_segment[faster], distance)
-    spread[faster_segments] = faster_spread / HALF_NORMAL_MAD
-    variance = spread ** 2
-    previous = noise_var[segments]
-    smoothed = np.where(np.isnan(previous), variance, previous + NOISE_SMOOTHING * (variance - previous))
-    noise_var[segments] = smoothed
-    sigma = np.sqrt(smoothed)
+    scale = stage_median[by_segment]
+    sigma = _half_spread(segments, by_segment, values, values < scale, scale, noise_var)
     result[judged] = deviation > _noise_z(judged.size, config.false_alarm_rate) * sigma[by_segment]
     return result
 
@@ -433,19 +422,28 @@ def _late_beyond_noise(code: np.ndarray, wait_ms: np.ndarray, lateness: np.ndarr
     segments, by_segment = dense_groups(code[judged])
     relative_wait = wait_ms[judged] / step_ms[judged]
     _, centre = grouped_medians_signed(by_segment, relative_wait)
-    earlier = relative_wait > centre[by_segment]
-    spread = np.zeros(segments.size)
-    earlier_segments, earlier_centre = grouped_medians_signed(by_segment[earlier], relative_wait[earlier])
-    earlier_median = np.zeros(segments.size)
-    earlier_median[earlier_segments] = earlier_centre
-    distance = np.abs(relative_wait[earlier] - earlier_median[by_segment[earlier]])
-    earlier_segments, earlier_spread = grouped_medians_signed(by_segment[earlier], distance)
-    spread[earlier_segments] = earlier_spread / HALF_NORMAL_MAD
-    previous = arrival_var[segments]
-    smoothed = np.where(np.isnan(previous), spread ** 2, previous + NOISE_SMOOTHING * (spread ** 2 - previous))
-    arrival_var[segments] = smoothed
-    result[judged] = lateness[judged] / step_ms[judged] > z * np.sqrt(smoothed)[by_segment]
+    sigma = _half_spread(segments, by_segment, relative_wait, relative_wait > centre[by_segment],
+                         np.ones(judged.size), arrival_var)
+    result[judged] = lateness[judged] / step_ms[judged] > z * sigma[by_segment]
     return result
+
+
+def _half_spread(segments: np.ndarray, by_segment: np.ndarray, values: np.ndarray, healthy: np.ndarray,
+                 scale: np.ndarray, smoothed_var: np.ndarray) -> np.ndarray:
+    """sigma per segment: the spread of the `healthy` half of its values (the faster ranks, or the
+    earlier arrivals) around their own median, each distance over its `scale`, as a half-normal
+    median absolute deviation; smoothed over windows in `smoothed_var` (by segment id, updated)."""
+    centre = np.zeros(segments.size)
+    half_segments, half_centre = grouped_medians_signed(by_segment[healthy], values[healthy])
+    centre[half_segments] = half_centre
+    distance = np.abs(values[healthy] - centre[by_segment[healthy]]) / scale[healthy]
+    spread = np.zeros(segments.size)
+    half_segments, half_spread = grouped_medians_signed(by_segment[healthy], distance)
+    spread[half_segments] = half_spread / HALF_NORMAL_MAD
+    previous = smoothed_var[segments]
+    variance = spread ** 2
+    smoothed_var[segments] = np.where(np.isnan(previous), variance, previous + NOISE_SMOOTHING * (variance - previous))
+    return np.sqrt(smoothed_var[segments])
 
 
 def _consistently_late(early_steps: int, steps: int, comparisons: int, config: DetectorConfig) -> bool:

@@ -1,4 +1,4 @@
-"""Wire contract v1: every attribute, metric and verdict name shared by the rank side,
+"""Wire contract v1.1: every attribute, metric and verdict name shared by the rank side,
 the detector and the backends. Outside dashboards and alert rules depend on these strings:
 add names, never rename them."""
 
@@ -11,6 +11,7 @@ LOCAL_RANK = "training.local_rank"
 HOST_NAME = "host.name"
 COHORT = "training.cohort"
 TOPOLOGY_EPOCH = "training.topology.epoch"
+RESTART_COUNT = "training.restart.count"  # v1.1: a new value is a new incarnation
 PARALLEL_DIMS = ("tp", "pp", "cp", "ep", "dp", "vpp")
 
 
@@ -35,6 +36,11 @@ COLLECTIVE = "training.stage.collective"
 WORKLOAD_TOKENS = "training.workload.tokens"
 WORKLOAD_SAMPLES = "training.workload.samples"
 
+# §2b heartbeats (v1.1)
+HEARTBEAT_SPAN_NAME = "train.heartbeat"
+HEARTBEAT_OPEN_STAGES = "training.heartbeat.open_stages"
+HEARTBEAT_OPEN_SINCE = "training.heartbeat.open_since_unix_nano"
+
 TIMING_DEVICE = "device"
 TIMING_HOST_ONLY = "host_only"
 TIMING_DEVICE_UNAVAILABLE = "device_unavailable"
@@ -46,6 +52,12 @@ VERDICT_STRAGGLER = "straggler"
 VERDICT_RECOVERED = "recovered"
 VERDICT_UNCERTAIN = "uncertain"
 VERDICT_SILENT = "silent"
+VERDICT_HANG = "hang"  # v1.1
+VERDICT_JOB_SLOWDOWN = "job_slowdown"  # v1.1
+HANG_NEVER_ENTERED_COLLECTIVE = "never_entered_collective"
+HANG_RANK_LOST = "rank_lost"
+HANG_ALL_RANKS_WAITING = "all_ranks_waiting"
+HANG_PROGRESS_RESUMED = "progress_resumed"
 WHOLE_STEP_STAGE = "*"
 
 VERDICT_FIELDS = (
@@ -64,6 +76,7 @@ METRIC_RANK_SLOWDOWN = "straggler.rank.slowdown"
 METRIC_ALERT_ACTIVE = "straggler.alert.active"
 METRIC_VERDICTS = "straggler.verdicts"
 METRIC_DETECTOR_SPANS = "straggler.detector.spans"
+METRIC_JOB_HANG = "straggler.job.hang"  # v1.1
 
 # §3c events
 VERDICT_EVENT_NAME = "straggler.verdict"

@@ -64,6 +64,7 @@ VERDICT_FIELDS = (
     "time_unix_nano", "job_id", "cohort", "stage", "rank", "window", "verdict", "reason",
     "slowdown", "gap_ms", "rank_ms", "reference_ms", "reference_ranks", "timing",
     "attribution", "workload_comparable",
+    "host", "local_rank", "stalled_s",  # v1.1 ("gpu" comes with GPU samples on heartbeats, §2c)
 )
 
 ATTRIBUTION_GPU = "gpu_stream_stall"

@@ -1,5 +1,9 @@
 /* The detector's optional fast path: serialized ExportTraceServiceRequest -> Observations.
 
+   Besides the Observations it returns, for decode.py to read in Python (they are few): the raw
+   Resource of each ResourceSpans that gave an Observation (where its ranks run), and the raw
+   Resource and Span of each heartbeat span (CONTRACT §2b).
+
    decode.py calls scan(payload) first and falls back to its own protobuf decoder whenever scan
    returns None. scan answers only for payloads it fully understands: canonical wire encoding of
    every field it reads, each wanted attribute at most once, ASCII attribute keys and span names,
@@ -17,8 +21,8 @@
 #include <string.h>
 
 enum { K_STAGE, K_STEP, K_SEQ, K_TIMING, K_COLLECTIVE, K_TOKENS, K_SAMPLES, K_DEVICE_MS,
-       K_JOB, K_EPOCH, K_COHORT, K_RANK, N_KEYS };
-#define N_IDENTITY 4 /* K_JOB .. K_RANK */
+       K_JOB, K_EPOCH, K_COHORT, K_RANK, K_RESTART, N_KEYS };
+#define N_IDENTITY 5 /* K_JOB .. K_RESTART */
 enum { V_ABSENT, V_STR, V_BOOL, V_INT, V_DOUBLE };
 
 typedef struct { const uint8_t *p, *end; } Reader;
@@ -27,7 +31,8 @@ typedef struct { int kind; const uint8_t *s; Py_ssize_t n; int64_t i; double d; 
 
 /* set once by configure() */
 static PyObject *key_names[N_KEYS];          /* bytes */
-static PyTypeObject *observation_type;       /* a tuple subclass with 13 fields */
+static PyTypeObject *observation_type;       /* a tuple subclass with 14 fields */
+static PyObject *heartbeat_name;             /* bytes: the heartbeat span's name */
 static PyObject *default_cohort;             /* str */
 static PyObject *device_timing;              /* bytes: training.stage.timing's "device" */
 
@@ -170,11 +175,22 @@ static PyObject *positive_count(const Value *v) {
     Py_RETURN_NONE;
 }
 
-/* The identity of a span, resource values first: 0 and four new references, or -1: decline. */
+/* What one ResourceSpans gives: Observations, a count of ignored spans, heartbeats as
+   (resource, span) raw bytes, and whether any Observation came from it. */
+typedef struct {
+    PyObject *observations, *heartbeats;
+    Py_ssize_t ignored;
+    Slice resource; /* raw Resource bytes (found: 0 when the ResourceSpans has none) */
+    int observed;
+} Scan;
+
+/* The identity of a span, resource values first: 0 and five new references (job, epoch, cohort,
+   rank, restart count), or -1: decline. */
 static int read_identity(const Value *given, PyObject **out) {
-    const Value *job = &given[0], *epoch = &given[1], *cohort = &given[2], *rank = &given[3];
+    const Value *job = &given[0], *epoch = &given[1], *cohort = &given[2], *rank = &given[3], *restart = &given[4];
     if (job->kind != V_STR || job->n == 0 || rank->kind != V_INT || rank->i < 0) return -1;
     if (!(epoch->kind == V_ABSENT || (epoch->kind == V_INT && epoch->i >= 0))) return -1;
+    if (!(restart->kind == V_ABSENT || (restart->kind == V_INT && restart->i >= 0))) return -1;
     if (!(cohort->kind == V_ABSENT || cohort->kind == V_STR)) return -1;
     /* each call only if the one before succeeded: no C-API call may run with an exception set */
     if ((out[0] = new_str(job)) == NULL) goto fail;
@@ -182,23 +198,41 @@ static int read_identity(const Value *given, PyObject **out) {
     if (cohort->kind == V_ABSENT || cohort->n == 0) out[2] = Py_NewRef(default_cohort);
     else if ((out[2] = new_str(cohort)) == NULL) goto fail;
     if ((out[3] = PyLong_FromLongLong(rank->i)) == NULL) goto fail;
+    if ((out[4] = PyLong_FromLongLong(restart->kind == V_ABSENT ? 0 : restart->i)) == NULL) goto fail;
     return 0;
 fail:
-    for (int i = 0; i < 4; i++) Py_CLEAR(out[i]);
+    for (int i = 0; i < 5; i++) Py_CLEAR(out[i]);
     return -1;
 }
 
-/* One span: appends its Observation, counts it ignored, or declines (-1). */
-static int read_span(Reader *span, const Slice *resource_identity, PyObject *observations, Py_ssize_t *ignored) {
+static PyObject *slice_bytes(const uint8_t *p, Py_ssize_t n) { return PyBytes_FromStringAndSize((const char *)p, n); }
+
+/* A heartbeat span: (raw Resource, raw Span) appended for decode.py. */
+static int keep_heartbeat(Scan *scan, const uint8_t *span_p, Py_ssize_t span_n) {
+    PyObject *pair = Py_BuildValue("(NN)", scan->resource.found ? slice_bytes(scan->resource.p, scan->resource.n)
+                                                                : PyBytes_FromStringAndSize(NULL, 0),
+                                   slice_bytes(span_p, span_n));
+    if (pair == NULL) return -1;
+    int appended = PyList_Append(scan->heartbeats, pair);
+    Py_DECREF(pair);
+    return appended;
+}
+
+/* One span: appends its Observation, keeps it as a heartbeat, counts it ignored, or declines (-1). */
+static int read_span(Reader *span, const Slice *resource_identity, Scan *scan) {
     Slice slices[N_KEYS] = {{0}};
     uint64_t start = 0, end = 0;
-    int has_start = 0, has_end = 0;
+    int has_start = 0, has_end = 0, heartbeat = 0;
+    const uint8_t *span_p = span->p;
+    Py_ssize_t span_n = span->end - span->p;
     while (span->p < span->end) {
         uint32_t field, wire_type;
         Reader name;
         if (read_tag(span, &field, &wire_type)) return -1;
         if (field == 5) { /* name: a string, which the reference decoder checks for UTF-8 */
             if (wire_type != 2 || read_len(span, &name) || !is_ascii(name.p, name.end - name.p)) return -1;
+            heartbeat = name.end - name.p == PyBytes_GET_SIZE(heartbeat_name)
+                        && memcmp(name.p, PyBytes_AS_STRING(heartbeat_name), name.end - name.p) == 0;
         } else if (field == 7 || field == 8) { /* start / end time, fixed64 */
             int *seen = field == 7 ? &has_start : &has_end;
             if (wire_type != 1 || *seen || read_fixed64(span, field == 7 ? &start : &end)) return -1;
@@ -209,7 +243,11 @@ static int read_span(Reader *span, const Slice *resource_identity, PyObject *obs
             return -1;
         }
     }
-    if (!slices[K_STAGE].found) { (*ignored)++; return 0; }
+    if (!slices[K_STAGE].found) {
+        if (heartbeat) return keep_heartbeat(scan, span_p, span_n);
+        scan->ignored++;
+        return 0;
+    }
 
     Value v[N_KEYS];
     for (int k = 0; k < N_KEYS; k++) {
@@ -233,11 +271,12 @@ static int read_span(Reader *span, const Slice *resource_identity, PyObject *obs
         has_device_ms = 1;
     }
 
-    PyObject *items = PyTuple_New(13); /* the fields, then an Observation made from them */
+    PyObject *items = PyTuple_New(14); /* the fields, then an Observation made from them */
     if (items == NULL) return -1;
-    PyObject *identity[4] = {NULL};
+    PyObject *identity[5] = {NULL};
     if (read_identity(&v[K_JOB], identity)) goto fail;
     for (int i = 0; i < 4; i++) PyTuple_SET_ITEM(items, i, identity[i]);
+    PyTuple_SET_ITEM(items, 13, identity[4]);
     /* each field only if the one before succeeded: no C-API call may run with an exception set */
     PyObject *field;
 #define SET_FIELD(index, made) do { if ((field = (made)) == NULL) goto fail; PyTuple_SET_ITEM(items, index, field); } while (0)
@@ -259,8 +298,9 @@ static int read_span(Reader *span, const Slice *resource_identity, PyObject *obs
     Py_DECREF(args);
     Py_DECREF(items);
     if (observation == NULL) return -1;
-    int appended = PyList_Append(observations, observation);
+    int appended = PyList_Append(scan->observations, observation);
     Py_DECREF(observation);
+    scan->observed = 1;
     return appended;
 fail:
     Py_DECREF(items); /* releases the fields set so far; unset ones are NULL */
@@ -280,16 +320,20 @@ static int read_resource(Reader *resource, Slice *identity) {
     return 0;
 }
 
-static int read_resource_spans(Reader body, PyObject *observations, Py_ssize_t *ignored) {
+static int read_resource_spans(Reader body, Scan *scan, PyObject *resources) {
     Slice identity[N_IDENTITY] = {{0}};
     int has_resource = 0;
+    scan->resource.found = 0;
+    scan->observed = 0;
     /* first the resource, wherever it is, then the spans */
     for (Reader r = body; r.p < r.end;) {
         uint32_t field, wire_type;
         Reader resource;
         if (read_tag(&r, &field, &wire_type)) return -1;
         if (field == 1) { /* a second resource would be merged into the first: declined */
-            if (wire_type != 2 || has_resource || read_len(&r, &resource) || read_resource(&resource, identity)) return -1;
+            if (wire_type != 2 || has_resource || read_len(&r, &resource)) return -1;
+            scan->resource = (Slice){resource.p, resource.end - resource.p, 1};
+            if (read_resource(&resource, identity)) return -1;
             has_resource = 1;
         } else if (field == 2 && wire_type != 2) {
             return -1;
@@ -306,8 +350,15 @@ static int read_resource_spans(Reader body, PyObject *observations, Py_ssize_t *
         while (scope_spans.p < scope_spans.end) {
             if (read_tag(&scope_spans, &field, &wire_type)) return -1;
             if (field != 2) { if (skip(&scope_spans, wire_type)) return -1; continue; }
-            if (wire_type != 2 || read_len(&scope_spans, &span) || read_span(&span, identity, observations, ignored)) return -1;
+            if (wire_type != 2 || read_len(&scope_spans, &span) || read_span(&span, identity, scan)) return -1;
         }
+    }
+    if (scan->observed && scan->resource.found) {
+        PyObject *raw = slice_bytes(scan->resource.p, scan->resource.n);
+        if (raw == NULL) return -1;
+        int appended = PyList_Append(resources, raw);
+        Py_DECREF(raw);
+        return appended;
     }
     return 0;
 }
@@ -320,35 +371,39 @@ static PyObject *scan(PyObject *Py_UNUSED(module), PyObject *payload) {
     if (!PyBytes_Check(payload)) Py_RETURN_NONE;
     Reader request = {(const uint8_t *)PyBytes_AS_STRING(payload),
                       (const uint8_t *)PyBytes_AS_STRING(payload) + PyBytes_GET_SIZE(payload)};
-    PyObject *observations = PyList_New(0);
-    if (observations == NULL) return NULL;
-    Py_ssize_t ignored = 0;
+    Scan scan = {PyList_New(0), PyList_New(0), 0, {0}, 0};
+    PyObject *resources = PyList_New(0);
+    if (scan.observations == NULL || scan.heartbeats == NULL || resources == NULL) goto decline;
     while (request.p < request.end) {
         uint32_t field, wire_type;
         Reader resource_spans;
         if (read_tag(&request, &field, &wire_type)) goto decline;
         if (field != 1) { if (skip(&request, wire_type)) goto decline; continue; }
         if (wire_type != 2 || read_len(&request, &resource_spans)
-            || read_resource_spans(resource_spans, observations, &ignored))
+            || read_resource_spans(resource_spans, &scan, resources))
             goto decline;
     }
-    PyObject *answer = Py_BuildValue("(Nn)", observations, ignored); /* takes observations, even on failure */
+    /* takes the three lists, even on failure */
+    PyObject *answer = Py_BuildValue("(NnNN)", scan.observations, scan.ignored, resources, scan.heartbeats);
     if (answer != NULL) return answer;
     PyErr_Clear();
     Py_RETURN_NONE;
 decline:
-    Py_DECREF(observations);
+    Py_XDECREF(scan.observations);
+    Py_XDECREF(scan.heartbeats);
+    Py_XDECREF(resources);
     PyErr_Clear(); /* a failed allocation declines too: the reference decoder meets it again */
     Py_RETURN_NONE;
 }
 
 static PyObject *configure(PyObject *Py_UNUSED(module), PyObject *args) {
-    PyObject *keys, *type, *cohort, *device;
-    if (!PyArg_ParseTuple(args, "O!O!UO!", &PyTuple_Type, &keys, &PyType_Type, &type, &cohort, &PyBytes_Type, &device))
+    PyObject *keys, *type, *cohort, *device, *heartbeat;
+    if (!PyArg_ParseTuple(args, "O!O!UO!O!", &PyTuple_Type, &keys, &PyType_Type, &type, &cohort, &PyBytes_Type, &device,
+                          &PyBytes_Type, &heartbeat))
         return NULL;
     if (PyTuple_GET_SIZE(keys) != N_KEYS || !PyType_IsSubtype((PyTypeObject *)type, &PyTuple_Type)) {
-        PyErr_SetString(PyExc_ValueError, "configure(keys, observation_type, default_cohort, device_timing): "
-                                          "12 attribute names and a tuple subclass");
+        PyErr_SetString(PyExc_ValueError, "configure(keys, observation_type, default_cohort, device_timing, "
+                                          "heartbeat_name): 13 attribute names and a tuple subclass");
         return NULL;
     }
     for (int k = 0; k < N_KEYS; k++) {
@@ -361,15 +416,18 @@ static PyObject *configure(PyObject *Py_UNUSED(module), PyObject *args) {
     Py_XSETREF(observation_type, (PyTypeObject *)Py_NewRef(type));
     Py_XSETREF(default_cohort, Py_NewRef(cohort));
     Py_XSETREF(device_timing, Py_NewRef(device));
+    Py_XSETREF(heartbeat_name, Py_NewRef(heartbeat));
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
-     "configure(keys, observation_type, default_cohort, device_timing): keys are the 12 attribute names as bytes, "
-     "in the order stage, step, seq, timing, collective, tokens, samples, device_ms, job, epoch, cohort, rank."},
+     "configure(keys, observation_type, default_cohort, device_timing, heartbeat_name): keys are the 13 attribute "
+     "names as bytes, in the order stage, step, seq, timing, collective, tokens, samples, device_ms, job, epoch, "
+     "cohort, rank, restart count."},
     {"scan", scan, METH_O,
-     "scan(payload) -> (observations, ignored spans), or None: decode with the reference decoder."},
+     "scan(payload) -> (observations, ignored spans, raw resources of the observations, [(raw resource, raw span) "
+     "of each heartbeat]), or None: decode with the reference decoder."},
     {NULL, NULL, 0, NULL},
 };
 

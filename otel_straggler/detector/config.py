@@ -31,10 +31,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("silent_windows", int, 3, "a rank missing from this many consecutive closed windows is `silent`", 1, 1000),
     Setting("window_close_lag", int, 16, "a window also closes once more than half of its cohort's ranks have reported a window this many later, however recently the ranks it waits for delivered", 1, 1000),
     Setting("max_export_lag_s", float, 15.0, "longest a window waits for a rank that has not reached past it; less once the rank's own delivery gap is known (twice it, plus 1 s)", 0.1, 3600.0),
+    Setting("hang_timeout_s", float, 120.0, "`hang` when no interval of a job ended for this long while its heartbeats show ranks alive; longer than the longest pause every rank takes together (a checkpoint save)", 1.0, 86_400.0),
     Setting("dedup_horizon", int, 512, "recent sequence numbers remembered per rank for de-duplication (8 bytes each; rounded up to a power of two)", 16, 1 << 20),
     Setting("max_jobs", int, 64, "bound on jobs tracked at once (oldest evicted, counted)", 1, 100_000),
     Setting("max_cohorts", int, 4096, "bound on cohorts tracked at once", 1, 1_000_000),
     Setting("max_ranks", int, 65_536, "bound on ranks tracked per cohort", 1, 10_000_000),
+    Setting("max_tracked_ranks", int, 262_144, "bound on ranks whose placement and latest heartbeat are kept, over all jobs (about 300 bytes each)", 1, 100_000_000),
     Setting("max_stages", int, 256, "bound on distinct stage names per cohort", 1, 100_000),
     Setting("max_open_windows", int, 32, "bound on windows open at once per cohort (they wait for the ranks' export bursts)", 1, 1000),
     Setting("max_window_rows_per_rank", int, 65_536, "spans a window holds per reporting rank of its cohort (32 bytes each); one that reaches it closes early and is judged (a step that does not advance, such as a long evaluation)", 256, 1 << 24),
@@ -79,10 +81,12 @@ class DetectorConfig:
     silent_windows: int = 3
     window_close_lag: int = 16
     max_export_lag_s: float = 15.0
+    hang_timeout_s: float = 120.0
     dedup_horizon: int = 512
     max_jobs: int = 64
     max_cohorts: int = 4096
     max_ranks: int = 65_536
+    max_tracked_ranks: int = 262_144
     max_stages: int = 256
     max_open_windows: int = 32
     max_window_rows_per_rank: int = 65_536

@@ -1,6 +1,7 @@
 """OTLP trace requests (protobuf or JSON) -> Observations, the detector's hot path.
 
-A span is ours when it carries `training.stage` (CONTRACT §2). Everything else, including the
+A span is ours when it carries `training.stage` (CONTRACT §2), or is a `train.heartbeat` (§2b: a
+Heartbeat, liveness and open stages, not an observation). Everything else, including the
 per-rank `train.step` spans, is counted as ignored: the engine derives whole-step compute from the
 stage spans (DESIGN §3), so the step span adds nothing. A stage span that lacks a required field
 (job id, rank, step, seq, timestamps) or has one of the wrong type is counted as malformed, with a
@@ -10,7 +11,9 @@ the rest of its request still counts. A payload that cannot be parsed at all rai
 Resource attributes (CONTRACT §1) may also arrive on the span itself, e.g. from an exporter that
 flattens resources; the span's value is used only when the resource has none. A missing cohort means
 "every rank plays the same role" (plain data parallelism) and maps to DEFAULT_COHORT; a missing
-topology epoch is 0. Workload values that are not positive numbers degrade to None ("not reported").
+topology epoch or restart count is 0. Workload values that are not positive numbers degrade to None
+("not reported"). Where a rank runs (host.name, training.local_rank) is read from the resource only,
+once per resource, as a Placement; a value of the wrong type there is "unknown", not a rejection.
 
 Speed: the protobuf path parses with a *view* of the OTLP schema that keeps only the fields read
 here and declares attributes as `map<string, bytes>` (a map entry has the same wire format as
@@ -39,7 +42,7 @@ from google.protobuf.message import DecodeError
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 from otel_straggler import contract
-from otel_straggler.detector.observation import Observation
+from otel_straggler.detector.observation import Heartbeat, Observation, Placement
 
 DEFAULT_COHORT = "default"
 _VALUE_CACHE_ENTRIES = 4096  # distinct AnyValue encodings kept; cleared when full, so always bounded
@@ -47,6 +50,7 @@ _VALUE_CACHE_ENTRIES = 4096  # distinct AnyValue encodings kept; cleared when fu
 # entries alone would let a few thousand large values (distinct stage names of 1 MiB, say) hold gigabytes.
 # Values that repeat across spans are short; a long one is decoded again each time.
 _VALUE_CACHE_MAX_RAW_BYTES = 256
+_MAX_RESOURCES_CACHED = 4096  # distinct raw resources (about one per rank); cleared when full
 
 
 class MalformedPayload(ValueError):
@@ -73,13 +77,16 @@ BAD_STEP = Rejection("bad_step", f"{contract.STEP} is not a non-negative int")
 MISSING_SEQ = Rejection("missing_seq", f"{contract.SEQ} missing")
 BAD_SEQ = Rejection("bad_seq", f"{contract.SEQ} is not a non-negative int")
 BAD_TIMESTAMPS = Rejection("bad_timestamps", "start/end time missing or end before start")
+BAD_RESTART = Rejection("bad_restart_count", f"{contract.RESTART_COUNT} is not a non-negative int")
+BAD_HEARTBEAT = Rejection("bad_heartbeat", f"{contract.HEARTBEAT_OPEN_STAGES} and {contract.HEARTBEAT_OPEN_SINCE} "
+                                           "are not a string[] and an int[] of one length, or its time is missing")
 BAD_ATTRIBUTES_KIND = "bad_attributes"  # OTLP/JSON attributes that are not a list of keyed values
 OTHER_KIND = "other"  # a span the engine refused after decoding (pipeline.py counts those)
 # every kind, in the order of the checks: a bounded set, so a metric attribute
 REJECTION_KINDS = (
     MISSING_JOB_ID.kind, BAD_JOB_ID.kind, MISSING_RANK.kind, BAD_RANK.kind, BAD_EPOCH.kind, BAD_COHORT.kind,
     BAD_STAGE.kind, MISSING_STEP.kind, BAD_STEP.kind, MISSING_SEQ.kind, BAD_SEQ.kind, BAD_TIMESTAMPS.kind,
-    BAD_ATTRIBUTES_KIND, OTHER_KIND,
+    BAD_RESTART.kind, BAD_HEARTBEAT.kind, BAD_ATTRIBUTES_KIND, OTHER_KIND,
 )
 
 
@@ -100,7 +107,9 @@ class DecodedBatch:
     """What one OTLP request held."""
 
     observations: list[Observation] = field(default_factory=list)
-    ignored: int = 0  # spans that are not stage spans
+    heartbeats: list[Heartbeat] = field(default_factory=list)
+    placements: list[Placement] = field(default_factory=list)  # one per resource that gave any of them
+    ignored: int = 0  # spans that are neither stage spans nor heartbeats
     malformed: int = 0  # stage spans rejected for a missing or invalid field
     first_error: str = ""  # the first rejection, for OTLP partial success
     rejections: Counter[str] = field(default_factory=Counter)  # malformed by kind
@@ -117,7 +126,7 @@ class DecodedBatch:
 
     @property
     def span_count(self) -> int:
-        return len(self.observations) + self.ignored + self.malformed
+        return len(self.observations) + len(self.heartbeats) + self.ignored + self.malformed
 
 
 class _Invalid:
@@ -140,9 +149,10 @@ def _positive_count(value: Any) -> Optional[int]:
     return None
 
 
-def _identity(job_id: Any, epoch: Any, cohort: Any, rank: Any) -> tuple | Rejection:
-    """A rank's identity (CONTRACT §1) validated, defaults applied, or why it is rejected.
-    `type(x) is int` on purpose: a bool is an int subclass and is not a valid rank."""
+def _identity(job_id: Any, epoch: Any, cohort: Any, rank: Any, restart: Any = None) -> tuple | Rejection:
+    """A rank's identity (CONTRACT §1) validated, defaults applied, or why it is rejected:
+    (job, epoch, cohort, rank, restart count). `type(x) is int` on purpose: a bool is an int
+    subclass and is not a valid rank."""
     if type(job_id) is not str or not job_id:
         return MISSING_JOB_ID if job_id is None or job_id == "" else BAD_JOB_ID
     if type(rank) is not int or rank < 0:
@@ -155,7 +165,35 @@ def _identity(job_id: Any, epoch: Any, cohort: Any, rank: Any) -> tuple | Reject
         cohort = DEFAULT_COHORT
     elif type(cohort) is not str:
         return BAD_COHORT
-    return job_id, epoch, cohort, rank
+    if restart is None:
+        restart = 0
+    elif type(restart) is not int or restart < 0:
+        return BAD_RESTART
+    return job_id, epoch, cohort, rank, restart
+
+
+def _placement(identity: tuple | Rejection, host: Any, local_rank: Any) -> Optional[Placement]:
+    if type(identity) is not tuple:
+        return None
+    job_id, epoch, _, rank, restart = identity
+    return Placement(job_id, epoch, restart, rank, host if type(host) is str and host else None,
+                     local_rank if type(local_rank) is int and local_rank >= 0 else None)
+
+
+def _heartbeat(identity: tuple | Rejection, step: Any, open_stages: Any, open_since: Any,
+               end: Any) -> Heartbeat | Rejection:
+    """A heartbeat span's typed values (arrays as tuples, absent ones as ()) -> its Heartbeat."""
+    if type(identity) is Rejection:
+        return identity
+    if step is not None and (type(step) is not int or step < 0):
+        return BAD_STEP
+    if (type(open_stages) is not tuple or type(open_since) is not tuple or len(open_stages) != len(open_since)
+            or not all(type(name) is str and name for name in open_stages)
+            or not all(type(since) is int and since >= 0 for since in open_since)
+            or type(end) is not int or end <= 0):
+        return BAD_HEARTBEAT
+    job_id, epoch, cohort, rank, restart = identity
+    return Heartbeat(job_id, epoch, cohort, rank, restart, step, end, open_stages, open_since)
 
 
 def _observation(
@@ -177,21 +215,21 @@ def _observation(
         device_ms = float(device_ms)
     else:
         device_ms = None
-    job_id, epoch, cohort, rank = identity
+    job_id, epoch, cohort, rank, restart = identity
     return Observation(
         job_id, epoch, cohort, rank, stage, step, seq, (end - start) / 1e6, device_ms,
-        collective is True, _positive_count(tokens), _positive_count(samples), end,
+        collective is True, _positive_count(tokens), _positive_count(samples), end, restart,
     )
 
 
-_IDENTITY_KEYS = (contract.JOB_ID, contract.TOPOLOGY_EPOCH, contract.COHORT, contract.RANK)
+_IDENTITY_KEYS = (contract.JOB_ID, contract.TOPOLOGY_EPOCH, contract.COHORT, contract.RANK, contract.RESTART_COUNT)
 _new_observation = tuple.__new__  # Observation(...) without its Python-level __new__: decode's hot path
 
 
 # ---------------------------------------------------------------- protobuf
 
-def _view_classes() -> type:
-    """Builds the OTLP view schema described in the module doc and returns its request class."""
+def _view_classes() -> tuple[type, type, type]:
+    """Builds the OTLP view schema described in the module doc: its Request, Resource and Span classes."""
     F = descriptor_pb2.FieldDescriptorProto
     proto = descriptor_pb2.FileDescriptorProto(name="otel_straggler_otlp_view.proto", package="otlp_view", syntax="proto3")
 
@@ -221,10 +259,11 @@ def _view_classes() -> type:
     message("Request", ("resource_spans", 1, F.TYPE_MESSAGE, many, ".otlp_view.ResourceSpans"))
     pool = descriptor_pool.DescriptorPool()
     pool.Add(proto)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName("otlp_view.Request"))
+    return tuple(message_factory.GetMessageClass(pool.FindMessageTypeByName(f"otlp_view.{name}"))
+                 for name in ("Request", "Resource", "Span"))
 
 
-_RequestView = _view_classes()
+_RequestView, _ResourceView, _SpanView = _view_classes()
 _SCALAR_KINDS = {"string_value", "bool_value", "int_value", "double_value"}
 
 
@@ -240,6 +279,26 @@ def _any_value(raw: Optional[bytes]) -> Any:
     if kind is None:
         return None
     return getattr(value, kind) if kind in _SCALAR_KINDS else INVALID
+
+
+def _array_any_value(raw: Optional[bytes]) -> Any:
+    """Raw AnyValue bytes of an array of scalars -> a tuple; () when absent; INVALID otherwise."""
+    if raw is None:
+        return ()
+    try:
+        value = AnyValue.FromString(raw)
+    except DecodeError:
+        return INVALID
+    kind = value.WhichOneof("value")
+    if kind is None:
+        return ()
+    if kind != "array_value":
+        return INVALID
+    items = []
+    for item in value.array_value.values:
+        item_kind = item.WhichOneof("value")
+        items.append(getattr(item, item_kind) if item_kind in _SCALAR_KINDS else INVALID)
+    return tuple(items)
 
 
 _unpack_double = struct.Struct("<d").unpack_from
@@ -285,8 +344,11 @@ def _load_scanner() -> Optional[Callable[[bytes], Optional[tuple]]]:
         return None
     keys = (contract.STAGE, contract.STEP, contract.SEQ, contract.TIMING, contract.COLLECTIVE,
             contract.WORKLOAD_TOKENS, contract.WORKLOAD_SAMPLES, contract.DEVICE_DURATION_MS, *_IDENTITY_KEYS)
-    _otlp_scan.configure(tuple(key.encode() for key in keys), Observation, DEFAULT_COHORT,
-                         contract.TIMING_DEVICE.encode())
+    try:
+        _otlp_scan.configure(tuple(key.encode() for key in keys), Observation, DEFAULT_COHORT,
+                             contract.TIMING_DEVICE.encode(), contract.HEARTBEAT_SPAN_NAME.encode())
+    except (TypeError, ValueError):  # built from an older source: its answers would differ, so unused
+        return None
     return _otlp_scan.scan
 
 
@@ -303,6 +365,9 @@ class ProtobufDecoder:
 
     def __init__(self) -> None:
         self._value_cache: dict[bytes, Any] = {}
+        # raw Resource bytes -> (its identity values, its Placement or None): a rank sends the same
+        # resource with every request
+        self._resource_cache: dict[bytes, tuple] = {}
 
     def _value(self, raw: Optional[bytes]) -> Any:
         value = self._value_cache.get(raw)
@@ -318,8 +383,55 @@ class ProtobufDecoder:
         if _scan is not None:
             scanned = _scan(payload)
             if scanned is not None:
-                return DecodedBatch(observations=scanned[0], ignored=scanned[1])
+                observations, ignored, resources, heartbeats = scanned
+                batch = DecodedBatch(observations=observations, ignored=ignored)
+                for raw in resources:
+                    placement = self._resource(raw)[1]
+                    if placement is not None:
+                        batch.placements.append(placement)
+                for raw_resource, raw_span in heartbeats:
+                    self._scanned_heartbeat(batch, raw_resource, raw_span)
+                return batch
         return self.decode_in_python(payload)
+
+    def _resource(self, raw: bytes) -> tuple:
+        """(identity values as on the resource, its Placement or None) of raw Resource bytes."""
+        known = self._resource_cache.get(raw)
+        if known is None:
+            attributes = _ResourceView.FromString(raw).attributes
+            values = [self._value(attributes.get(key)) for key in _IDENTITY_KEYS]
+            where = (self._value(attributes.get(contract.HOST_NAME)), self._value(attributes.get(contract.LOCAL_RANK)))
+            known = (values, _placement(_identity(*values), *where), where)
+            if len(raw) <= 64 * _VALUE_CACHE_MAX_RAW_BYTES:
+                if len(self._resource_cache) >= _MAX_RESOURCES_CACHED:
+                    self._resource_cache.clear()
+                self._resource_cache[raw] = known
+        return known
+
+    def _scanned_heartbeat(self, batch: DecodedBatch, raw_resource: bytes, raw_span: bytes) -> None:
+        """A heartbeat the scanner found, decoded as decode_in_python decodes it (the scanner has
+        checked the wire format of both already)."""
+        values, _, where = self._resource(raw_resource)
+        self._heartbeat_span(batch, _SpanView.FromString(raw_span), values, where)
+
+    def _heartbeat_span(self, batch: DecodedBatch, span: Any, resource_values: list, where: tuple) -> None:
+        """`where`: the resource's host.name and training.local_rank (None: absent)."""
+        get = span.attributes.get
+        values = [value if value is not None else self._value(get(key))
+                  for key, value in zip(_IDENTITY_KEYS, resource_values)]
+        identity = _identity(*values)
+        result = _heartbeat(identity, _int_any_value(get(contract.STEP)),
+                            _array_any_value(get(contract.HEARTBEAT_OPEN_STAGES)),
+                            _array_any_value(get(contract.HEARTBEAT_OPEN_SINCE)), span.end_time_unix_nano)
+        host, local_rank = (value if value is not None else self._value(get(key))
+                            for value, key in zip(where, (contract.HOST_NAME, contract.LOCAL_RANK)))
+        if type(result) is Rejection:
+            batch.reject(span.name, result, values[0], values[3], host)
+            return
+        batch.heartbeats.append(result)
+        placement = _placement(identity, host, local_rank)
+        if placement is not None:
+            batch.placements.append(placement)
 
     def decode_in_python(self, payload: bytes) -> DecodedBatch:
         """The reference decoder: every payload, every rejection and its reason."""
@@ -335,18 +447,28 @@ class ProtobufDecoder:
         STAGE, STEP, TIMING, COLLECTIVE = contract.STAGE, contract.STEP, contract.TIMING, contract.COLLECTIVE
         TOKENS, SAMPLES, SEQ = contract.WORKLOAD_TOKENS, contract.WORKLOAD_SAMPLES, contract.SEQ
         DEVICE, DEVICE_DURATION_MS = contract.TIMING_DEVICE, contract.DEVICE_DURATION_MS
+        HEARTBEAT = contract.HEARTBEAT_SPAN_NAME
         for resource_spans in request.resource_spans:
             resource = resource_spans.resource.attributes
             resource_identity = [value_of(resource.get(key)) for key in _IDENTITY_KEYS]
             # keys the resource lacks are looked up on each span (see the module doc)
             from_span = [index for index, value in enumerate(resource_identity) if value is None]
             identity = _identity(*resource_identity)
+            if type(identity) is tuple:
+                job, epoch, cohort, rank, restart = identity
+            host = value_of(resource.get(contract.HOST_NAME))
+            where = (host, value_of(resource.get(contract.LOCAL_RANK)))
+            placement = _placement(identity, *where)
+            observed = len(batch.observations)
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
                     get = span.attributes.get
                     raw = get(STAGE)
                     if raw is None:
-                        batch.ignored += 1
+                        if span.name == HEARTBEAT:
+                            self._heartbeat_span(batch, span, resource_identity, where)
+                        else:
+                            batch.ignored += 1
                         continue
                     # Inlined cache lookups: this loop runs once per span.
                     stage = cached(raw)
@@ -381,6 +503,8 @@ class ProtobufDecoder:
                         for index in from_span:
                             merged[index] = value_of(get(_IDENTITY_KEYS[index]))
                         identity = _identity(*merged)
+                        if type(identity) is tuple:
+                            job, epoch, cohort, rank, restart = identity
                     start, end = span.start_time_unix_nano, span.end_time_unix_nano
                     if (type(identity) is tuple and type(stage) is str and stage and type(step) is int
                             and step >= 0 and type(seq) is int and seq >= 0 and 0 < start <= end):
@@ -389,19 +513,21 @@ class ProtobufDecoder:
                                                           and 0 <= device_ms < math.inf):
                             device_ms = None
                         append(_new_observation(Observation, (
-                            *identity, stage, step, seq, (end - start) / 1e6,
+                            job, epoch, cohort, rank, stage, step, seq, (end - start) / 1e6,
                             None if device_ms is None else float(device_ms), collective is True,
                             None if tokens is None else _positive_count(tokens),
-                            None if samples is None else _positive_count(samples), end)))
+                            None if samples is None else _positive_count(samples), end, restart)))
                         continue
                     result = _observation(identity, stage, step, seq, timing, device_ms, collective, tokens,
                                           samples, start, end)
                     if type(result) is Rejection:
                         values = merged if from_span else resource_identity
-                        host = resource.get(contract.HOST_NAME, get(contract.HOST_NAME))
-                        batch.reject(span.name, result, values[0], values[3], value_of(host))
+                        batch.reject(span.name, result, values[0], values[3],
+                                     host if host is not None else value_of(get(contract.HOST_NAME)))
                     else:
                         append(result)
+            if placement is not None and len(batch.observations) > observed:
+                batch.placements.append(placement)
         return batch
 
 
@@ -468,6 +594,26 @@ def _json_any_value(value: Any) -> Any:
     return INVALID
 
 
+def _json_array_value(value: Any) -> Any:
+    """An OTLP/JSON arrayValue of scalars -> a tuple; () when absent; INVALID otherwise."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        return INVALID
+    if not value:
+        return ()
+    array = value.get("arrayValue")
+    if not isinstance(array, dict):
+        return INVALID
+    items = array.get("values", [])
+    if not isinstance(items, list):
+        return INVALID
+    return tuple(_json_any_value(item) for item in items)
+
+
+_JSON_ARRAY_KEYS = frozenset((contract.HEARTBEAT_OPEN_STAGES, contract.HEARTBEAT_OPEN_SINCE))
+
+
 def _json_attributes(attributes: Any) -> dict[str, Any]:
     if not isinstance(attributes, list):
         raise MalformedPayload("attributes is not a list")
@@ -475,7 +621,8 @@ def _json_attributes(attributes: Any) -> dict[str, Any]:
     for pair in attributes:
         if not isinstance(pair, dict) or type(pair.get("key")) is not str:
             raise MalformedPayload("attribute without a string key")
-        typed[pair["key"]] = _json_any_value(pair.get("value"))
+        key = pair["key"]
+        typed[key] = (_json_array_value if key in _JSON_ARRAY_KEYS else _json_any_value)(pair.get("value"))
     return typed
 
 
@@ -500,6 +647,9 @@ def decode_json_request(request: Any) -> DecodedBatch:
     for resource_spans in _json_list(_json_object(request, "request"), "resourceSpans"):
         resource_spans = _json_object(resource_spans, "resourceSpans[]")
         resource = _json_attributes(_json_object(resource_spans.get("resource", {}), "resource").get("attributes", []))
+        placement = _placement(_identity(*(resource.get(key) for key in _IDENTITY_KEYS)),
+                               resource.get(contract.HOST_NAME), resource.get(contract.LOCAL_RANK))
+        found = len(batch.observations) + len(batch.heartbeats)
         for scope_spans in _json_list(resource_spans, "scopeSpans"):
             for span in _json_list(_json_object(scope_spans, "scopeSpans[]"), "spans"):
                 span = _json_object(span, "span")
@@ -510,11 +660,21 @@ def decode_json_request(request: Any) -> DecodedBatch:
                     batch.reject(name, Rejection(BAD_ATTRIBUTES_KIND, str(error)), resource.get(contract.JOB_ID),
                                  resource.get(contract.RANK), resource.get(contract.HOST_NAME))
                     continue
-                if contract.STAGE not in attributes:
-                    batch.ignored += 1
-                    continue
                 values = [attributes.get(key) if resource.get(key) is None else resource[key]
                           for key in (*_IDENTITY_KEYS, contract.HOST_NAME)]
+                if contract.STAGE not in attributes:
+                    if name != contract.HEARTBEAT_SPAN_NAME:
+                        batch.ignored += 1
+                        continue
+                    result = _heartbeat(
+                        _identity(*values[:-1]), attributes.get(contract.STEP),
+                        attributes.get(contract.HEARTBEAT_OPEN_STAGES, ()),
+                        attributes.get(contract.HEARTBEAT_OPEN_SINCE, ()), _json_time(span.get("endTimeUnixNano", 0)))
+                    if type(result) is Rejection:
+                        batch.reject(name, result, values[0], values[3], values[-1])
+                    else:
+                        batch.heartbeats.append(result)
+                    continue
                 identity = _identity(*values[:-1])
                 result = _observation(
                     identity, attributes[contract.STAGE], attributes.get(contract.STEP), attributes.get(contract.SEQ),
@@ -524,9 +684,11 @@ def decode_json_request(request: Any) -> DecodedBatch:
                     _json_time(span.get("startTimeUnixNano", 0)), _json_time(span.get("endTimeUnixNano", 0)),
                 )
                 if type(result) is Rejection:
-                    batch.reject(name, result, values[0], values[3], values[4])
+                    batch.reject(name, result, values[0], values[3], values[-1])
                 else:
                     batch.observations.append(result)
+        if placement is not None and len(batch.observations) + len(batch.heartbeats) > found:
+            batch.placements.append(placement)
     return batch
 
 

@@ -17,6 +17,17 @@ emit no `within_tolerance` lines, to keep the evidence file about changes; `rank
 feeds the slowdown and alert gauges, updates every window. The reference is chosen in
 peer_reference.py (the median of the comparable peers, the rank itself left out).
 
+Incarnations: a higher `training.restart.count` on a rank (CONTRACT §1: torchrun restarted the
+worker group) starts its cohort over: the cohort's state so far is retired (its open windows are
+judged at the next advance, without `silent` verdicts, and an alert still active then ends with
+`recovered`/`restarted`) and a fresh cohort takes its place, so a job resumed from a checkpoint has
+its steps judged again, not `late`, its ranks warm up again, and a rank that did not come back is
+not `silent`. A rank with a lower count than its cohort's (torchrun restarts the workers of a node
+that did not fail without counting it) joins the current incarnation.
+
+Liveness and hangs are liveness.py's: the engine hands it heartbeats, placements and each cohort's
+latest interval end, and adds where a rank runs (host, local rank) to every per-rank verdict.
+
 Outcomes of `ingest`: `accepted`; `duplicate` (seq seen before, or older than the rank's
 de-duplication horizon); `late` (its window was already judged: counted, never judged again);
 `malformed` (a value of the wrong type, or a host duration that is negative or not finite);
@@ -24,22 +35,25 @@ de-duplication horizon); `late` (its window was already judged: counted, never j
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from typing import Iterable, NamedTuple, Optional
 
 import numpy as np
 
+from otel_straggler import contract
 from otel_straggler.detector.config import DetectorConfig
-from otel_straggler.detector.judge import judge_window
-from otel_straggler.detector.observation import Observation, Verdict
+from otel_straggler.detector.judge import judge_window, restarted_verdicts
+from otel_straggler.detector.liveness import HangState, Liveness
+from otel_straggler.detector.observation import Heartbeat, Observation, Placement, Verdict
 from otel_straggler.detector.windows import Cohort, RankEntry, RowLayout, WindowRows
 
 OUTCOMES = ("accepted", "duplicate", "late", "malformed", "dropped")
 # the hot path unpacks each observation as a tuple (faster than 11 attribute reads), so it relies
 # on this field order; a change to Observation must fail here, not misread every span
 _OBSERVATION_FIELDS = ("job_id", "epoch", "cohort", "rank", "stage", "step", "seq", "host_ms",
-                       "device_ms", "collective", "tokens", "samples", "end_unix_nano")
+                       "device_ms", "collective", "tokens", "samples", "end_unix_nano", "restart")
 if Observation._fields != _OBSERVATION_FIELDS:
     raise ImportError(f"engine.ingest_many unpacks Observation{_OBSERVATION_FIELDS}; it now has {Observation._fields}")
 # a seq this far below what the rank's ring holds means the rank's process started over
@@ -56,6 +70,8 @@ class RankState(NamedTuple):
     rank: int
     slowdown: Optional[float]  # latest window's slowdown vs its reference; None when not comparable
     alert_active: bool
+    host: Optional[str] = None  # where the rank runs, when its resource said
+    local_rank: Optional[int] = None
 
 
 class Engine:
@@ -71,6 +87,9 @@ class Engine:
         self._cohorts_by_job: dict[str, list[tuple]] = {}
         self._counts: Counter = Counter()
         self._now = 0  # latest `now` given; new cohorts start their activity clock there
+        self._retiring: list[Cohort] = []  # superseded by a new incarnation, judged at the next advance
+        self._liveness = Liveness(config, self._counts)
+        self._liveness_verdicts: list[Verdict] = []  # made at intake, handed out at the next advance
 
     # ---- intake ----
     def ingest(self, observation: Observation) -> str:
@@ -90,10 +109,10 @@ class Engine:
         for observation in observations:
             try:
                 (job_id, epoch, cohort_name, rank, stage, step, seq, host_ms, device_ms, collective, tokens,
-                 _, end_unix_nano) = observation
+                 _, end_unix_nano, restart) = observation
                 entry = ranks.get((job_id, epoch, rank))
-                if entry is None or entry.cohort_name != cohort_name:
-                    entry = self._admit_rank(job_id, epoch, rank, cohort_name)
+                if entry is None or entry.cohort_name != cohort_name or restart > entry.restart:
+                    entry = self._admit_rank(job_id, epoch, rank, cohort_name, restart)
                     if entry is None:
                         dropped += 1
                         continue
@@ -146,13 +165,23 @@ class Engine:
         self._counts["seq_restarts"] += 1
         return True
 
-    def _admit_rank(self, job_id: str, epoch: int, rank: int, cohort_name: str) -> Optional[RankEntry]:
-        """Registers a rank (or its move to another cohort), within the bounds; None: no room."""
-        if not (isinstance(job_id, str) and isinstance(cohort_name, str) and _is_int(epoch) and _is_int(rank)):
-            raise TypeError("job_id and cohort must be str, epoch and rank int")
+    def ingest_heartbeats(self, heartbeats: Iterable[Heartbeat]) -> None:
+        self._liveness_verdicts += self._liveness.note_heartbeats(heartbeats, self._now)
+
+    def ingest_placements(self, placements: Iterable[Placement]) -> None:
+        self._liveness_verdicts += self._liveness.note_placements(placements, self._now)
+
+    def _admit_rank(self, job_id: str, epoch: int, rank: int, cohort_name: str, restart: int = 0) -> Optional[RankEntry]:
+        """Registers a rank (or its move to another cohort, or a new incarnation of its cohort),
+        within the bounds; None: no room."""
+        if not (isinstance(job_id, str) and isinstance(cohort_name, str) and _is_int(epoch) and _is_int(rank)
+                and _is_int(restart)):
+            raise TypeError("job_id and cohort must be str, epoch, rank and restart count int")
         cohort = self._cohort(job_id, epoch, cohort_name)
         if cohort is None:
             return None
+        if restart > cohort.restart:
+            cohort = self._new_incarnation(cohort, restart)
         entry, evicted = cohort.add_rank(rank, self._dedup_horizon)
         if evicted is not None:
             self._forget_rank(evicted)
@@ -177,12 +206,26 @@ class Engine:
         if len(self._cohorts) >= self._config.max_cohorts:
             self._evict_cohort(min(self._cohorts.values(), key=lambda c: c.last_active_unix_nano))
             self._counts["evictions_cohorts"] += 1
-        config = self._config
-        cohort = Cohort(job_id, epoch, name, self._layout, config.max_ranks, config.max_stages,
-                        config.max_open_windows, self._counts, self._now, config.max_export_lag_s)
-        self._cohorts[key] = cohort
+        cohort = self._make_cohort(job_id, epoch, name, 0)
         self._cohorts_by_job.setdefault(job_id, []).append(key)
         return cohort
+
+    def _make_cohort(self, job_id: str, epoch: int, name: str, restart: int) -> Cohort:
+        config = self._config
+        cohort = Cohort(job_id, epoch, name, self._layout, config.max_ranks, config.max_stages,
+                        config.max_open_windows, self._counts, self._now, config.max_export_lag_s, restart)
+        self._cohorts[(job_id, epoch, name)] = cohort
+        return cohort
+
+    def _new_incarnation(self, old: Cohort, restart: int) -> Cohort:
+        """A fresh cohort in the place of `old`, which is judged and dropped at the next advance."""
+        for entry in old.slot_entries:
+            if entry is not None:
+                self._forget_rank(entry)
+        self._retiring.append(old)
+        self._counts["incarnations"] += 1
+        self._liveness_verdicts += self._liveness.new_incarnation(old.job_id, old.epoch, restart, self._now)
+        return self._make_cohort(old.job_id, old.epoch, old.name, restart)
 
     def _evict_job(self) -> None:
         def last_active(job_id: str) -> int:
@@ -190,6 +233,32 @@ class Engine:
         for key in list(self._cohorts_by_job[min(self._cohorts_by_job, key=last_active)]):
             self._evict_cohort(self._cohorts[key])
         self._counts["evictions_jobs"] += 1
+
+    def _retire(self, now_unix_nano: int) -> list[Verdict]:
+        """Judges what superseded incarnations still hold, then ends their active alerts."""
+        verdicts: list[Verdict] = []
+        retiring, self._retiring = self._retiring, []
+        for cohort in retiring:
+            for rows in cohort.all_windows():
+                judgement = judge_window(cohort, rows, self._config, now_unix_nano)
+                self._counts["windows_closed"] += 1
+                # their ranks were restarted, not lost
+                verdicts += self._placed([v for v in judgement.verdicts if v.verdict != contract.VERDICT_SILENT],
+                                         cohort.epoch)
+            verdicts += self._placed(restarted_verdicts(cohort, now_unix_nano), cohort.epoch)
+        self._counts["verdicts"] += len(verdicts)
+        return verdicts
+
+    def _placed(self, verdicts: list[Verdict], epoch: int) -> list[Verdict]:
+        """Per-rank verdicts with where the rank runs (CONTRACT v1.1 §3a host, local_rank)."""
+        placed = []
+        for verdict in verdicts:
+            if verdict.rank is not None and verdict.host is None and verdict.local_rank is None:
+                host, local_rank = self._liveness.placement(verdict.job_id, epoch, verdict.rank)
+                if host is not None or local_rank is not None:
+                    verdict = dataclasses.replace(verdict, host=host, local_rank=local_rank)
+            placed.append(verdict)
+        return placed
 
     def _evict_cohort(self, cohort: Cohort) -> None:
         """Forgets a cohort, its ranks and its unjudged windows (counted as dropped)."""
@@ -211,11 +280,35 @@ class Engine:
 
     # ---- judging ----
     def advance(self, now_unix_nano: int) -> list[Verdict]:
-        """Closes and judges the windows that are due at `now` (the caller's clock, ns)."""
+        """Closes and judges the windows that are due at `now` (the caller's clock, ns), then
+        looks for hangs."""
         self._now = now_unix_nano
         config = self._config
-        return self._judge(lambda cohort: cohort.windows_to_judge(
+        verdicts = self._retire(now_unix_nano)
+        verdicts += self._judge(lambda cohort: cohort.windows_to_judge(
             now_unix_nano, self._grace_ns, config.window_close_lag, config.max_window_rows_per_rank), now_unix_nano)
+        return verdicts + self._judge_liveness(now_unix_nano)
+
+    def _judge_liveness(self, now_unix_nano: int) -> list[Verdict]:
+        verdicts, self._liveness_verdicts = self._liveness_verdicts, []
+        for cohort in self._cohorts.values():
+            if cohort.latest_end_unix_nano:
+                verdicts += self._liveness.note_progress(cohort.job_id, cohort.epoch, cohort.restart,
+                                                         cohort.latest_end_unix_nano)
+        verdicts += self._liveness.judge(now_unix_nano, self._collective_stages)
+        self._counts["verdicts"] += len(verdicts)
+        return verdicts
+
+    def _collective_stages(self, job_id: str, epoch: int) -> set[str]:
+        stages: set[str] = set()
+        for key in self._cohorts_by_job.get(job_id, ()):
+            if key[1] == epoch:
+                stages |= self._cohorts[key].collective_stage_names()
+        return stages
+
+    def hang_state(self) -> list[HangState]:
+        """Every hang series (straggler.job.hang): 1 while declared, 0 once progress resumed."""
+        return self._liveness.hang_states()
 
     def next_close_unix_nano(self) -> Optional[int]:
         """The earliest time (same clock as `advance`) at which `advance` could close a window with no
@@ -228,7 +321,8 @@ class Engine:
     def drain(self, now_unix_nano: int) -> list[Verdict]:
         """Closes and judges every open window: end of a replay, or shutdown."""
         self._now = now_unix_nano
-        return self._judge(Cohort.all_windows, now_unix_nano)
+        verdicts = self._retire(now_unix_nano)
+        return verdicts + self._judge(Cohort.all_windows, now_unix_nano) + self._judge_liveness(now_unix_nano)
 
     def _judge(self, windows_of, now_unix_nano: int) -> list[Verdict]:
         verdicts: list[Verdict] = []
@@ -241,7 +335,7 @@ class Engine:
                 self._counts["coverage_gaps"] += judgement.coverage_gaps
                 self._counts["invalid_device_durations"] += judgement.invalid_device_rows
                 self._counts["verdicts"] += len(judgement.verdicts)
-                verdicts.extend(judgement.verdicts)
+                verdicts.extend(self._placed(judgement.verdicts, cohort.epoch))
         return verdicts
 
     # ---- views ----
@@ -250,13 +344,14 @@ class Engine:
         counters = ("accepted", "late", "malformed", "dropped", "windows_closed", "coverage_gaps",
                     "evictions_jobs", "evictions_cohorts", "evictions_ranks", "evictions_stages",
                     "evictions_windows", "windows_dropped", "windows_closed_full", "seq_restarts", "invalid_device_durations",
-                    "verdicts")
+                    "verdicts", "heartbeats", "incarnations", "evictions_liveness_jobs", "evictions_liveness_ranks")
         stats = {name: int(self._counts[name]) for name in counters}
         stats["duplicates"] = int(self._counts["duplicate"])
         stats["jobs"] = len(self._cohorts_by_job)
         stats["cohorts"] = len(self._cohorts)
         stats["ranks"] = sum(cohort.rank_count() for cohort in self._cohorts.values())
         stats["open_windows"] = sum(cohort.pending_window_count() for cohort in self._cohorts.values())
+        stats["tracked_ranks"] = self._liveness.tracked_ranks()
         return stats
 
     def rank_state(self) -> list[RankState]:
@@ -275,7 +370,8 @@ class Engine:
                 stage = cohort.stage_names[code // 2]
                 if entry is not None and stage is not None:
                     states.append(RankState(cohort.job_id, cohort.epoch, cohort.name, stage, entry.rank,
-                                            value if math.isfinite(value) else None, active))
+                                            value if math.isfinite(value) else None, active,
+                                            *self._liveness.placement(cohort.job_id, cohort.epoch, entry.rank)))
         return states
 
 

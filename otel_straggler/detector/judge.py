@@ -59,6 +59,7 @@ REASON_RECOVERY_EVIDENCE_INSUFFICIENT = "recovery_evidence_insufficient"
 REASON_WAITING_ON_PEER = "waiting_on_peer"
 REASON_NO_REPORT = "no_report"
 REASON_LAST_TO_ARRIVE = "last_to_arrive"  # at a collective: the rank its peers wait for
+REASON_RESTARTED = "restarted"  # an alert ended by a new incarnation of its cohort (training.restart.count)
 
 # the last uncertain reason noted per pair, as a small int (0: none), so each is noted once
 _UNCERTAIN_REASONS = (None, REASON_COHORT_BELOW_MIN_SIZE, REASON_WORKLOAD_INCOMPARABLE,
@@ -99,6 +100,7 @@ class CohortVerdictState:
         self.noise_var = np.zeros((2, 0))
         self.late_streak = np.zeros((0, 0), dtype=np.int64)  # per (collective code, slot)
         self.arrival_var = np.zeros(0)  # per collective code: smoothed variance of the ranks' lateness
+        self.collective_seen = np.zeros(0, dtype=bool)  # per code: judged as a collective in some window
 
     def ensure(self, stage_count: int, slot_count: int) -> None:
         """Room for `stage_count` stage indices (two codes each) and `slot_count` slots, grown by doubling."""
@@ -122,6 +124,9 @@ class CohortVerdictState:
             arrival = np.full(codes, np.nan)
             arrival[:self.arrival_var.size] = self.arrival_var
             self.arrival_var = arrival
+            seen = np.zeros(codes, dtype=bool)
+            seen[:self.collective_seen.size] = self.collective_seen
+            self.collective_seen = seen
 
         for name, fill in (("alert", False), ("slow_streak", 0), ("floor_streak", 0), ("late_streak", 0),
                            ("last_uncertain", 0), ("slowdown", np.nan)):
@@ -140,6 +145,7 @@ class CohortVerdictState:
         self.sync_slope[code] = np.nan
         self.noise_var[:, code] = np.nan
         self.arrival_var[code] = np.nan
+        self.collective_seen[code] = False
 
     def rejoin(self, slot: int) -> None:
         """A silent rank reports again, likely a new process: warmup starts over."""
@@ -186,6 +192,7 @@ def judge_window(cohort, rows, config: DetectorConfig, now_unix_nano: int) -> Wi
     judgement.invalid_device_rows = invalid_device_rows
     _judge_presence(cohort, rows.window, entries.present, config, now_unix_nano, judgement)
     state.windows_seen[:slot_count][entries.present] += 1
+    state.collective_seen[entries.code[(entries.code & 1) == 1]] = True  # for hangs: who waits where
     for stage_index in np.unique(entries.code // 2).tolist():
         if stage_index:
             cohort.stage_seen(stage_index, rows.window)
@@ -670,3 +677,21 @@ def _judge_presence(cohort, window: int, present: np.ndarray, config: DetectorCo
             reason=REASON_NO_REPORT, slowdown=None, gap_ms=None, rank_ms=None, reference_ms=None,
             reference_ranks=(), timing=TIMING_HOST, attribution=contract.ATTRIBUTION_UNKNOWN,
             workload_comparable=None))
+
+
+def restarted_verdicts(cohort, now: int) -> list[Verdict]:
+    """`recovered`/`restarted` for each alert still active in a cohort a new incarnation replaces."""
+    state: CohortVerdictState = cohort.verdict_state
+    slot_count = len(cohort.slot_entries)
+    verdicts = []
+    for code, slot in zip(*(index.tolist() for index in np.nonzero(state.alert[:, :slot_count]))):
+        entry, stage = cohort.slot_entries[slot], cohort.stage_names[code // 2]
+        if entry is None or stage is None:
+            continue
+        verdicts.append(Verdict(
+            time_unix_nano=now, job_id=cohort.job_id, cohort=cohort.name, stage=stage, rank=entry.rank,
+            window=cohort.latest_judged_window(),
+            verdict=contract.VERDICT_RECOVERED, reason=REASON_RESTARTED, slowdown=None, gap_ms=None, rank_ms=None,
+            reference_ms=None, reference_ranks=(), timing=TIMING_HOST, attribution=contract.ATTRIBUTION_UNKNOWN,
+            workload_comparable=None))
+    return verdicts

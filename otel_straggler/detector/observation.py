@@ -25,7 +25,34 @@ class Observation(NamedTuple):
     collective: bool
     tokens: Optional[int]  # None when not reported or not a positive number
     samples: Optional[int]
-    end_unix_nano: int  # span end time; used for ingest lag, never as the engine's clock
+    end_unix_nano: int  # span end time: ingest lag, synchronization points, the job's progress
+    restart: int = 0  # training.restart.count: with (job, epoch), the rank's incarnation
+
+
+class Heartbeat(NamedTuple):
+    """One `train.heartbeat` span (CONTRACT §2b): a rank alive at `time_unix_nano`, and the stages
+    open on its training thread then, outermost first."""
+
+    job_id: str
+    epoch: int
+    cohort: str
+    rank: int
+    restart: int
+    step: Optional[int]  # the step last bound by step(); None before the first
+    time_unix_nano: int  # the sample's host wall clock
+    open_stages: tuple[str, ...]
+    open_since_unix_nano: tuple[int, ...]
+
+
+class Placement(NamedTuple):
+    """Where a rank runs, from its resource (CONTRACT §1): what on-call needs to find it."""
+
+    job_id: str
+    epoch: int
+    restart: int
+    rank: int
+    host: Optional[str]
+    local_rank: Optional[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +63,7 @@ class Verdict:
     job_id: str
     cohort: str
     stage: str
-    rank: int
+    rank: Optional[int]  # None for job-level verdicts (a hang with no culprit)
     window: int
     verdict: str
     reason: str
@@ -48,6 +75,9 @@ class Verdict:
     timing: str
     attribution: str
     workload_comparable: Optional[bool]
+    host: Optional[str] = None  # v1.1: host.name of the rank, None for job-level verdicts
+    local_rank: Optional[int] = None  # v1.1: its slot on the node (which GPU)
+    stalled_s: Optional[float] = None  # v1.1, hang only: since the job's last completed interval
 
     def to_dict(self) -> dict:
         record = asdict(self)

@@ -42,7 +42,7 @@ class IntakeCounters:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._spans: Counter[str] = Counter({outcome: 0 for outcome in SPAN_OUTCOMES + ("ignored",)})
+        self._spans: Counter[str] = Counter({outcome: 0 for outcome in SPAN_OUTCOMES + ("ignored", "heartbeats")})
         self._rejections: Counter[str] = Counter()
         self._requests: Counter[str] = Counter()
         self._errors: Counter[str] = Counter()
@@ -93,12 +93,14 @@ class EngineDriver:
         self._next_close: Optional[int] = self._engine_next_close()
 
     def count_decoded(self, batch: DecodedBatch) -> None:
-        self.counters.add(malformed=batch.malformed, ignored=batch.ignored)
+        self.counters.add(malformed=batch.malformed, ignored=batch.ignored, heartbeats=len(batch.heartbeats))
         if batch.malformed:
             self.counters.add_rejections(batch.rejections)
             self.rejection_log.note(batch.rejections, batch.first_rejected)
 
     def ingest(self, batch: DecodedBatch, now_unix_nano: int) -> None:
+        if batch.placements or batch.heartbeats:
+            self._ingest_liveness(batch)
         observations = batch.observations
         if not observations:
             return
@@ -124,6 +126,17 @@ class EngineDriver:
             # one sample per batch: the age of its last span when the engine took it
             self._on_ingest_lag(max(0.0, (now_unix_nano - observations[-1].end_unix_nano) / 1e9))
 
+    def _ingest_liveness(self, batch: DecodedBatch) -> None:
+        """Where ranks run and their heartbeats; an engine without liveness ignores them."""
+        try:
+            with self._engine_lock:
+                if batch.placements and hasattr(self.engine, "ingest_placements"):
+                    self.engine.ingest_placements(batch.placements)
+                if batch.heartbeats and hasattr(self.engine, "ingest_heartbeats"):
+                    self.engine.ingest_heartbeats(batch.heartbeats)
+        except Exception:  # noqa: BLE001 - an engine bug must not stop intake
+            self._engine_failed("ingest_heartbeats")
+
     def advance(self, now_unix_nano: int) -> None:
         self._close("advance", now_unix_nano)
         self.rejection_log.log_due()  # the count of the last minute's rejections, if no more come
@@ -146,6 +159,11 @@ class EngineDriver:
     def rank_state(self):
         with self._engine_lock:
             return self.engine.rank_state()
+
+    def hang_state(self):
+        """The engine's hang series (straggler.job.hang); none for an engine without liveness."""
+        with self._engine_lock:
+            return self.engine.hang_state() if hasattr(self.engine, "hang_state") else []
 
     def stats(self) -> dict[str, int]:
         """The engine's stats() as of the latest advance or drain."""
@@ -194,7 +212,7 @@ class SpanPipeline:
 
     def submit(self, batch: DecodedBatch) -> bool:
         """Queues a decoded batch for the engine; False (spans counted as dropped) when full or stopped."""
-        spans = len(batch.observations)
+        spans = len(batch.observations) + len(batch.heartbeats)
         with self._pending_lock:
             room = self._accepting and self._pending_spans + spans <= self._max_pending_spans
             if room:
@@ -242,7 +260,7 @@ class SpanPipeline:
                 break
             if batch is not None:
                 with self._pending_lock:
-                    self._pending_spans -= len(batch.observations)
+                    self._pending_spans -= len(batch.observations) + len(batch.heartbeats)
                 self.driver.ingest(batch, self._clock())
                 ingested_since_advance = True
             if time.monotonic() >= next_advance:

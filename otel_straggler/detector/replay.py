@@ -4,8 +4,8 @@ The input is what the OTel collector's `file` exporter writes (format: json): on
 ExportTraceServiceRequest-shaped JSON object per line, optionally gzip-compressed (by name `.gz` or
 by content). Lines holding metrics or logs instead of spans are skipped and counted. Lines are
 decoded and ingested in file order by the same decode and engine code as the live service; the
-clock given to the engine is the latest span end time seen so far, so windows close as they would
-have live, and everything still open is judged at the end (drain). Verdicts and status go to the
+clock given to the engine is the latest span end time seen so far (heartbeats included), so windows
+close and hangs are declared as they would have been live, and everything still open is judged at the end (drain). Verdicts and status go to the
 same evidence files as `detect` writes (verdicts.jsonl is appended to, never rewritten).
 """
 from __future__ import annotations
@@ -68,7 +68,8 @@ def replay(
         return {"mode": "replay", "files": list(paths), **status_record(driver, emitter, telemetry)}
 
     if export_telemetry:
-        telemetry = DetectorTelemetry(config, status, lambda: driver.rank_state(), export_otlp=True)
+        telemetry = DetectorTelemetry(config, status, lambda: driver.rank_state(), export_otlp=True,
+                                      hang_states=lambda: driver.hang_state())
     driver = EngineDriver(engine, counters, deliver, telemetry.record_ingest_lag if telemetry else None)
     emitter = VerdictEmitter(EvidenceFiles(config.evidence_dir, config.max_evidence_bytes), config.flush_interval_s,
                              status, telemetry)
@@ -100,8 +101,9 @@ def replay(
                     continue
                 counters.add_request("partial" if batch.malformed else "ok")
                 driver.count_decoded(batch)
-                if batch.observations:
-                    clock = max(clock, max(observation.end_unix_nano for observation in batch.observations))
+                # heartbeats move the clock too, so a recorded hang is declared as it was live
+                clock = max(clock, max((observation.end_unix_nano for observation in batch.observations), default=0),
+                            max((heartbeat.time_unix_nano for heartbeat in batch.heartbeats), default=0))
                 driver.ingest(batch, clock)
                 driver.advance(clock)
         driver.drain(clock)

@@ -38,6 +38,7 @@ from otel_straggler.otlp_environ import check_exporter_environ, resolve_protocol
 SCOPE_NAME = "otel_straggler.detector"
 DETECTOR_SERVICE_NAME = "otel-straggler-detector"
 _WARN_VERDICTS = {contract.VERDICT_STRAGGLER, contract.VERDICT_SILENT}
+_ERROR_VERDICTS = {contract.VERDICT_HANG}
 # exporter batching adds seconds; beyond a window's grace (30 s by default) spans risk being late
 _LAG_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
@@ -83,6 +84,17 @@ def _counting_failures(exporter_class: type, on_failure: Callable[[], None]) -> 
     return CountingExporter
 
 
+def verdict_summary(verdict: Verdict) -> str:
+    """One line for people: the event body."""
+    where = f" on {verdict.host}" + (f" (local rank {verdict.local_rank})" if verdict.local_rank is not None else "") \
+        if verdict.host is not None else ""
+    who = "no single rank" if verdict.rank is None else f"rank {verdict.rank}{where}"
+    if verdict.verdict == contract.VERDICT_HANG:
+        return (f"job {verdict.job_id} hung {verdict.stalled_s:.0f} s ago: {who}, {verdict.reason}, "
+                f"in {verdict.stage}")
+    return f"{who} {verdict.verdict} ({verdict.reason}) in {verdict.stage} of job {verdict.job_id}"
+
+
 def verdict_attributes(verdict: Verdict) -> dict[str, Any]:
     """The evidence-file fields as event attributes; null ones are left out (attributes have no null)."""
     record = verdict.to_dict()
@@ -101,9 +113,11 @@ class DetectorTelemetry:
         rank_states: Callable[[], Iterable[Any]],
         export_otlp: bool,
         environ: Mapping[str, str] = os.environ,
+        hang_states: Callable[[], Iterable[Any]] = tuple,
     ) -> None:
         self._health = health
         self._rank_states = rank_states
+        self._hang_states = hang_states
         self._lock = threading.Lock()
         self.export_failures: Counter[str] = Counter()
         resource = Resource.create({
@@ -121,7 +135,8 @@ class DetectorTelemetry:
         if config.prometheus_port >= 0:
             self.scrape_reader = InMemoryMetricReader()
             readers.append(self.scrape_reader)
-        per_rank = (contract.METRIC_RANK_SLOWDOWN, contract.METRIC_ALERT_ACTIVE, contract.METRIC_VERDICTS)
+        per_rank = (contract.METRIC_RANK_SLOWDOWN, contract.METRIC_ALERT_ACTIVE, contract.METRIC_VERDICTS,
+                    contract.METRIC_JOB_HANG)
         self._meter_provider = MeterProvider(
             metric_readers=readers, resource=resource,
             views=[View(instrument_name=name, aggregation_cardinality_limit=config.max_metric_series) for name in per_rank],
@@ -143,6 +158,10 @@ class DetectorTelemetry:
             contract.METRIC_ALERT_ACTIVE, [self._observe_alert_active],
             description="1 while a straggler alert is active for the rank")
         self._verdicts = meter.create_counter(contract.METRIC_VERDICTS, description="verdicts emitted")
+        meter.create_observable_gauge(
+            contract.METRIC_JOB_HANG, [self._observe_hangs],
+            description="1 while a hang is declared for the job, per culprit (training.rank -1: none stands out); "
+                        "0 once progress resumed")
         meter.create_observable_counter(
             contract.METRIC_DETECTOR_SPANS, [self._observe_health("spans", "outcome", only=SPAN_OUTCOMES)],
             description="spans reaching the detector, by outcome")
@@ -152,6 +171,9 @@ class DetectorTelemetry:
         meter.create_observable_counter(
             "straggler.detector.spans.ignored", [self._observe_total("spans", "ignored")],
             description="spans without training.stage (not stage spans), ignored")
+        meter.create_observable_counter(
+            "straggler.detector.heartbeats", [self._observe_total("spans", "heartbeats")],
+            description="train.heartbeat spans received")
         meter.create_observable_counter(
             "straggler.detector.requests", [self._observe_health("requests", "result")],
             description="OTLP export requests, by result")
@@ -182,16 +204,18 @@ class DetectorTelemetry:
 
     def record_verdicts(self, verdicts: Iterable[Verdict]) -> None:
         for verdict in verdicts:
-            self._verdicts.add(1, {
+            self._verdicts.add(1, _placed({
                 "verdict": verdict.verdict, "reason": verdict.reason, contract.STAGE: verdict.stage,
-                contract.RANK: verdict.rank, contract.JOB_ID: verdict.job_id,
-            })
+                contract.RANK: -1 if verdict.rank is None else verdict.rank, contract.JOB_ID: verdict.job_id,
+            }, verdict))
             if self._event_logger is not None:
+                severity = SeverityNumber.ERROR if verdict.verdict in _ERROR_VERDICTS else \
+                    SeverityNumber.WARN if verdict.verdict in _WARN_VERDICTS else SeverityNumber.INFO
                 self._event_logger.emit(
                     timestamp=verdict.time_unix_nano,
                     event_name=contract.VERDICT_EVENT_NAME,
-                    severity_number=SeverityNumber.WARN if verdict.verdict in _WARN_VERDICTS else SeverityNumber.INFO,
-                    body=f"rank {verdict.rank} {verdict.verdict} ({verdict.reason}) in {verdict.stage} of job {verdict.job_id}",
+                    severity_number=severity,
+                    body=verdict_summary(verdict),
                     attributes=verdict_attributes(verdict),
                 )
 
@@ -222,6 +246,12 @@ class DetectorTelemetry:
         for state in self._rank_states():
             yield Observation(1 if state.alert_active else 0, _rank_attributes(state))
 
+    def _observe_hangs(self, options: CallbackOptions) -> Iterable[Observation]:
+        for state in self._hang_states():
+            yield Observation(1 if state.active else 0, {
+                contract.JOB_ID: state.job_id, contract.RANK: state.rank, contract.HOST_NAME: state.host,
+                contract.LOCAL_RANK: state.local_rank, contract.STAGE: state.stage, "reason": state.reason})
+
     def _observe_health(self, section: str, attribute: str, only: Iterable[str] = (), prefix: str = "") -> Callable:
         wanted = set(only)
 
@@ -249,5 +279,14 @@ class DetectorTelemetry:
 
 
 def _rank_attributes(state: Any) -> dict[str, Any]:
-    return {contract.JOB_ID: state.job_id, contract.COHORT: state.cohort,
-            contract.STAGE: state.stage, contract.RANK: state.rank}
+    return _placed({contract.JOB_ID: state.job_id, contract.COHORT: state.cohort,
+                    contract.STAGE: state.stage, contract.RANK: state.rank}, state)
+
+
+def _placed(attributes: dict[str, Any], where: Any) -> dict[str, Any]:
+    """With host.name and training.local_rank (CONTRACT v1.1 §3b) where the rank's resource said."""
+    if getattr(where, "host", None) is not None:
+        attributes[contract.HOST_NAME] = where.host
+    if getattr(where, "local_rank", None) is not None:
+        attributes[contract.LOCAL_RANK] = where.local_rank
+    return attributes

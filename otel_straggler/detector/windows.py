@@ -92,7 +92,7 @@ class WindowRows:
 class RankEntry:
     """One rank of one cohort: where its rows go and which of its sequence numbers were seen."""
 
-    __slots__ = ("job_id", "epoch", "rank", "cohort", "cohort_name", "slot", "key_slot",
+    __slots__ = ("job_id", "epoch", "rank", "cohort", "cohort_name", "restart", "slot", "key_slot",
                  "recent_seqs", "latest_window")
 
     def __init__(self, job_id: str, epoch: int, rank: int, cohort: "Cohort", slot: int,
@@ -102,6 +102,7 @@ class RankEntry:
         self.rank = rank
         self.cohort = cohort
         self.cohort_name = cohort.name
+        self.restart = cohort.restart  # a higher count on an observation starts a new incarnation
         self.slot = slot
         self.key_slot = slot * layout.window_steps
         # ring indexed by seq mod horizon, holding the seq last seen there
@@ -118,10 +119,12 @@ class Cohort:
 
     def __init__(self, job_id: str, epoch: int, name: str, layout: RowLayout, max_ranks: int,
                  max_stages: int, max_open_windows: int, counts: Counter, now_unix_nano: int,
-                 max_export_lag_s: float = 15.0) -> None:
+                 max_export_lag_s: float = 15.0, restart: int = 0) -> None:
         self.job_id = job_id
         self.epoch = epoch
         self.name = name
+        self.restart = restart  # the highest training.restart.count of this incarnation
+        self.latest_end_unix_nano = 0  # the latest end of an interval in its windows: the job's progress
         self.layout = layout
         self.last_active_unix_nano = now_unix_nano
         self._counts = counts
@@ -303,6 +306,21 @@ class Cohort:
         self._counts["evictions_stages"] += 1
         return True
 
+    def latest_judged_window(self) -> int:
+        """The highest window judged so far; -1 before the first."""
+        return max([(self._judged_below or 0) - 1, *self._judged_out_of_order])
+
+    def collective_stage_names(self) -> set[str]:
+        """Stages judged as collectives in a closed window (marked so, or found to end at a
+        synchronization point), or marked so in a window still open."""
+        indices = set((np.flatnonzero(self.verdict_state.collective_seen) // 2).tolist())
+        for rows in self._pending_rows():
+            if len(rows):
+                _, codes, _, _ = self.layout.unpack(np.frombuffer(rows.keys, dtype=np.int64))
+                indices.update((np.unique(codes[(codes & 1) == 1]) // 2).tolist())
+        return {self.stage_names[index] for index in indices
+                if index < len(self.stage_names) and self.stage_names[index] is not None}
+
     # ---- windows ----
     def is_judged(self, window: int) -> bool:
         return (self._judged_below is not None and window < self._judged_below) or window in self._judged_out_of_order
@@ -332,6 +350,9 @@ class Cohort:
         closing, self._closed_early = self._closed_early, []
         for rows in self.open_windows.values():
             if rows.has_unnoticed_rows():
+                if len(rows) > rows.rows_noticed:
+                    latest = int(np.frombuffer(rows.end_unix_nano, dtype=np.int64)[rows.rows_noticed:].max())
+                    self.latest_end_unix_nano = max(self.latest_end_unix_nano, latest)
                 rows.rows_noticed = len(rows)
                 rows.last_data_unix_nano = now_unix_nano
                 self.last_active_unix_nano = now_unix_nano

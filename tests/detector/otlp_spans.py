@@ -156,3 +156,24 @@ def without_time(records: Iterable[dict]) -> list[tuple]:
     """Verdicts comparable across live and replay: everything but when they were made."""
     return sorted(tuple((key, json.dumps(value)) for key, value in record.items() if key != "time_unix_nano")
                   for record in records)
+
+
+def heartbeat_span(rank: int, time_unix_nano: int, open_stages=(("forward-compute", 1),), step: Optional[int] = 7,
+                   job_id: str = "job-1", restart: Optional[int] = None, local_rank: Optional[int] = None,
+                   attributes: Optional[dict] = None) -> ReadableSpan:
+    """A `train.heartbeat` span (CONTRACT §2b) as the rank side sends it: start = end = the sample."""
+    resource = rank_resource(job_id, rank, "tp0")
+    extra = {}
+    if restart is not None:
+        extra[contract.RESTART_COUNT] = restart
+    if local_rank is not None:
+        extra[contract.LOCAL_RANK] = local_rank
+    resource = resource.merge(Resource(extra))
+    if attributes is None:
+        attributes = {contract.SEQ: 3, contract.HEARTBEAT_OPEN_STAGES: tuple(name for name, _ in open_stages),
+                      contract.HEARTBEAT_OPEN_SINCE: tuple(since for _, since in open_stages)}
+        if step is not None:
+            attributes[contract.STEP] = step
+    context = SpanContext(1, next(_span_ids), is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    return ReadableSpan(name=contract.HEARTBEAT_SPAN_NAME, context=context, resource=resource, attributes=attributes,
+                        start_time=time_unix_nano, end_time=time_unix_nano, instrumentation_scope=SCOPE)

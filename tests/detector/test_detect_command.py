@@ -54,7 +54,9 @@ def engine_verdicts(requests, drain: bool) -> list[dict]:
     verdicts = []
     now = 0
     for spans in requests:
-        engine.ingest_many(decoder.decode(request_bytes(spans)).observations)
+        batch = decoder.decode(request_bytes(spans))
+        engine.ingest_placements(batch.placements)
+        engine.ingest_many(batch.observations)
         now += 10**9  # a second per request: past the startup hold, short of any idle close
         verdicts += engine.advance(now)
     if drain:

@@ -18,7 +18,8 @@ from otel_straggler import contract
 from otel_straggler.detector.config import ConfigError
 from otel_straggler.detector.service import DetectorService
 
-from .otlp_spans import per_step_requests, running_service, service_config, slow_rank_observations, verdict_records
+from .otlp_spans import (heartbeat_span, per_step_requests, running_service, service_config, slow_rank_observations,
+                         verdict_records)
 
 RANKS = 8
 RULES = Path(__file__).resolve().parents[2] / "collector-config" / "prometheus" / "rules.yml"
@@ -26,7 +27,10 @@ RULES = Path(__file__).resolve().parents[2] / "collector-config" / "prometheus" 
 
 def send_slow_rank_job(service, ranks: int = RANKS) -> None:
     exporter = OTLPSpanExporter(endpoint=f"127.0.0.1:{service.bound_ports[0]}", insecure=True, timeout=10)
-    for spans in per_step_requests(slow_rank_observations(ranks=ranks)):
+    requests = per_step_requests(slow_rank_observations(ranks=ranks))
+    # one heartbeat per rank: the job is watched for hangs, so its straggler.job.hang series exists
+    requests[0] = requests[0] + [heartbeat_span(rank, 1_700_000_000_000_000_000, job_id="job-1") for rank in range(ranks)]
+    for spans in requests:
         assert exporter.export(spans) is SpanExportResult.SUCCESS
     exporter.shutdown()
 
@@ -137,11 +141,14 @@ def test_verdict_metrics_and_events_are_exported_over_otlp(tmp_path, monkeypatch
                             points.setdefault(metric.name, []).append((attributes_of(point.attributes), _value(point)))
         alerts = [attributes for attributes, value in points[contract.METRIC_ALERT_ACTIVE] if value == 1]
         assert {attributes[contract.RANK] for attributes in alerts} == {3}
-        assert set(alerts[0]) == {contract.JOB_ID, contract.COHORT, contract.STAGE, contract.RANK}
+        assert set(alerts[0]) == {contract.JOB_ID, contract.COHORT, contract.STAGE, contract.RANK, contract.HOST_NAME}
+        assert alerts[0][contract.HOST_NAME] == "node-0"  # from the rank's resource
         assert any(value > 1.1 for attributes, value in points[contract.METRIC_RANK_SLOWDOWN]
                    if attributes[contract.RANK] == 3)
         verdict_counts = [attributes for attributes, _ in points[contract.METRIC_VERDICTS]]
-        assert {"verdict", "reason", contract.STAGE, contract.RANK, contract.JOB_ID} == set(verdict_counts[0])
+        assert {"verdict", "reason", contract.STAGE, contract.RANK, contract.JOB_ID, contract.HOST_NAME} == \
+            set(verdict_counts[0])
+        assert [value for attributes, value in points[contract.METRIC_JOB_HANG]][-1:] == [0]  # watched, no hang
         spans = {attributes["outcome"]: value for attributes, value in points[contract.METRIC_DETECTOR_SPANS]}
         assert spans["accepted"] == RANKS * 5 * 40 and spans["malformed"] == 0
         for health in ("straggler.detector.windows.closed", "straggler.detector.ingest.lag",
@@ -216,6 +223,8 @@ def test_the_prometheus_endpoint_serves_the_names_the_alert_rules_use(tmp_path):
     used_by_rules = set(re.findall(r"\b(straggler_[a-z_]+)", RULES.read_text()))
     assert used_by_rules and used_by_rules <= exposed
     assert re.search(r'^straggler_alert_active\{training_job_id="job-1",training_cohort="tp0-pp0",'
-                     r'training_stage="[^"]+",training_rank="3"\} 1$', text, re.MULTILINE)
+                     r'training_stage="[^"]+",training_rank="3",host_name="node-0"\} 1$', text, re.MULTILINE)
+    assert re.search(r'^straggler_job_hang\{training_job_id="job-1",training_rank="-1",host_name="",'
+                     r'training_local_rank="-1",training_stage="\*",reason="none"\} 0$', text, re.MULTILINE)
     assert f'straggler_detector_spans_total{{outcome="accepted"}} {RANKS * 5 * 40}' in text
     assert "# TYPE straggler_detector_ingest_lag_seconds histogram" in text

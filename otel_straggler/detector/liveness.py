@@ -1,0 +1,317 @@
+"""Liveness and hangs: where each rank runs, whether it is alive, what it is inside, and whether its
+job still makes progress (CONTRACT §2b heartbeats, §3a `hang`). Pure, like the engine it serves:
+the caller's clock, no I/O.
+
+Per (job, topology epoch) it keeps one RankRecord per rank (host and local rank from the resource,
+the latest heartbeat: its time, the stages then open, the step), and the job's progress: the latest
+end time of an interval the engine accepted.
+
+`judge(now)` declares a hang when no interval of the job ended for `hang_timeout_s` (counted from
+its last progress, or its first heartbeat if it never made any) while some rank's heartbeats are
+recent. A rank's heartbeats have stopped when its latest is older than twice its own heartbeat gap
+plus `max_export_lag_s` (its exporter sends them in bursts), at most the hang timeout. Among the
+live ranks, those whose innermost open stage is a collective wait; a collective is a stage the job's
+spans mark as one or one the judge found to end at a synchronization point. Then:
+- most live ranks wait: every other live rank is a culprit, `never_entered_collective`, its stage
+  the innermost one it has open (`*` when none); every rank whose heartbeats stopped is one too,
+  `rank_lost`, its stage the innermost one its last heartbeat had open. No culprit: one job-level
+  verdict (rank null), `all_ranks_waiting`, the collective most of them wait in;
+- otherwise the ranks whose heartbeats stopped are culprits (`rank_lost`); with none, one job-level
+  verdict `all_ranks_stalled`, the stage most live ranks have open (a checkpoint save that outlasts
+  the timeout, say);
+- no live rank has a stage open: nothing is said. The job is outside the stages it times (an
+  evaluation loop it does not time, or its end), and a heartbeat cannot tell that from a hang.
+A culprit that appears later in the same hang gets its own verdict. When an interval ends again,
+each hang verdict gets `recovered`/`progress_resumed`. A new incarnation (a higher
+`training.restart.count` on any rank) starts the job's records over, and ends its hang the same way.
+
+Bounded: at most `max_tracked_ranks` records over all jobs (the least recently touched go first,
+counted) and `max_jobs` jobs.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from typing import Callable, Iterable, NamedTuple, Optional
+
+from otel_straggler import contract
+from otel_straggler.detector.config import DetectorConfig
+from otel_straggler.detector.observation import Heartbeat, Placement, Verdict
+
+DEFAULT_HEARTBEAT_GAP_NS = 5_000_000_000  # OTEL_STRAGGLER_HEARTBEAT_INTERVAL_MS's default, until a rank's own is seen
+GAP_DECAY = 0.8  # as windows.py's delivery gap: the largest recent gap, following a rank that sends more often
+RECHECK_NS = 1_000_000_000  # a stalled job is looked at again at most this often
+EVICT_FRACTION = 8  # a full table frees this fraction of its records at once, so eviction scans stay rare
+REASON_ALL_RANKS_STALLED = "all_ranks_stalled"
+REASON_NONE = "none"  # the gauge's series of a job whose heartbeats come and that has no hang
+
+
+class HangState(NamedTuple):
+    """One series of the straggler.job.hang gauge: 1 while declared, 0 once resumed."""
+    job_id: str
+    rank: int  # -1: job-level
+    host: str
+    local_rank: int
+    stage: str
+    reason: str
+    active: bool
+
+
+class RankRecord:
+    __slots__ = ("cohort", "host", "local_rank", "heartbeat_ns", "gap_ns", "open_stages", "open_since", "step",
+                 "touched_ns")
+
+    def __init__(self, cohort: str, now: int) -> None:
+        self.cohort = cohort
+        self.host: Optional[str] = None
+        self.local_rank: Optional[int] = None
+        self.heartbeat_ns = 0  # 0: no heartbeat yet
+        self.gap_ns = 0  # largest recent gap between its heartbeats; 0: unknown
+        self.open_stages: tuple[str, ...] = ()
+        self.open_since: tuple[int, ...] = ()
+        self.step: Optional[int] = None
+        self.touched_ns = now
+
+
+class _Hang:
+    """A declared hang: the progress it stalled at, and its verdicts by (rank or None, reason)."""
+    __slots__ = ("progress_ns", "verdicts")
+
+    def __init__(self, progress_ns: int) -> None:
+        self.progress_ns = progress_ns
+        self.verdicts: dict[tuple, Verdict] = {}
+
+
+class JobLiveness:
+    __slots__ = ("job_id", "epoch", "restart", "ranks", "progress_ns", "first_heartbeat_ns", "hang", "resumed",
+                 "next_check_ns", "touched_ns")
+
+    def __init__(self, job_id: str, epoch: int, restart: int, now: int) -> None:
+        self.job_id = job_id
+        self.epoch = epoch
+        self.restart = restart
+        self.ranks: dict[int, RankRecord] = {}
+        self.progress_ns = 0  # latest end of an accepted interval; 0: none yet
+        self.first_heartbeat_ns = 0
+        self.hang: Optional[_Hang] = None
+        self.resumed: list[Verdict] = []  # the last hang's verdicts, after it ended: gauge series at 0
+        self.next_check_ns = 0
+        self.touched_ns = now
+
+
+class Liveness:
+    def __init__(self, config: DetectorConfig, counts: Counter) -> None:
+        self._timeout_ns = int(config.hang_timeout_s * 1e9)
+        self._export_lag_ns = int(config.max_export_lag_s * 1e9)
+        self._window_steps = config.window_steps
+        self._max_records = config.max_tracked_ranks
+        self._max_jobs = config.max_jobs
+        self._counts = counts
+        self._jobs: dict[tuple, JobLiveness] = {}  # (job_id, epoch) -> its liveness
+        self._records = 0
+        self._now = 0
+
+    # ---- intake ----
+    def note_placements(self, placements: Iterable[Placement], now: int) -> list[Verdict]:
+        verdicts: list[Verdict] = []
+        for placement in placements:
+            job = self._job(placement.job_id, placement.epoch, placement.restart, now, verdicts)
+            record = self._record(job, placement.rank, None, now)
+            if record is not None:
+                record.host, record.local_rank = placement.host, placement.local_rank
+        return verdicts
+
+    def note_heartbeats(self, heartbeats: Iterable[Heartbeat], now: int) -> list[Verdict]:
+        verdicts: list[Verdict] = []
+        for beat in heartbeats:
+            job = self._job(beat.job_id, beat.epoch, beat.restart, now, verdicts)
+            record = self._record(job, beat.rank, beat.cohort, now)
+            if record is None or beat.time_unix_nano <= record.heartbeat_ns:
+                continue  # an older sample, delivered late: the newer one stands
+            if record.heartbeat_ns:
+                gap = min(beat.time_unix_nano - record.heartbeat_ns, self._timeout_ns)
+                record.gap_ns = max(gap, int(record.gap_ns * GAP_DECAY))
+            record.heartbeat_ns = beat.time_unix_nano
+            record.open_stages, record.open_since, record.step = beat.open_stages, beat.open_since_unix_nano, beat.step
+            if not job.first_heartbeat_ns:
+                job.first_heartbeat_ns = beat.time_unix_nano
+            self._counts["heartbeats"] += 1
+        return verdicts
+
+    def note_progress(self, job_id: str, epoch: int, restart: int, end_unix_nano: int) -> list[Verdict]:
+        verdicts: list[Verdict] = []
+        job = self._job(job_id, epoch, restart, self._now, verdicts)
+        if end_unix_nano > job.progress_ns:
+            job.progress_ns = end_unix_nano
+        return verdicts
+
+    def new_incarnation(self, job_id: str, epoch: int, restart: int, now: int) -> list[Verdict]:
+        """The engine saw a higher restart count for the job: its records start over."""
+        verdicts: list[Verdict] = []
+        self._job(job_id, epoch, restart, now, verdicts)
+        return verdicts
+
+    def placement(self, job_id: str, epoch: int, rank: int) -> tuple[Optional[str], Optional[int]]:
+        job = self._jobs.get((job_id, epoch))
+        record = job.ranks.get(rank) if job is not None else None
+        return (record.host, record.local_rank) if record is not None else (None, None)
+
+    # ---- judging ----
+    def judge(self, now: int, collectives_of: Callable[[str, int], set]) -> list[Verdict]:
+        """Hang and resumed verdicts due at `now`; `collectives_of(job, epoch)` names the job's
+        collective stages."""
+        self._now = now
+        verdicts: list[Verdict] = []
+        for job in self._jobs.values():
+            if job.hang is not None and job.progress_ns > job.hang.progress_ns:
+                verdicts.extend(self._resume(job, now))
+                continue
+            stalled_from = job.progress_ns or job.first_heartbeat_ns
+            if not stalled_from or now - stalled_from < self._timeout_ns or now < job.next_check_ns:
+                continue
+            job.next_check_ns = now + RECHECK_NS
+            verdicts.extend(self._judge_stall(job, now, stalled_from, collectives_of(job.job_id, job.epoch)))
+        return verdicts
+
+    def _judge_stall(self, job: JobLiveness, now: int, stalled_from: int, collectives: set) -> list[Verdict]:
+        live, lost = [], []
+        for rank, record in job.ranks.items():
+            if not record.heartbeat_ns:
+                continue  # known from its spans only: says nothing of liveness
+            (lost if now - record.heartbeat_ns > self._patience_ns(record) else live).append((rank, record))
+        if not any(record.open_stages for _, record in live):
+            return []
+        waiting = [(rank, record) for rank, record in live
+                   if record.open_stages and record.open_stages[-1] in collectives]
+        others = [(rank, record) for rank, record in live
+                  if not record.open_stages or record.open_stages[-1] not in collectives]
+        waited_ms = statistics.median([(now - record.open_since[-1]) / 1e6 for _, record in waiting]) if waiting else None
+        waiting_ranks = tuple(sorted(rank for rank, _ in waiting))
+        found: list[tuple] = []  # (rank, record or None, reason, stage)
+        if waiting and len(waiting) >= len(others):
+            found += [(rank, record, contract.HANG_NEVER_ENTERED_COLLECTIVE, _innermost(record)) for rank, record in others]
+            found += [(rank, record, contract.HANG_RANK_LOST, _innermost(record)) for rank, record in lost]
+            if not found:
+                found.append((None, None, contract.HANG_ALL_RANKS_WAITING, _most_common(waiting)))
+        else:
+            found += [(rank, record, contract.HANG_RANK_LOST, _innermost(record)) for rank, record in lost]
+            if not found:
+                found.append((None, None, REASON_ALL_RANKS_STALLED, _most_common(live)))
+        if job.hang is None:
+            job.hang = _Hang(stalled_from)
+        verdicts = []
+        for rank, record, reason, stage in found:
+            key = (rank, reason)
+            if key in job.hang.verdicts:
+                continue
+            cohort = record.cohort if record is not None else _most_common_cohort(waiting or live)
+            open_ms = (now - record.open_since[-1]) / 1e6 if record is not None and record.open_since else None
+            steps = [r.step for _, r in live + lost if r.step is not None]
+            step = record.step if record is not None and record.step is not None else max(steps, default=0)
+            verdict = Verdict(
+                time_unix_nano=now, job_id=job.job_id, cohort=cohort, stage=stage, rank=rank,
+                window=step // self._window_steps, verdict=contract.VERDICT_HANG, reason=reason, slowdown=None,
+                gap_ms=None, rank_ms=_ms(open_ms), reference_ms=_ms(waited_ms), reference_ranks=waiting_ranks,
+                timing="host",
+                attribution=contract.ATTRIBUTION_WAITING if rank is None and waiting else contract.ATTRIBUTION_UNKNOWN,
+                workload_comparable=None, host=record.host if record is not None else None,
+                local_rank=record.local_rank if record is not None else None,
+                stalled_s=round((now - stalled_from) / 1e9, 3),
+            )
+            job.hang.verdicts[key] = verdict
+            verdicts.append(verdict)
+        return verdicts
+
+    def _resume(self, job: JobLiveness, now: int) -> list[Verdict]:
+        """Ends the job's hang: one `recovered` per hang verdict."""
+        ended, job.hang = list(job.hang.verdicts.values()), None
+        job.resumed = ended
+        return [Verdict(
+            time_unix_nano=now, job_id=v.job_id, cohort=v.cohort, stage=v.stage, rank=v.rank, window=v.window,
+            verdict=contract.VERDICT_RECOVERED, reason=contract.HANG_PROGRESS_RESUMED, slowdown=None, gap_ms=None,
+            rank_ms=None, reference_ms=None, reference_ranks=(), timing=v.timing, attribution=v.attribution,
+            workload_comparable=None, host=v.host, local_rank=v.local_rank, stalled_s=None,
+        ) for v in ended]
+
+    def _patience_ns(self, record: RankRecord) -> int:
+        gap = record.gap_ns or DEFAULT_HEARTBEAT_GAP_NS
+        return min(2 * gap + self._export_lag_ns, self._timeout_ns)
+
+    # ---- views ----
+    def hang_states(self) -> list[HangState]:
+        states = []
+        for job in self._jobs.values():
+            active = list(job.hang.verdicts.values()) if job.hang is not None else []
+            if not active and not job.resumed and job.first_heartbeat_ns:
+                # watched, no hang: one series at 0, so "no hang" and "not watched" (no heartbeats) differ
+                states.append(HangState(job.job_id, -1, "", -1, contract.WHOLE_STEP_STAGE, REASON_NONE, False))
+            for verdict in active + job.resumed:
+                states.append(HangState(job.job_id, -1 if verdict.rank is None else verdict.rank, verdict.host or "",
+                                        -1 if verdict.local_rank is None else verdict.local_rank, verdict.stage,
+                                        verdict.reason, verdict in active))
+        return states
+
+    def tracked_ranks(self) -> int:
+        return self._records
+
+    # ---- bounded tables ----
+    def _job(self, job_id: str, epoch: int, restart: int, now: int, verdicts: list) -> JobLiveness:
+        key = (job_id, epoch)
+        job = self._jobs.get(key)
+        if job is not None and restart > job.restart:
+            if job.hang is not None:
+                verdicts.extend(self._resume(job, now))
+            # a new incarnation: every rank's process is new, the gone ones are not lost
+            self._records -= len(job.ranks)
+            job.ranks.clear()
+            job.restart = restart
+            job.first_heartbeat_ns = 0
+            job.next_check_ns = 0
+            job.progress_ns = 0
+        if job is None:
+            if len(self._jobs) >= self._max_jobs:
+                oldest = min(self._jobs, key=lambda k: self._jobs[k].touched_ns)
+                self._records -= len(self._jobs.pop(oldest).ranks)
+                self._counts["evictions_liveness_jobs"] += 1
+            job = self._jobs[key] = JobLiveness(job_id, epoch, restart, now)
+        job.touched_ns = now
+        return job
+
+    def _record(self, job: JobLiveness, rank: int, cohort: Optional[str], now: int) -> Optional[RankRecord]:
+        record = job.ranks.get(rank)
+        if record is None:
+            if self._records >= self._max_records:
+                self._evict_records()
+            record = job.ranks[rank] = RankRecord(cohort or "", now)
+            self._records += 1
+        elif cohort is not None:
+            record.cohort = cohort
+        record.touched_ns = now
+        return record
+
+    def _evict_records(self) -> None:
+        """Frees the least recently touched records, a fraction of the table at once."""
+        touched = sorted((record.touched_ns, id(record), job, rank)
+                         for job in self._jobs.values() for rank, record in job.ranks.items())
+        for _, _, job, rank in touched[:max(1, self._max_records // EVICT_FRACTION)]:
+            del job.ranks[rank]
+            self._records -= 1
+            self._counts["evictions_liveness_ranks"] += 1
+
+
+def _innermost(record: RankRecord) -> str:
+    return record.open_stages[-1] if record.open_stages else contract.WHOLE_STEP_STAGE
+
+
+def _most_common(ranks: list[tuple]) -> str:
+    stages = Counter(record.open_stages[-1] for _, record in ranks if record.open_stages)
+    return min(stages, key=lambda stage: (-stages[stage], stage)) if stages else contract.WHOLE_STEP_STAGE
+
+
+def _most_common_cohort(ranks: list[tuple]) -> str:
+    cohorts = Counter(record.cohort for _, record in ranks)
+    return min(cohorts, key=lambda cohort: (-cohorts[cohort], cohort)) if cohorts else ""
+
+
+def _ms(value: Optional[float]) -> Optional[float]:
+    return None if value is None else round(value, 1)

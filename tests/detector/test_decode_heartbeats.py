@@ -1,0 +1,72 @@
+"""Heartbeats (CONTRACT §2b), the restart count (§1) and where ranks run, as every decoder reads
+them: the C scanner's path, the Python protobuf decoder and OTLP/JSON (replay) give the same."""
+from __future__ import annotations
+
+import pytest
+
+from otel_straggler import contract
+from otel_straggler.detector.decode import ProtobufDecoder, decode_json_request
+from otel_straggler.detector.observation import Heartbeat, Placement
+
+from .otlp_spans import heartbeat_span, otlp_json, readable_span, request_bytes, stage_spans
+
+T = 1_700_000_000_000_000_000
+DECODERS = {
+    "fast": lambda spans: ProtobufDecoder().decode(request_bytes(spans)),
+    "python": lambda spans: ProtobufDecoder().decode_in_python(request_bytes(spans)),
+    "json": lambda spans: decode_json_request(otlp_json(spans)),
+}
+
+
+@pytest.fixture(params=sorted(DECODERS))
+def decode(request):
+    return DECODERS[request.param]
+
+
+def test_heartbeats_are_decoded_with_their_open_stages(decode):
+    spans = [heartbeat_span(1, T, (("forward-compute", T - 5), ("all-grads-sync", T - 2)), restart=2, local_rank=1)]
+    batch = decode(spans + stage_spans(2, 3))
+    assert batch.heartbeats == [Heartbeat("job-1", 0, "tp0", 1, 2, 7, T, ("forward-compute", "all-grads-sync"),
+                                          (T - 5, T - 2))]
+    assert (len(batch.observations), batch.ignored, batch.malformed) == (3, 0, 0)
+    assert Placement("job-1", 0, 2, 1, "node-0", 1) in batch.placements
+
+
+def test_heartbeats_with_no_stage_open_and_before_the_first_step(decode):
+    batch = decode([heartbeat_span(0, T, (), step=None)])
+    assert batch.heartbeats == [Heartbeat("job-1", 0, "tp0", 0, 0, None, T, (), ())]
+
+
+@pytest.mark.parametrize("attributes", [
+    {contract.HEARTBEAT_OPEN_STAGES: ("forward-compute",), contract.HEARTBEAT_OPEN_SINCE: ()},
+    {contract.HEARTBEAT_OPEN_STAGES: "forward-compute", contract.HEARTBEAT_OPEN_SINCE: (1,)},
+    {contract.HEARTBEAT_OPEN_STAGES: (1,), contract.HEARTBEAT_OPEN_SINCE: (1,)},
+    {contract.HEARTBEAT_OPEN_STAGES: ("",), contract.HEARTBEAT_OPEN_SINCE: (1,)},
+])
+def test_a_heartbeat_with_bad_open_stages_is_rejected_with_its_kind(decode, attributes):
+    batch = decode([heartbeat_span(0, T, attributes=attributes)] + stage_spans(1, 2))
+    assert batch.heartbeats == [] and len(batch.observations) == 2
+    assert dict(batch.rejections) == {"bad_heartbeat": 1}
+
+
+def test_the_restart_count_is_part_of_every_observation(decode):
+    spans = stage_spans(0, 2)
+    with_count = [readable_span(o, spans[0].resource.merge(
+        __import__("opentelemetry.sdk.resources", fromlist=["Resource"]).Resource({contract.RESTART_COUNT: 3})))
+        for o in ProtobufDecoder().decode_in_python(request_bytes(spans)).observations]
+    assert [o.restart for o in decode(with_count).observations] == [3, 3]
+    assert [o.restart for o in decode(spans).observations] == [0, 0]  # absent: 0
+
+
+def test_a_bad_restart_count_is_rejected(decode):
+    from opentelemetry.sdk.resources import Resource
+    spans = stage_spans(0, 2)
+    bad = [readable_span(o, spans[0].resource.merge(Resource({contract.RESTART_COUNT: "one"})))
+           for o in ProtobufDecoder().decode_in_python(request_bytes(spans)).observations]
+    batch = decode(bad)
+    assert batch.observations == [] and dict(batch.rejections) == {"bad_restart_count": 2}
+
+
+def test_placements_come_from_the_resource_once_per_request(decode):
+    batch = decode(stage_spans(9, 4))
+    assert batch.placements == [Placement("job-1", 0, 0, 9, "node-1", None)]

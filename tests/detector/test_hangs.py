@@ -1,0 +1,300 @@
+"""The hang rules (liveness.py), incarnations (a restart count that goes up) and placements, one test
+per rule, named after it. A small job is scripted second by second: while it makes progress every
+rank finishes ten steps a second; heartbeats come every 5 s with the stages the script says are open;
+the detector's clock runs half a second behind."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import numpy as np
+
+from otel_straggler import contract
+from otel_straggler.detector import liveness
+from otel_straggler.detector.config import DetectorConfig
+from otel_straggler.detector.engine import Engine
+from otel_straggler.detector.observation import Heartbeat, Observation, Placement
+
+START = 1_700_000_000_000_000_000
+SECOND = 1_000_000_000
+# (name, host ms, collective): a 100 ms step
+STAGES = (("forward-compute", 40.0, False), ("backward-compute", 50.0, False), ("all-grads-sync", 10.0, True))
+CONFIG = DetectorConfig(hang_timeout_s=60.0)
+
+OpenStages = Callable[[int, int], tuple]  # (rank, now ns) -> ((stage, since ns), ...), outermost first
+
+
+def in_stage(name: str, since: int) -> OpenStages:
+    return lambda rank, now: ((name, since),)
+
+
+class ScriptedJob:
+    def __init__(self, engine: Engine, ranks: int = 4, restart: int = 0, job_id: str = "job", seed: int = 0) -> None:
+        self.engine = engine
+        self.ranks = ranks
+        self.restart = restart
+        self.job_id = job_id
+        self.now = START
+        self.step = 0
+        self.seq = dict.fromkeys(range(ranks), 0)
+        self.frozen: set[int] = set()  # ranks that send nothing at all (SIGSTOP)
+        self.slow: dict[int, float] = {}  # rank -> factor on its compute stages
+        self.heartbeat_s = 5
+        self.rng = np.random.default_rng(seed)
+        engine.ingest_placements([Placement(job_id, 0, restart, rank, f"node-{rank // 2}", rank % 2)
+                                  for rank in range(ranks)])
+
+    def restart_from(self, step: int, restart: int) -> None:
+        """Every rank's process starts over, resuming at `step`: sequences from 0, a new count."""
+        self.restart, self.step = restart, step
+        self.seq = dict.fromkeys(range(self.ranks), 0)
+        self.frozen = set()
+
+    def run(self, seconds: int, progress: bool = True, open_stages: Optional[OpenStages] = None,
+            restart_of: Optional[dict] = None) -> list:
+        verdicts = []
+        for _ in range(seconds):
+            observations = []
+            if progress:
+                for _ in range(10):
+                    observations += self._step(restart_of or {})
+            beats = []
+            if (self.now - START) % (self.heartbeat_s * SECOND) == 0:
+                for rank in range(self.ranks):
+                    if rank in self.frozen:
+                        continue
+                    opened = open_stages(rank, self.now) if open_stages else (("forward-compute", self.now),)
+                    beats.append(Heartbeat(self.job_id, 0, "c", rank, (restart_of or {}).get(rank, self.restart),
+                                           self.step, self.now, tuple(name for name, _ in opened),
+                                           tuple(since for _, since in opened)))
+            self.now += SECOND
+            self.engine.ingest_many(observations)
+            self.engine.ingest_heartbeats(beats)
+            verdicts += self.engine.advance(self.now + SECOND // 2)
+        return verdicts
+
+    def _step(self, restart_of: dict) -> list[Observation]:
+        observations = []
+        step_start = self.now + (self.step % 10) * SECOND // 10
+        for rank in range(self.ranks):
+            if rank in self.frozen:
+                continue
+            end = step_start + int(self.rng.uniform(0, 2e6))
+            for name, base_ms, collective in STAGES:
+                host_ms = base_ms * (1 if collective else self.slow.get(rank, 1.0)) * self.rng.uniform(0.98, 1.02)
+                end += int(host_ms * 1e6)
+                observations.append(Observation(self.job_id, 0, "c", rank, name, self.step, self.seq[rank], host_ms,
+                                                None, collective, None, None, end,
+                                                restart_of.get(rank, self.restart)))
+                self.seq[rank] += 1
+        self.step += 1
+        return observations
+
+
+def hangs(verdicts, verdict=contract.VERDICT_HANG) -> list:
+    return [v for v in verdicts if v.verdict == verdict]
+
+
+def stuck_rank_one(since: int) -> OpenStages:
+    """Rank 1 never left forward-compute; the others wait in the all-reduce."""
+    return lambda rank, now: (("forward-compute", since),) if rank == 1 else (("all-grads-sync", since + 50_000_000),)
+
+
+# ---------------------------------------------------------------- hang: who is the culprit
+
+def test_hang_names_the_rank_that_never_entered_the_collective():
+    job = ScriptedJob(Engine(CONFIG))
+    verdicts = job.run(30)
+    stopped = job.now
+    verdicts += job.run(75, progress=False, open_stages=stuck_rank_one(stopped))
+    found = hangs(verdicts)
+    assert [(v.rank, v.reason, v.stage) for v in found] == [(1, contract.HANG_NEVER_ENTERED_COLLECTIVE, "forward-compute")]
+    hang = found[0]
+    assert (hang.host, hang.local_rank, hang.job_id, hang.cohort) == ("node-0", 1, "job", "c")
+    assert 60 <= hang.stalled_s <= 62  # said within the timeout plus the detector's recheck
+    assert hang.reference_ranks == (0, 2, 3)  # the ranks waiting in the collective: the evidence
+    assert hang.rank_ms >= 60_000 and hang.reference_ms >= 60_000
+    assert [v.verdict for v in verdicts if v.rank == 1] == [contract.VERDICT_HANG]  # nothing else said of it
+
+
+def test_hang_names_a_rank_whose_heartbeats_stopped_rank_lost():
+    job = ScriptedJob(Engine(CONFIG))
+    verdicts = job.run(30)
+    stopped = job.now
+    job.frozen = {2}
+    verdicts += job.run(75, progress=False, open_stages=in_stage("all-grads-sync", stopped))
+    found = hangs(verdicts)
+    assert [(v.rank, v.reason) for v in found] == [(2, contract.HANG_RANK_LOST)]
+    # its stage: the innermost one its last heartbeat had open
+    assert found[0].stage == "forward-compute" and found[0].host == "node-1" and found[0].local_rank == 0
+
+
+def test_hang_where_every_rank_waits_in_one_collective_is_one_job_level_verdict():
+    job = ScriptedJob(Engine(CONFIG))
+    job.run(30)
+    stopped = job.now
+    found = hangs(job.run(75, progress=False, open_stages=in_stage("all-grads-sync", stopped)))
+    assert [(v.rank, v.reason, v.stage, v.host) for v in found] == \
+        [(None, contract.HANG_ALL_RANKS_WAITING, "all-grads-sync", None)]
+    assert found[0].reference_ranks == (0, 1, 2, 3) and found[0].attribution == contract.ATTRIBUTION_WAITING
+
+
+def test_hang_a_shared_pause_shorter_than_the_timeout_is_no_hang():
+    job = ScriptedJob(Engine(CONFIG))
+    verdicts = job.run(30)
+    verdicts += job.run(20, progress=False, open_stages=in_stage("checkpoint-save", job.now))
+    verdicts += job.run(60)
+    assert hangs(verdicts) == [] and hangs(verdicts, contract.VERDICT_RECOVERED) == []
+    # control: the same pause, longer than the timeout, is a hang of every rank
+    job = ScriptedJob(Engine(CONFIG))
+    job.run(30)
+    found = hangs(job.run(75, progress=False, open_stages=in_stage("checkpoint-save", job.now)))
+    assert [(v.rank, v.reason, v.stage) for v in found] == [(None, liveness.REASON_ALL_RANKS_STALLED, "checkpoint-save")]
+
+
+def test_hang_needs_a_live_rank_inside_a_stage():
+    # every rank between stages (an evaluation loop it does not time): heartbeats cannot tell
+    job = ScriptedJob(Engine(CONFIG))
+    job.run(30)
+    assert hangs(job.run(120, progress=False, open_stages=lambda rank, now: ())) == []
+    # no heartbeats at all (turned off on the ranks): nothing, however long
+    job = ScriptedJob(Engine(CONFIG))
+    job.heartbeat_s = 10 ** 6
+    job.run(30)
+    assert hangs(job.run(200, progress=False)) == []
+    # every rank's heartbeats stopped (the job ended): nothing
+    job = ScriptedJob(Engine(CONFIG))
+    job.run(30)
+    job.frozen = set(range(job.ranks))
+    assert hangs(job.run(120, progress=False)) == []
+
+
+def test_hang_a_culprit_seen_later_gets_its_own_verdict():
+    job = ScriptedJob(Engine(CONFIG))
+    job.run(30)
+    stopped = job.now
+    verdicts = job.run(70, progress=False, open_stages=stuck_rank_one(stopped))
+    job.frozen = {3}  # then a waiting rank dies too
+    verdicts += job.run(40, progress=False, open_stages=stuck_rank_one(stopped))
+    assert [(v.rank, v.reason) for v in hangs(verdicts)] == [
+        (1, contract.HANG_NEVER_ENTERED_COLLECTIVE), (3, contract.HANG_RANK_LOST)]
+
+
+def test_hang_before_the_first_window_closes_still_knows_the_collective():
+    job = ScriptedJob(Engine(CONFIG))
+    job.run(1)  # ten steps: the first window is still open when the job stops
+    found = hangs(job.run(75, progress=False, open_stages=stuck_rank_one(job.now)))
+    assert [(v.rank, v.reason) for v in found] == [(1, contract.HANG_NEVER_ENTERED_COLLECTIVE)]
+
+
+def test_hang_progress_resumed_ends_each_hang_verdict_and_its_gauge():
+    engine = Engine(CONFIG)
+    job = ScriptedJob(engine)
+    job.run(30)
+    stopped = job.now
+    job.frozen = {2}
+    verdicts = job.run(75, progress=False, open_stages=stuck_rank_one(stopped))
+    assert {(v.rank, v.reason) for v in hangs(verdicts)} == {
+        (1, contract.HANG_NEVER_ENTERED_COLLECTIVE), (2, contract.HANG_RANK_LOST)}
+    assert {(s.rank, s.active) for s in engine.hang_state()} == {(1, True), (2, True)}
+    job.frozen = set()
+    verdicts = job.run(10)
+    resumed = hangs(verdicts, contract.VERDICT_RECOVERED)
+    assert {(v.rank, v.reason) for v in resumed} == {(1, contract.HANG_PROGRESS_RESUMED),
+                                                     (2, contract.HANG_PROGRESS_RESUMED)}
+    assert {(s.rank, s.active) for s in engine.hang_state()} == {(1, False), (2, False)}  # gauge at 0
+    # a second hang later is declared again
+    stopped = job.now
+    assert [v.rank for v in hangs(job.run(75, progress=False, open_stages=stuck_rank_one(stopped)))] == [1]
+
+
+def test_hang_state_is_bounded_and_evictions_counted():
+    engine = Engine(DetectorConfig(max_tracked_ranks=16))
+    for job_index in range(5):
+        ScriptedJob(engine, ranks=8, job_id=f"job-{job_index}").run(6)
+    stats = engine.stats()
+    assert stats["tracked_ranks"] <= 16
+    assert stats["evictions_liveness_ranks"] >= 40 - 16
+
+
+# ---------------------------------------------------------------- incarnations
+
+def test_incarnation_a_restart_from_a_checkpoint_is_judged_again_not_late_nor_duplicate():
+    engine = Engine(CONFIG)
+    job = ScriptedJob(engine)
+    verdicts = job.run(30)  # steps 0-299
+    job.restart_from(200, restart=1)  # torchrun restarted every rank from the step-200 checkpoint
+    job.slow = {2: 1.5}
+    verdicts += job.run(30) + engine.drain(job.now + 60 * SECOND)
+    stats = engine.stats()
+    assert stats["late"] == 0 and stats["duplicates"] == 0 and stats["incarnations"] == 1
+    assert [v for v in verdicts if v.verdict == contract.VERDICT_SILENT] == []
+    onsets = [v for v in verdicts if v.verdict == contract.VERDICT_STRAGGLER]
+    assert {v.rank for v in onsets} == {2} and all(v.window >= 20 for v in onsets)
+    # control: without the restart count the same resumed stream is read as late and duplicate
+    engine = Engine(CONFIG)
+    job = ScriptedJob(engine)
+    job.run(30)
+    job.restart_from(200, restart=0)
+    job.run(30)
+    assert engine.stats()["late"] + engine.stats()["duplicates"] > 1000
+
+
+def test_incarnation_ranks_that_do_not_come_back_are_not_silent():
+    engine = Engine(CONFIG)
+    job = ScriptedJob(engine, ranks=6)
+    verdicts = job.run(30)
+    job.restart_from(300, restart=1)
+    job.frozen = {4, 5}  # the job came back smaller
+    verdicts += job.run(40)
+    assert [v for v in verdicts if v.verdict == contract.VERDICT_SILENT] == []
+    assert engine.stats()["late"] == 0
+
+
+def test_incarnation_a_rank_with_a_lower_restart_count_joins_the_current_one():
+    # torchrun restarts the workers of a node that did not fail without counting it
+    engine = Engine(CONFIG)
+    job = ScriptedJob(engine)
+    job.run(30)
+    job.restart_from(200, restart=1)
+    job.slow = {3: 1.5}
+    verdicts = job.run(30, restart_of={2: 0, 3: 0})
+    stats = engine.stats()
+    assert stats["late"] == 0 and stats["duplicates"] == 0 and stats["incarnations"] == 1
+    assert {v.rank for v in verdicts if v.verdict == contract.VERDICT_STRAGGLER} == {3}
+
+
+def test_incarnation_an_active_alert_ends_with_restarted():
+    engine = Engine(CONFIG)
+    job = ScriptedJob(engine)
+    job.slow = {1: 1.5}
+    verdicts = job.run(30)
+    assert any(v.verdict == contract.VERDICT_STRAGGLER and v.rank == 1 for v in verdicts)
+    job.restart_from(200, restart=1)
+    job.slow = {}
+    verdicts = job.run(5)
+    ended = [v for v in verdicts if v.verdict == contract.VERDICT_RECOVERED and v.rank == 1]
+    assert ended and {v.reason for v in ended} == {"restarted"}
+    assert not any(state.alert_active for state in engine.rank_state())
+
+
+def test_incarnation_ends_a_declared_hang():
+    engine = Engine(CONFIG)
+    job = ScriptedJob(engine)
+    job.run(30)
+    assert hangs(job.run(75, progress=False, open_stages=stuck_rank_one(job.now)))
+    job.restart_from(200, restart=1)
+    verdicts = job.run(5)
+    assert [(v.rank, v.reason) for v in hangs(verdicts, contract.VERDICT_RECOVERED)] == [
+        (1, contract.HANG_PROGRESS_RESUMED)]
+
+
+# ---------------------------------------------------------------- placement
+
+def test_placement_every_per_rank_verdict_and_rank_state_says_where_the_rank_runs():
+    engine = Engine(CONFIG)
+    job = ScriptedJob(engine)
+    job.slow = {3: 1.5}
+    onsets = [v for v in job.run(30) if v.verdict == contract.VERDICT_STRAGGLER]
+    assert onsets and all((v.rank, v.host, v.local_rank) == (3, "node-1", 1) for v in onsets)
+    states = [s for s in engine.rank_state() if s.rank == 3]
+    assert states and all((s.host, s.local_rank) == ("node-1", 1) for s in states)

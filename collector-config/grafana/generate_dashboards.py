@@ -27,6 +27,10 @@ PROMETHEUS = {"type": "prometheus", "uid": "prometheus"}
 JOB = 'training_job_id=~"$job_id"'
 JOB_COHORT = JOB + ', training_cohort=~"$cohort"'
 
+# Where a rank runs: its node and its slot there (training.local_rank, i.e. which GPU), as the
+# detector labels its per-rank series (CONTRACT v1.1 §3b). Legends write it "rank 3 on node-0/3".
+RANK_ON_HOST = "rank {{training_rank}} on {{host_name}}/{{training_local_rank}}"
+
 # Slowdown colours: within the detector's default 5% tolerance, beyond it, far beyond it.
 SLOWDOWN_THRESHOLDS = [
     {"color": "green", "value": None},
@@ -101,17 +105,20 @@ def panel(kind: str, title: str, description: str, targets: list[dict], **extra)
 
 
 def field_config(unit: str = "none", thresholds: list[dict] | None = None, links: list[dict] | None = None,
-                 custom: dict | None = None, color_mode: str = "thresholds") -> dict:
-    return {
-        "defaults": {
-            "unit": unit,
-            "color": {"mode": color_mode},
-            "thresholds": {"mode": "absolute", "steps": thresholds or [{"color": "green", "value": None}]},
-            "links": links or [],
-            "custom": custom or {},
-        },
-        "overrides": [],
+                 custom: dict | None = None, color_mode: str = "thresholds", no_value: str | None = None) -> dict:
+    """no_value: what an empty panel means, shown instead of "No data", for a panel that lists an
+    incident and is rightly empty while the job is healthy (the healthy end-to-end run accepts
+    emptiness only from such panels; the smoke test seeds an incident for every panel)."""
+    defaults = {
+        "unit": unit,
+        "color": {"mode": color_mode},
+        "thresholds": {"mode": "absolute", "steps": thresholds or [{"color": "green", "value": None}]},
+        "links": links or [],
+        "custom": custom or {},
     }
+    if no_value is not None:
+        defaults["noValue"] = no_value
+    return {"defaults": defaults, "overrides": []}
 
 
 def variables() -> list[dict]:
@@ -145,7 +152,10 @@ def variables() -> list[dict]:
         }
 
     return [
-        query_variable("job_id", "Job", "label_values(straggler_rank_slowdown, training_job_id)", False),
+        # a job that hangs before its first window (often: in its first collective) has a hang
+        # series but no slowdown yet, and must be selectable too
+        query_variable("job_id", "Job",
+                       'label_values({__name__=~"straggler_rank_slowdown|straggler_job_hang"}, training_job_id)', False),
         query_variable("cohort", "Cohort", 'label_values(straggler_rank_slowdown{training_job_id=~"$job_id"}, training_cohort)', True),
         constant("jaeger_url", "Jaeger UI", "http://localhost:16686",
                  "Where the browser reaches Jaeger's UI; used by the trace links."),
@@ -156,7 +166,39 @@ def variables() -> list[dict]:
 
 def job_overview() -> dict:
     layout = Layout()
+    hang_labels = "training_job_id, training_rank, host_name, training_local_rank, training_stage, reason"
     panels = [
+        layout.place(panel(
+            "stat", "Active hangs",
+            "Culprits of a current hang (straggler_job_hang == 1): no rank completed an interval for the "
+            "detector's hang timeout while heartbeats show ranks alive. A hang with no culprit "
+            "(all_ranks_waiting) counts once.",
+            [prom_target(f"count(max by ({hang_labels}) (straggler_job_hang{{{JOB}}}) == 1) or vector(0)",
+                         "active hangs", instant=True)],
+            fieldConfig=field_config(thresholds=[{"color": "green", "value": None}, {"color": "red", "value": 1}]),
+            options={"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                     "colorMode": "background", "graphMode": "none", "textMode": "value"},
+        ), 4, 5),
+        layout.place(panel(
+            "table", "Hangs by culprit",
+            "One row per culprit of a current hang: its rank, host and local rank (GPU slot), the stage it "
+            "is stuck in, and why: never_entered_collective (outside a collective while the others wait "
+            "in one), rank_lost (its heartbeats stopped too), all_ranks_waiting (every rank waits in the "
+            "same collective; rank -1, no host). Empty while the job makes progress. The link opens the "
+            "culprit's step traces in Jaeger.",
+            [prom_target(f"max by ({hang_labels}) (straggler_job_hang{{{JOB}}}) == 1", instant=True)],
+            fieldConfig=field_config(links=[JAEGER_SEARCH_LINK_TABLE], no_value="No hang"),
+            transformations=[
+                {"id": "labelsToFields", "options": {"mode": "columns"}},
+                {"id": "organize", "options": {
+                    "excludeByName": {"Time": True, "Value": True},
+                    "indexByName": {"training_job_id": 0, "training_rank": 1, "host_name": 2,
+                                    "training_local_rank": 3, "training_stage": 4, "reason": 5},
+                    "renameByName": {"training_job_id": "job", "training_rank": "rank", "host_name": "host",
+                                     "training_local_rank": "local rank", "training_stage": "stage"}}},
+            ],
+            options={"showHeader": True},
+        ), 20, 5),
         layout.place(panel(
             "stat", "Active straggler alerts",
             "Ranks the detector currently holds a straggler alert for (straggler_alert_active == 1).",
@@ -167,26 +209,37 @@ def job_overview() -> dict:
         ), 4, 6),
         layout.place(panel(
             "table", "Active alerts",
-            "One row per rank and stage under an active straggler alert, with its latest slowdown. "
-            "The link opens that rank's step traces in Jaeger.",
+            "One row per rank and stage under an active straggler alert, with the rank's host and local "
+            "rank (GPU slot) and its latest slowdown. The link opens that rank's step traces in Jaeger.",
             [prom_target(
-                f"straggler_rank_slowdown{{{JOB_COHORT}}} and on (training_job_id, training_cohort, training_stage, training_rank) "
+                f"straggler_rank_slowdown{{{JOB_COHORT}}} and on (training_job_id, training_cohort, training_stage, training_rank, "
+                f"host_name, training_local_rank) "
                 f"(straggler_alert_active{{{JOB_COHORT}}} == 1)", instant=True)],
             fieldConfig=field_config(unit="none", thresholds=SLOWDOWN_THRESHOLDS, links=[JAEGER_SEARCH_LINK_TABLE]),
             transformations=[
                 {"id": "labelsToFields", "options": {"mode": "columns"}},
                 {"id": "organize", "options": {
-                    "excludeByName": {"Time": True, "__name__": True, "job": True, "instance": True},
+                    "excludeByName": {"Time": True, "__name__": True, "job": True, "instance": True,
+                                      "otel_scope_name": True, "otel_scope_version": True},
+                    "indexByName": {"training_job_id": 0, "training_cohort": 1, "training_rank": 2, "host_name": 3,
+                                    "training_local_rank": 4, "training_stage": 5, "Value": 6},
                     "renameByName": {"Value": "slowdown", "training_rank": "rank", "training_stage": "stage",
-                                     "training_cohort": "cohort", "training_job_id": "job"}}},
+                                     "training_cohort": "cohort", "training_job_id": "job", "host_name": "host",
+                                     "training_local_rank": "local rank"}}},
             ],
             options={"showHeader": True},
         ), 20, 6),
         layout.place(panel(
             "table", "Slowdown per rank × stage",
             "Latest window slowdown of each rank against its comparable peers (1.00 = as fast as the "
-            "reference, 1.10 = 10% slower), rows by rank, columns by stage. Yellow from 5%, red from 20%.",
-            [prom_target(f"max by (training_rank, training_stage) (straggler_rank_slowdown{{{JOB_COHORT}}})", instant=True)],
+            "reference, 1.10 = 10% slower), rows by rank (\"3 on node-0/3\": rank on host/local rank), "
+            "columns by stage. Yellow from 5%, red from 20%.",
+            # the matrix takes one row field: the rank and where it runs, joined into one label
+            [prom_target(
+                'label_join(label_join('
+                f"max by (training_rank, host_name, training_local_rank, training_stage) (straggler_rank_slowdown{{{JOB_COHORT}}}), "
+                '"slot", "/", "host_name", "training_local_rank"), "rank", " on ", "training_rank", "slot")',
+                instant=True)],
             # no Jaeger link here: the matrix's cells are not series, so they carry no rank label
             # (the panels beside it link each rank)
             fieldConfig=field_config(
@@ -195,14 +248,14 @@ def job_overview() -> dict:
             transformations=[
                 {"id": "labelsToFields", "options": {"mode": "columns"}},
                 {"id": "groupingToMatrix", "options": {
-                    "rowField": "training_rank", "columnField": "training_stage", "valueField": "Value"}},
+                    "rowField": "rank", "columnField": "training_stage", "valueField": "Value"}},
             ],
             options={"showHeader": True},
         ), 12, 10),
         layout.place(panel(
             "timeseries", "Slowdown over time",
             "Each rank's window slowdown per stage; the dashed line is the detector's default 5% threshold.",
-            [prom_target(f"straggler_rank_slowdown{{{JOB_COHORT}}}", "rank {{training_rank}} {{training_stage}}")],
+            [prom_target(f"straggler_rank_slowdown{{{JOB_COHORT}}}", RANK_ON_HOST + " {{training_stage}}")],
             fieldConfig=field_config(
                 unit="none", thresholds=SLOWDOWN_THRESHOLDS, links=[JAEGER_SEARCH_LINK], color_mode="palette-classic",
                 custom={"thresholdsStyle": {"mode": "dashed"}, "lineWidth": 1, "showPoints": "auto"}),
@@ -212,8 +265,8 @@ def job_overview() -> dict:
         layout.place(panel(
             "state-timeline", "Verdict timeline: alert state per rank",
             "When each rank and stage was under a straggler alert (red) or not (green).",
-            [prom_target(f"max by (training_rank, training_stage) (straggler_alert_active{{{JOB_COHORT}}})",
-                         "rank {{training_rank}} {{training_stage}}")],
+            [prom_target(f"max by (training_rank, host_name, training_local_rank, training_stage) "
+                         f"(straggler_alert_active{{{JOB_COHORT}}})", RANK_ON_HOST + " {{training_stage}}")],
             fieldConfig=field_config(
                 thresholds=[{"color": "green", "value": None}, {"color": "red", "value": 1}],
                 links=[JAEGER_SEARCH_LINK],
@@ -223,11 +276,12 @@ def job_overview() -> dict:
         ), 12, 10),
         layout.place(panel(
             "timeseries", "Verdicts",
-            "Verdicts per evaluation interval by rank, verdict and reason (straggler_verdicts_total); "
-            "uncertain verdicts are left out here.",
+            "Verdicts per evaluation interval by rank, verdict and reason (straggler_verdicts_total), "
+            "hangs included (rank -1: a hang with no culprit); uncertain verdicts are left out here.",
             [prom_target(
-                f'sum by (training_rank, verdict, reason) (increase(straggler_verdicts_total{{{JOB}, verdict!="uncertain"}}[$__rate_interval]))',
-                "rank {{training_rank}} {{verdict}} ({{reason}})")],
+                "sum by (training_rank, host_name, training_local_rank, verdict, reason) "
+                f'(increase(straggler_verdicts_total{{{JOB}, verdict!="uncertain"}}[$__rate_interval]))',
+                RANK_ON_HOST + " {{verdict}} ({{reason}})")],
             fieldConfig=field_config(
                 unit="short", links=[JAEGER_SEARCH_LINK], color_mode="palette-classic",
                 custom={"drawStyle": "bars", "fillOpacity": 60, "stacking": {"mode": "normal", "group": "A"}}),

@@ -41,6 +41,12 @@ class _StepTraceIds(RandomIdGenerator):
         return self.trace_id
 
 
+def rank_place(rank: int) -> dict:
+    """Where the tests' ranks run: 8 to a node. The ranks' resource and the detector-shaped
+    metrics both say so (host.name, training.local_rank)."""
+    return {"host.name": f"node-{rank // 8}", "training.local_rank": rank % 8}
+
+
 @dataclass(frozen=True)
 class Rank:
     job_id: str
@@ -55,8 +61,7 @@ class Rank:
             "training.job.id": self.job_id,
             "training.rank": self.rank,
             "training.world_size": self.world_size,
-            "training.local_rank": self.rank % 8,
-            "host.name": f"node-{self.rank // 8}",
+            **rank_place(self.rank),
             "training.cohort": self.cohort,
             "training.topology.epoch": 0,
         })
@@ -98,6 +103,23 @@ def send_rank_steps(endpoint: str, rank: Rank, steps: range, stage_ms: float = 2
     return sent
 
 
+def _detector_meter(endpoint: str, instance: str) -> tuple[MeterProvider, object]:
+    """A meter on a detector shard's resource, exporting only when flushed."""
+    reader = PeriodicExportingMetricReader(
+        OTLPMetricExporter(endpoint=endpoint, insecure=True, timeout=EXPORT_TIMEOUT_S),
+        export_interval_millis=3_600_000)
+    provider = MeterProvider(metric_readers=[reader], resource=Resource.create(
+        {"service.name": "otel-straggler-detector", "service.instance.id": instance}))
+    return provider, provider.get_meter("otel_straggler.detector")
+
+
+def _flush(provider: MeterProvider) -> None:
+    try:
+        provider.force_flush(EXPORT_TIMEOUT_S * 1000)
+    finally:
+        provider.shutdown()
+
+
 def send_detector_metrics(endpoint: str, job_id: str, slow_rank: int, ranks: range, cohort: str = "tp0-pp0",
                           stage: str = "forward-compute", instance: str = "shard-test") -> None:
     """One export of the four CONTRACT §3b metrics, as the detector would report a straggler.
@@ -105,12 +127,7 @@ def send_detector_metrics(endpoint: str, job_id: str, slow_rank: int, ranks: ran
     Units matter for the Prometheus names: the gauges carry none (unit "1" would add `_ratio`),
     the counters carry annotations ({verdict}, {span}), which the translation drops.
     """
-    reader = PeriodicExportingMetricReader(
-        OTLPMetricExporter(endpoint=endpoint, insecure=True, timeout=EXPORT_TIMEOUT_S),
-        export_interval_millis=3_600_000)
-    provider = MeterProvider(metric_readers=[reader], resource=Resource.create(
-        {"service.name": "otel-straggler-detector", "service.instance.id": instance}))
-    meter = provider.get_meter("otel_straggler.detector")
+    provider, meter = _detector_meter(endpoint, instance)
     slowdown = meter.create_gauge("straggler.rank.slowdown", description="window median over reference")
     alert = meter.create_gauge("straggler.alert.active", description="1 while a straggler alert is active")
     verdicts = meter.create_counter("straggler.verdicts", unit="{verdict}", description="verdicts emitted")
@@ -118,22 +135,33 @@ def send_detector_metrics(endpoint: str, job_id: str, slow_rank: int, ranks: ran
     windows = meter.create_counter("straggler.detector.windows.closed", description="windows judged")
     lag = meter.create_histogram("straggler.detector.ingest.lag", unit="s", description="ingest lag")
     for rank in ranks:
-        labels = {"training.job.id": job_id, "training.cohort": cohort, "training.stage": stage, "training.rank": rank}
+        labels = {"training.job.id": job_id, "training.cohort": cohort, "training.stage": stage, "training.rank": rank,
+                  **rank_place(rank)}
         slow = rank == slow_rank
         slowdown.set(1.3 if slow else 1.0, labels)
         alert.set(1 if slow else 0, labels)
         verdict = ("straggler", "slow_vs_peers") if slow else ("uncertain", "within_tolerance")
         verdicts.add(1, {"verdict": verdict[0], "reason": verdict[1], "training.stage": stage,
-                         "training.rank": rank, "training.job.id": job_id})
+                         "training.rank": rank, "training.job.id": job_id, **rank_place(rank)})
     intake.add(len(ranks) * 30, {"outcome": "accepted"})
     intake.add(1, {"outcome": "malformed"})
     windows.add(len(ranks))
     for seconds in (0.05, 0.2, 1.5):
         lag.record(seconds)
-    try:
-        provider.force_flush(EXPORT_TIMEOUT_S * 1000)
-    finally:
-        provider.shutdown()
+    _flush(provider)
+
+
+def send_hang_metrics(endpoint: str, job_id: str, culprit: int, stage: str = "batch-generator",
+                      reason: str = "never_entered_collective", instance: str = "shard-test") -> None:
+    """One export of `straggler.job.hang` (CONTRACT §3b) and its verdict count, as the detector
+    would report a hang with one culprit."""
+    provider, meter = _detector_meter(endpoint, instance)
+    hang = meter.create_gauge("straggler.job.hang", description="1 while a hang is declared")
+    verdicts = meter.create_counter("straggler.verdicts", unit="{verdict}", description="verdicts emitted")
+    labels = {"training.job.id": job_id, "training.rank": culprit, "training.stage": stage, **rank_place(culprit)}
+    hang.set(1, {**labels, "reason": reason})
+    verdicts.add(1, {**labels, "verdict": "hang", "reason": reason})
+    _flush(provider)
 
 
 def send_verdict_event(endpoint: str, job_id: str, rank: int) -> None:

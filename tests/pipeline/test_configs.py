@@ -158,7 +158,7 @@ def test_dashboards_use_the_provisioned_data_sources():
             assert panel["datasource"]["uid"] in uids
             assert all(target["datasource"]["uid"] in uids for target in panel["targets"])
     titles = " ".join(title.lower() for title, _ in _generator().panel_queries())
-    for wanted in ("active", "rank × stage", "verdict timeline", "detector"):
+    for wanted in ("active", "hangs", "rank × stage", "verdict timeline", "detector"):
         assert wanted in titles
 
 

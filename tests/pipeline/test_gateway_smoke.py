@@ -2,7 +2,8 @@
 
 Spans from the stock OTel SDK exporter reach Jaeger and the detector tier (a fake shard on the
 port the gateway routes to); detector-shaped metrics reach Prometheus under the documented names,
-and every dashboard panel's query returns data; verdict events reach the events file.
+the alert rules fire on them, and every dashboard panel's query returns data; verdict events reach
+the events file.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from . import services
-from .telemetry import Rank, send_detector_metrics, send_rank_steps, send_verdict_event
+from .telemetry import Rank, send_detector_metrics, send_hang_metrics, send_rank_steps, send_verdict_event
 
 pytestmark = pytest.mark.services
 
@@ -84,7 +85,18 @@ def test_detector_metrics_reach_prometheus_and_every_panel_has_data(pipeline):
     assert active == {"2"}
     labels = series[0]["metric"]
     assert labels["job"] == "otel-straggler-detector" and labels["instance"] == "shard-test"
-    assert {"training_job_id", "training_cohort", "training_stage", "training_rank"} <= set(labels)
+    assert {"training_job_id", "training_cohort", "training_stage", "training_rank", "host_name",
+            "training_local_rank"} <= set(labels)
+    assert {(s["metric"]["training_rank"], s["metric"]["host_name"], s["metric"]["training_local_rank"])
+            for s in series} == {(str(rank), "node-0", str(rank)) for rank in range(4)}
+
+    # A hang of the same job, rank 5 the culprit: its own gauge, one series per culprit.
+    send_hang_metrics(pipeline.collector_grpc, job_id, culprit=5)
+    hang = services.wait_until(lambda: services.prometheus_query(
+        pipeline.prometheus_url, f'straggler_job_hang{{training_job_id="{job_id}"}}'), DEADLINE_S, what="straggler_job_hang")
+    assert len(hang) == 1 and {
+        "training_job_id": job_id, "training_rank": "5", "host_name": "node-0", "training_local_rank": "5",
+        "training_stage": "batch-generator", "reason": "never_entered_collective"}.items() <= hang[0]["metric"].items()
 
     for name in ("straggler_rank_slowdown", "straggler_verdicts_total", "straggler_detector_spans_total"):
         assert services.wait_until(lambda: services.prometheus_query(pipeline.prometheus_url, name), DEADLINE_S,
@@ -92,6 +104,16 @@ def test_detector_metrics_reach_prometheus_and_every_panel_has_data(pipeline):
     verdicts = services.prometheus_query(
         pipeline.prometheus_url, f'straggler_verdicts_total{{training_job_id="{job_id}", verdict="straggler"}}')
     assert [v["metric"]["training_rank"] for v in verdicts] == ["2"]
+
+    # The rules Prometheus evaluates (rules.yml) page for the straggler and the hang, naming the node.
+    def firing():
+        alerts = services.prometheus_query(
+            pipeline.prometheus_url, f'ALERTS{{alertstate="firing", training_job_id="{job_id}"}}')
+        found = {(a["metric"]["alertname"], a["metric"]["training_rank"], a["metric"].get("host_name")) for a in alerts}
+        return found if len(found) >= 2 else None
+
+    assert services.wait_until(firing, DEADLINE_S, what="TrainingStragglerDetected and TrainingJobHung firing") == {
+        ("TrainingStragglerDetected", "2", "node-0"), ("TrainingJobHung", "5", "node-0")}
 
     send_detector_metrics(pipeline.collector_grpc, job_id, slow_rank=2, ranks=range(4))
     generator = _generator()

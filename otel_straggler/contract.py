@@ -53,7 +53,6 @@ VERDICT_RECOVERED = "recovered"
 VERDICT_UNCERTAIN = "uncertain"
 VERDICT_SILENT = "silent"
 VERDICT_HANG = "hang"  # v1.1
-VERDICT_JOB_SLOWDOWN = "job_slowdown"  # v1.1
 HANG_NEVER_ENTERED_COLLECTIVE = "never_entered_collective"
 HANG_RANK_LOST = "rank_lost"
 HANG_ALL_RANKS_WAITING = "all_ranks_waiting"
@@ -64,7 +63,7 @@ VERDICT_FIELDS = (
     "time_unix_nano", "job_id", "cohort", "stage", "rank", "window", "verdict", "reason",
     "slowdown", "gap_ms", "rank_ms", "reference_ms", "reference_ranks", "timing",
     "attribution", "workload_comparable",
-    "host", "local_rank", "stalled_s",  # v1.1 ("gpu" comes with GPU samples on heartbeats, §2c)
+    "host", "local_rank", "gpu", "stalled_s",  # v1.1
 )
 
 ATTRIBUTION_GPU = "gpu_stream_stall"

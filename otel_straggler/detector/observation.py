@@ -77,6 +77,8 @@ class Verdict:
     workload_comparable: Optional[bool]
     host: Optional[str] = None  # v1.1: host.name of the rank, None for job-level verdicts
     local_rank: Optional[int] = None  # v1.1: its slot on the node (which GPU)
+    # v1.1: GPU evidence from heartbeats' GPU samples (§2c); null while ranks send none
+    gpu: Optional[dict] = None
     stalled_s: Optional[float] = None  # v1.1, hang only: since the job's last completed interval
 
     def to_dict(self) -> dict:

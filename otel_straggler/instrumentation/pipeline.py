@@ -33,7 +33,7 @@ _SCOPE = "otel_straggler"
 BUILD_BURST_RECORDS = 16  # records built while holding the GIL, 10-15 us each
 BUILD_PAUSE_S = 0.0005  # between bursts: long enough for a thread waiting on the GIL to wake and take it
 _IDENTITY_KEYS_ON_SPANS = (contract.JOB_ID, contract.RANK, contract.COHORT, contract.TOPOLOGY_EPOCH,
-                           contract.WORLD_SIZE, contract.LOCAL_RANK)
+                           contract.RESTART_COUNT, contract.WORLD_SIZE, contract.LOCAL_RANK)
 
 
 class CountingBatchSpanProcessor(BatchSpanProcessor):

@@ -13,6 +13,7 @@ SETTINGS: tuple[Setting, ...] = (
                                "MASTER_ADDR:MASTER_PORT; none: configure() warns)"),
     Setting("cohort", str, "", "training.cohort (default: from Megatron parallel state, else left out)"),
     Setting("topology_epoch", int, 0, "training.topology.epoch; bump when the job re-shards", 0, 1 << 62),
+    Setting("restart_count", int, 0, "training.restart.count (default: TORCHELASTIC_RESTART_COUNT, else 0)", 0, 1 << 62),
     Setting("device_timing", str, "auto", "CUDA-event timing: auto (when a GPU is visible), cuda (configure() fails without one), fake, off",
             choices=DEVICE_TIMING_MODES),
     Setting("event_pool_size", int, 4096, "CUDA events allocated once; 2 per interval in flight", 2, 1 << 20),

@@ -24,6 +24,7 @@ from otel_straggler.settings import ConfigError
     ("OTEL_STRAGGLER_DEVICE_TIMING", "gpu", "must be one of auto, cuda, fake, off"),
     ("OTEL_STRAGGLER_EXPORT_METRICS", "sometimes", "expected bool"),
     ("OTEL_STRAGGLER_INJECT_SLOWDOWN", "-0.5", ">= 0"),
+    ("OTEL_STRAGGLER_RESTART_COUNT", "first", "expected int"),
     ("OTEL_SDK_DISABLED", "perhaps", "expected true or false"),
     ("OTEL_EXPORTER_OTLP_PROTOCOL", "carrier-pigeon", "must be one of grpc, http/protobuf"),
     ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "carrier-pigeon", "must be one of grpc, http/protobuf"),

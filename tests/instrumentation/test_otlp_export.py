@@ -134,7 +134,7 @@ def test_the_ranks_own_counters_arrive_as_metrics(otlp_receiver, configure):
     assert lost == {reason: 0 for reason in status["lost"]}
     spans = {attributes["outcome"]: value for attributes, value in points["straggler.instrumentation.spans"]}
     assert spans == {"intervals": STEPS * len(COMPLETION_ORDER), "spans_built": STEPS * len(COMPLETION_ORDER),
-                     "exported": status["exported"]}
+                     "heartbeats": 0, "exported": status["exported"]}  # heartbeats off: the fixture's default
 
 
 RANK_SCRIPT = textwrap.dedent("""

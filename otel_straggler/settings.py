@@ -34,6 +34,7 @@ class Setting:
     minimum: Optional[float] = None
     maximum: Optional[float] = None
     choices: Optional[tuple[str, ...]] = None
+    off: Optional[float] = None  # a value allowed outside the bounds: it turns the feature off
 
     @property
     def flag(self) -> str:
@@ -50,10 +51,13 @@ class Setting:
             return
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{where}: must be a finite number, got {value}")
+        if self.off is not None and value == self.off:
+            return
+        off = "" if self.off is None else f" or {self.off:g} (off)"
         if self.minimum is not None and value < self.minimum:
-            raise ConfigError(f"{where}: must be >= {self.minimum:g}, got {value:g}")
+            raise ConfigError(f"{where}: must be >= {self.minimum:g}{off}, got {value:g}")
         if self.maximum is not None and value > self.maximum:
-            raise ConfigError(f"{where}: must be <= {self.maximum:g}, got {value:g}")
+            raise ConfigError(f"{where}: must be <= {self.maximum:g}{off}, got {value:g}")
 
     def parse(self, raw: Any, where: str) -> Any:
         try:

@@ -20,7 +20,8 @@ def _bounds(setting: Setting) -> str:
         return ""
     low = "" if setting.minimum is None else _number(setting.minimum)
     high = "" if setting.maximum is None else _number(setting.maximum)
-    return f"{low} .. {high}"
+    bounds = f"{low} .. {high}"
+    return bounds if setting.off is None else f"{_number(setting.off)} (off), or {bounds}"
 
 
 def markdown_table(settings: Iterable[Setting], with_flags: bool) -> str:

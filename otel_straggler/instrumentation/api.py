@@ -83,6 +83,7 @@ def configure(
     local_rank: Optional[int] = None,
     cohort: Optional[str] = None,
     topology_epoch: Optional[int] = None,
+    restart_count: Optional[int] = None,
     endpoint: Optional[str] = None,
     protocol: Optional[str] = None,
     device_timing: Optional[str] = None,
@@ -105,7 +106,7 @@ def configure(
         if _instrumentation is not None:
             return _instrumentation
         explicit = {"job_id": job_id, "cohort": cohort, "topology_epoch": topology_epoch,
-                    "device_timing": device_timing, **settings}
+                    "restart_count": restart_count, "device_timing": device_timing, **settings}
         given = resolve(SETTINGS, explicit, environ)
         options = {**DEFAULTS, **given}
         # Only values given count as explicit: a default must not hide OTEL_RESOURCE_ATTRIBUTES.

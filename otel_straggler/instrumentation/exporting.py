@@ -227,10 +227,11 @@ def start_rank_metrics(
 
     def spans(options: CallbackOptions):
         status = read_status()
-        return [Observation(status[key], {"outcome": key}) for key in ("intervals", "spans_built", "exported")]
+        return [Observation(status[key], {"outcome": key})
+                for key in ("intervals", "spans_built", "heartbeats", "exported")]
 
     meter.create_observable_counter("straggler.instrumentation.lost", [lost], unit="{interval}",
                                     description="intervals or spans lost on the rank, by reason")
     meter.create_observable_counter("straggler.instrumentation.spans", [spans], unit="{span}",
-                                    description="intervals recorded, spans built, spans exported")
+                                    description="intervals recorded, spans built, heartbeats built, spans exported")
     return provider

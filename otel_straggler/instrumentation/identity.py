@@ -110,7 +110,7 @@ def discover(
     environ: Optional[Mapping[str, str]] = None,
 ) -> dict[str, Any]:
     """The resource attributes for this process. `explicit` holds configure() arguments and
-    OTEL_STRAGGLER_* values already validated (job_id, cohort, topology_epoch, rank, ...)."""
+    OTEL_STRAGGLER_* values already validated (job_id, cohort, topology_epoch, restart_count, rank, ...)."""
     environ = os.environ if environ is None else environ
     from_env = parse_resource_attributes(environ.get("OTEL_RESOURCE_ATTRIBUTES", ""))
     dist_rank, dist_world = _torch_distributed()
@@ -141,6 +141,9 @@ def discover(
         contract.HOST_NAME: pick(contract.HOST_NAME, "host_name", socket.gethostname()),
         contract.COHORT: pick(contract.COHORT, "cohort", cohort_from_parallel(parallel)),
         contract.TOPOLOGY_EPOCH: _int(pick(contract.TOPOLOGY_EPOCH, "topology_epoch", 0)),
+        # torchrun counts the worker group's restarts; 0 when nothing says (contract §1)
+        contract.RESTART_COUNT: _int(pick(contract.RESTART_COUNT, "restart_count",
+                                          _first_int(environ, "TORCHELASTIC_RESTART_COUNT"), 0)),
     }
     attributes.update(parallel)
     return {key: value for key, value in attributes.items() if value is not None}

@@ -3,9 +3,14 @@
   IntervalRecorder.completed --(builder thread)--> SpanBuilder --> TracerProvider
     --> CudaEventSpanProcessor --> CountingBatchSpanProcessor --> CountingSpanExporter (OTLP)
 
+The same thread samples the recorder every heartbeat interval (heartbeat.py) and sends a
+`train.heartbeat` span, on its own schedule, not the build interval's.
+
 The TracerProvider and the event pool are made lazily: the provider when there is first
 something to build (so Megatron's parallel state, initialised after its timers, is in the
 resource), the pool at the first step() (so CUDA events live on the device training uses).
+A heartbeat makes the provider too, once step() was called or a record was queued: until then
+the rank may not know its identity yet, and sends none.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
 from otel_straggler import contract
-from otel_straggler.instrumentation import identity
+from otel_straggler.instrumentation import heartbeat, identity
 from otel_straggler.instrumentation.exporting import CountingSpanExporter, span_exporter, start_rank_metrics
 from otel_straggler.instrumentation.recorder import IntervalRecorder
 from otel_straggler.instrumentation.span_builder import (COUNTER_NAMES, DerivedIdGenerator, ProcessorSpans, SpanBuilder,
@@ -33,7 +38,7 @@ _SCOPE = "otel_straggler"
 BUILD_BURST_RECORDS = 16  # records built while holding the GIL, 10-15 us each
 BUILD_PAUSE_S = 0.0005  # between bursts: long enough for a thread waiting on the GIL to wake and take it
 _IDENTITY_KEYS_ON_SPANS = (contract.JOB_ID, contract.RANK, contract.COHORT, contract.TOPOLOGY_EPOCH,
-                           contract.WORLD_SIZE, contract.LOCAL_RANK)
+                           contract.RESTART_COUNT, contract.WORLD_SIZE, contract.LOCAL_RANK)
 
 
 class CountingBatchSpanProcessor(BatchSpanProcessor):
@@ -116,6 +121,7 @@ class RankPipeline:
         self.batch_processor: Optional[CountingBatchSpanProcessor] = None
         self.metrics_provider = None
         self.metrics_errors = 0  # the rank's metrics could not be started: not a loss of spans
+        self.heartbeat_errors = 0  # heartbeats lost to an unexpected error (counted in internal_error)
         if device_processor is not None:
             self.backend = device_processor.backend
             device_processor.release_event = self._release_event
@@ -147,6 +153,8 @@ class RankPipeline:
         self._flusher: Optional[threading.Thread] = None  # the last flush's thread
         self._wake = threading.Event()
         self._stopping = False
+        interval_ms = options["heartbeat_interval_ms"]
+        self._heartbeats = heartbeat.HeartbeatSchedule(interval_ms / 1000, time.monotonic()) if interval_ms else None
         self._thread = threading.Thread(target=self._run, name="otel-straggler-span-builder", daemon=True)
         self._thread.start()
 
@@ -182,8 +190,11 @@ class RankPipeline:
             self.provider = provider
             if ProcessorSpans.applies(provider):
                 spans = ProcessorSpans(processor, provider.resource, _SCOPE, attach, self._release_event)
+                # past the CudaEventSpanProcessor, which keeps completion order: a heartbeat would
+                # wait there behind spans whose events a stalled GPU never completes
+                heartbeat_spans = ProcessorSpans(self.batch_processor, provider.resource, _SCOPE)
             else:
-                spans = self._tracer_spans(provider, attach)
+                spans = heartbeat_spans = self._tracer_spans(provider, attach)
             if self.options["export_metrics"]:
                 try:
                     self.metrics_provider = start_rank_metrics(self.status_of_recorder, provider.resource,
@@ -192,14 +203,14 @@ class RankPipeline:
                     self.metrics_errors += 1
         else:
             provider = self.user_provider
-            spans = self._tracer_spans(provider, attach)
+            spans = heartbeat_spans = self._tracer_spans(provider, attach)
             extra = {key: attributes[key] for key in _IDENTITY_KEYS_ON_SPANS if key in attributes}
             self.provider = provider
         self.attributes = attributes
         self.builder = SpanBuilder(
             self.recorder, spans, str(attributes.get(contract.JOB_ID, "")),
             device_timing=self.device_processor is not None, release_event=self._release_event,
-            extra_attributes=extra,
+            extra_attributes=extra, heartbeat_spans=heartbeat_spans,
         )
         return self.builder
 
@@ -235,18 +246,44 @@ class RankPipeline:
         if self.user_provider is None:
             self._detect_resource()
         interval_s = self.options["build_interval_ms"] / 1000
+        next_build = time.monotonic() + interval_s
         while not self._stopping:
-            self._wake.wait(interval_s)
+            # Asleep until the next build or the next heartbeat, whichever is first (or a wake-up).
+            wake_at = next_build if self._heartbeats is None else min(next_build, self._heartbeats.next_due)
+            woken = self._wake.wait(max(0.0, wake_at - time.monotonic()))
             self._wake.clear()
+            self._heartbeat_if_due()
+            if not woken and time.monotonic() < next_build:
+                continue  # up for a heartbeat only
             # A burst of building holds the GIL throughout, and the training thread, back from a
             # kernel or an op, waits for the rest of it: short bursts with a pause between them,
             # in which a waiting thread wakes and takes the GIL, keep that wait short. A build
             # still running half an interval after it began, or a backlog of half the queue,
             # goes on without pauses: keeping up comes first (a full queue drops records).
+            # Heartbeats fall due between bursts: a long build delays one by a burst at most.
             pauses_until = time.monotonic() + interval_s / 2
             while self._build(limit=BUILD_BURST_RECORDS) and not self._stopping:
+                self._heartbeat_if_due()
                 if time.monotonic() < pauses_until and len(self.recorder.completed) < self.recorder.capacity // 2:
                     time.sleep(BUILD_PAUSE_S)
+            next_build = time.monotonic() + interval_s
+
+    def _heartbeat_if_due(self) -> None:
+        """Sends a heartbeat when one is due; any failure is counted, never raised."""
+        schedule = self._heartbeats
+        if schedule is None or self._stopping or not schedule.due(time.monotonic()):
+            return
+        try:
+            with self._build_lock:
+                recorder = self.recorder
+                if self._stopping or (self.builder is None and not recorder.completed
+                                      and recorder.binding[0] is None):
+                    return  # nothing recorded yet (see the module doc)
+                self._ensure_builder().build_heartbeat(heartbeat.sample(recorder))
+        except Exception:
+            self.heartbeat_errors += 1
+        finally:
+            schedule.sent(time.monotonic())  # a failed one too: not retried at once, in a loop
 
     def _build(self, close_open_step: bool = False, limit: Optional[int] = None) -> bool:
         """Builds queued records (at most `limit`); says whether any remain."""
@@ -329,8 +366,8 @@ class RankPipeline:
             "exporter_queue_full": self.batch_processor.dropped_queue_full if self.batch_processor else 0,
             "export_failed": self.exporter.export_failed if self.exporter else 0,
             "unexported_at_shutdown": self.batch_processor.unexported_at_shutdown if self.batch_processor else 0,
-            "internal_error": recorder.internal_errors + built["build_errors"] + device.get("internal_error", 0)
-            + device.get("next_processor_error", 0),
+            "internal_error": recorder.internal_errors + built["build_errors"] + self.heartbeat_errors
+            + device.get("internal_error", 0) + device.get("next_processor_error", 0),
         }
         pending = len(recorder.completed)
         return {
@@ -339,6 +376,7 @@ class RankPipeline:
             "intervals": built["spans_built"] + built["intervals_failed"] + recorder.dropped_queue_full + pending,
             "spans_built": built["spans_built"],
             "steps_built": built["steps_built"],
+            "heartbeats": built["heartbeats_built"],  # train.heartbeat spans built (CONTRACT §2b)
             "parent_ids_forgotten": built["parent_ids_forgotten"],  # spans kept, a parent link may dangle
             # spans a TracerProvider of yours did not record (its sampler): not a loss of ours
             "sampled_out": getattr(builder.spans, "sampled_out", 0) if builder is not None else 0,

@@ -38,8 +38,8 @@ _SAMPLED = trace_api.TraceFlags(trace_api.TraceFlags.SAMPLED)
 MAX_OPEN_PARENTS = 1024  # enclosing intervals with built children, not yet ended themselves
 # build_errors: records of any kind that failed to build; intervals_failed: those of them that
 # were intervals (so status() can account for every interval)
-COUNTER_NAMES = ("spans_built", "steps_built", "pool_exhausted", "build_errors", "intervals_failed",
-                 "parent_ids_forgotten")
+COUNTER_NAMES = ("spans_built", "steps_built", "heartbeats_built", "pool_exhausted", "build_errors",
+                 "intervals_failed", "parent_ids_forgotten")
 
 
 def trace_id_for_step(job_id: str, step: int) -> int:
@@ -205,7 +205,8 @@ class ProcessorSpans:
 
 class SpanBuilder:
     """Turns an IntervalRecorder's records into spans, emitted through `spans` (TracerSpans or
-    ProcessorSpans); called from the pipeline's thread. `device_timing` says whether intervals
+    ProcessorSpans), and heartbeat samples into heartbeat spans, emitted through `heartbeat_spans`
+    (by default `spans`); called from the pipeline's thread. `device_timing` says whether intervals
     are meant to carry device events; `release_event` returns events to the pool when an
     interval cannot be device-timed."""
 
@@ -217,9 +218,11 @@ class SpanBuilder:
         device_timing: bool = False,
         release_event: Optional[Callable[[Any], None]] = None,
         extra_attributes: Optional[dict] = None,
+        heartbeat_spans: Any = None,
     ) -> None:
         self.recorder = recorder
         self.spans = spans
+        self.heartbeat_spans = spans if heartbeat_spans is None else heartbeat_spans
         self.job_id = job_id
         self.device_timing = device_timing
         self.release_event = release_event or (lambda event: None)
@@ -228,6 +231,8 @@ class SpanBuilder:
         salt = int.from_bytes(os.urandom(8), "big")
         self._interval_salt = salt
         self._step_salt = salt ^ 0x5DEECE66D5DEECE6
+        self._heartbeat_salt = salt ^ 0x2545F4914F6CDD1D
+        self._heartbeats_named = 0
         self._open_step: Optional[tuple] = None  # (step, start_ns, tokens, samples)
         self._last_end_ns = 0
         self._trace_of_step: tuple = (None, 0)  # (step, its trace id): spans come step by step
@@ -262,6 +267,28 @@ class SpanBuilder:
         if close_open_step and (limit is None or not completed) and self._open_step is not None:
             self._close_step(max(self._last_end_ns, self._open_step[1]))
         return bool(completed)
+
+    def build_heartbeat(self, sample: Any) -> None:
+        """A `train.heartbeat` span (CONTRACT §2b) of a heartbeat.HeartbeatSample: an instant at
+        the sample's time, no parent, in the trace of its step (a trace of its own before the
+        first step). Not thread-safe: the caller holds the same lock as for build_pending()."""
+        attributes = {
+            # The number the next stage span will carry, not taken from it: stage spans built before
+            # this heartbeat have lower ones, later ones this or higher, and theirs stay gapless. One
+            # of them shares it; the detector de-duplicates stage spans only (by training.stage).
+            contract.SEQ: self._seq + self.recorder.dropped_queue_full,
+            contract.HEARTBEAT_OPEN_STAGES: sample.open_stages,
+            contract.HEARTBEAT_OPEN_SINCE: sample.open_since_unix_nano,
+            **self.extra_attributes,
+        }
+        step = sample.step
+        if step is not None:
+            attributes[contract.STEP] = step
+        self._heartbeats_named += 1
+        self.heartbeat_spans.emit(contract.HEARTBEAT_SPAN_NAME, None if step is None else self._trace_id(step),
+                                  _mix64(self._heartbeat_salt + self._heartbeats_named), None, attributes,
+                                  sample.time_ns, sample.time_ns, None)
+        self.counters["heartbeats_built"] += 1
 
     def _trace_id(self, step: Any) -> int:
         last_step, trace_id = self._trace_of_step

@@ -6,8 +6,8 @@ writes the same message (same fields and values; tested against the SDK's encode
 and scope of a batch are encoded once, and a span's own fields are written by the optional C
 extension _otlp_write or, where it is not built or declines a span, in Python at several times
 the cost (benchmarks/rank_background.py compares the two), with key/value pairs that repeat
-(stage names, groups, flags) from a bounded cache. A span neither covers (events, links, attribute values other than str, bool, int
-and float) goes through the SDK's encoder.
+(stage names, groups, flags) from a bounded cache. A span neither covers (events, links, attribute values other than str, bool, int,
+float and tuples or lists of these, which only the Python writer takes) goes through the SDK's encoder.
 """
 from __future__ import annotations
 
@@ -231,7 +231,8 @@ class _Group:
 
 
 def _any_value(value: Any) -> bytes:
-    """AnyValue of a str, bool, int or float (bool before int, as in the SDK's encoder)."""
+    """AnyValue of a str, bool, int or float (bool before int, as in the SDK's encoder), or an
+    ArrayValue of a tuple or list of them (a heartbeat's open stages)."""
     value_type = type(value)
     if value_type is int or (isinstance(value, int) and value_type is not bool):
         if not _INT64_MIN <= value <= _INT64_MAX:
@@ -243,4 +244,6 @@ def _any_value(value: Any) -> bytes:
         return b"\x10" + _SMALL_VARINTS[int(value)]
     if isinstance(value, str):
         return _field(b"\x0a", value.encode())
+    if value_type is tuple or value_type is list:  # array_value (5): ArrayValue, its values (1) in order
+        return _field(b"\x2a", b"".join([_field(b"\x0a", _any_value(item)) for item in value]))
     raise _Unsupported

@@ -39,7 +39,11 @@ scalars = st.one_of(
     st.integers(min_value=-(1 << 63), max_value=(1 << 63) - 1),
     st.integers(min_value=1 << 63, max_value=1 << 70),  # beyond int64: the SDK drops the attribute
 )
-attribute_values = st.one_of(scalars, st.lists(st.integers(min_value=0, max_value=9), max_size=3).map(tuple))
+# arrays as the SDK keeps them (tuples), as a heartbeat's open stages and their start times, and as
+# lists (a ReadableSpan made directly may hold one)
+arrays = st.one_of(st.lists(st.integers(min_value=0, max_value=9), max_size=3), st.lists(st.text(max_size=6), max_size=3),
+                   st.lists(st.integers(min_value=1, max_value=(1 << 63) - 1), max_size=3), st.lists(scalars, max_size=3))
+attribute_values = st.one_of(scalars, arrays.map(tuple), arrays)
 attributes = st.dictionaries(st.sampled_from(["training.stage", "training.step", "training.seq", "a", "b", "é"]),
                              attribute_values, max_size=6)
 times = st.one_of(st.none(), st.integers(min_value=1, max_value=(1 << 63) - 1))
@@ -173,7 +177,7 @@ def test_where_the_c_writer_answers_it_writes_what_the_python_writer_writes(span
 def test_the_c_writer_answers_for_every_plain_span_of_ordinary_values(span: ReadableSpan) -> None:
     ordinary = not (span.events or span.links or span.context.trace_state or span.status.description
                     or any(type(value) is int and value >= 1 << 63 for value in span.attributes.values())
-                    or any(type(value) is tuple for value in span.attributes.values()))
+                    or any(type(value) in (tuple, list) for value in span.attributes.values()))
     if ordinary:
         assert span_encoding._write_plain_span(span) == python_written(span)
     else:

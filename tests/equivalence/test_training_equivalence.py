@@ -59,7 +59,7 @@ def test_on_and_off_train_bit_identically_with_the_same_calls(world_size: int, d
 
         status = on[rank]["status"]  # ON really was on: every interval built and exported, none lost
         assert status["spans_built"] == STEPS * (5 if world_size > 1 else 4)
-        assert status["exported"] == status["spans_built"] + status["steps_built"]
+        assert status["exported"] == status["spans_built"] + status["steps_built"] + status["heartbeats"]
         assert status["device_timed"] == status["spans_built"]
         assert not any(status["lost"].values())
         assert off[rank]["status"] is None

@@ -49,6 +49,9 @@ def configure() -> Callable[..., otel_straggler.Instrumentation]:
 
     def configure_for_test(**kwargs: Any) -> otel_straggler.Instrumentation:
         kwargs.setdefault("build_interval_ms", 5.0)
+        # heartbeats off unless a test asks for them (keyword or env): most tests count their spans exactly
+        if "OTEL_STRAGGLER_HEARTBEAT_INTERVAL_MS" not in kwargs.get("environ", os.environ):
+            kwargs.setdefault("heartbeat_interval_ms", 0)
         handle = otel_straggler.configure(**kwargs)
         handles.append(handle)
         return handle
@@ -89,7 +92,10 @@ class InMemorySpans:
         return list(self.exporter.get_finished_spans())
 
     def stage_spans(self) -> list:
-        return [span for span in self.spans() if span.name != "train.step"]
+        return [span for span in self.spans() if span.name not in ("train.step", "train.heartbeat")]
+
+    def heartbeats(self) -> list:
+        return [span for span in self.exporter.get_finished_spans() if span.name == "train.heartbeat"]
 
     def close(self) -> None:
         if self.handle is not None:

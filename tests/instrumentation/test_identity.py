@@ -10,7 +10,8 @@ import otel_straggler
 from otel_straggler import contract
 from otel_straggler.instrumentation.identity import discover
 
-BASE = {contract.SERVICE_NAME: "training", contract.HOST_NAME: socket.gethostname(), contract.TOPOLOGY_EPOCH: 0}
+BASE = {contract.SERVICE_NAME: "training", contract.HOST_NAME: socket.gethostname(), contract.TOPOLOGY_EPOCH: 0,
+        contract.RESTART_COUNT: 0}
 
 
 def test_nothing_known_means_nothing_guessed():
@@ -52,7 +53,7 @@ def test_resource_attributes_override_discovery_and_explicit_values_override_bot
     found = discover({}, environ)
     assert found == {contract.SERVICE_NAME: "trainer", contract.JOB_ID: "job/a", contract.RANK: 4,
                      contract.WORLD_SIZE: 8, contract.HOST_NAME: "node-9", contract.COHORT: "tp0",
-                     contract.TOPOLOGY_EPOCH: 2}
+                     contract.TOPOLOGY_EPOCH: 2, contract.RESTART_COUNT: 0}
     explicit = discover({"rank": 6, "job_id": "explicit", "cohort": "tp1", "topology_epoch": 3}, environ)
     assert (explicit[contract.RANK], explicit[contract.JOB_ID], explicit[contract.COHORT],
             explicit[contract.TOPOLOGY_EPOCH]) == (6, "explicit", "tp1", 3)
@@ -128,6 +129,39 @@ def test_configure_takes_the_epoch_from_resource_attributes_unless_given(configu
     assert handle.resource_attributes[contract.TOPOLOGY_EPOCH] == 4
     handle.shutdown()
     assert in_memory.configure(topology_epoch=5).resource_attributes[contract.TOPOLOGY_EPOCH] == 5
+
+
+def test_the_restart_count_is_torchruns_unless_given():
+    assert discover({}, {"TORCHELASTIC_RESTART_COUNT": "2"})[contract.RESTART_COUNT] == 2
+    assert discover({}, {"TORCHELASTIC_RESTART_COUNT": "lots"})[contract.RESTART_COUNT] == 0  # unknown: 0
+    given = {"TORCHELASTIC_RESTART_COUNT": "2", "OTEL_RESOURCE_ATTRIBUTES": "training.restart.count=5"}
+    assert discover({}, given)[contract.RESTART_COUNT] == 5
+    assert discover({"restart_count": 7}, given)[contract.RESTART_COUNT] == 7
+
+
+def test_configure_takes_the_restart_count_from_torchrun_env_and_keyword(configure, in_memory, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    handle = in_memory.configure()
+    assert handle.resource_attributes[contract.RESTART_COUNT] == 3
+    otel_straggler.step(0)
+    with otel_straggler.stage("forward-compute"):
+        pass
+    (span,) = in_memory.stage_spans()  # on a TracerProvider of yours: on every span, as the rest of the identity
+    assert span.attributes[contract.RESTART_COUNT] == 3
+    handle.shutdown()
+    monkeypatch.setenv("OTEL_STRAGGLER_RESTART_COUNT", "4")
+    handle = in_memory.configure()
+    assert handle.resource_attributes[contract.RESTART_COUNT] == 4
+    handle.shutdown()
+    assert in_memory.configure(restart_count=5).resource_attributes[contract.RESTART_COUNT] == 5
+
+
+def test_a_bad_restart_count_fails_configure_with_one_line(configure, monkeypatch):
+    from otel_straggler.settings import ConfigError
+
+    monkeypatch.setenv("OTEL_STRAGGLER_RESTART_COUNT", "-1")
+    with pytest.raises(ConfigError, match=r"^OTEL_STRAGGLER_RESTART_COUNT: must be >= 0, got -1$"):
+        configure(job_id="bad-restart")
 
 
 def test_parallel_state_set_up_after_configure_is_picked_up_before_the_first_span(in_memory, megatron_state):

@@ -75,7 +75,7 @@ def test_every_contract_field_arrives(otlp_receiver, parallel_layout, configure)
     expected_resource = {
         contract.SERVICE_NAME: "trainer", contract.JOB_ID: JOB, contract.RANK: 3, contract.WORLD_SIZE: 4,
         contract.LOCAL_RANK: 1, contract.HOST_NAME: socket.gethostname(), contract.COHORT: "tp1.pp0.cp0.ep0",
-        contract.TOPOLOGY_EPOCH: 2,
+        contract.TOPOLOGY_EPOCH: 2, contract.RESTART_COUNT: 0,  # not under torchrun: 0
         **{key: value for dim, (rank, size) in PARALLEL.items()
            for key, value in ((contract.parallel_rank_key(dim), rank), (contract.parallel_size_key(dim), size))},
     }
@@ -134,7 +134,7 @@ def test_the_ranks_own_counters_arrive_as_metrics(otlp_receiver, configure):
     assert lost == {reason: 0 for reason in status["lost"]}
     spans = {attributes["outcome"]: value for attributes, value in points["straggler.instrumentation.spans"]}
     assert spans == {"intervals": STEPS * len(COMPLETION_ORDER), "spans_built": STEPS * len(COMPLETION_ORDER),
-                     "exported": status["exported"]}
+                     "heartbeats": 0, "exported": status["exported"]}  # heartbeats off: the fixture's default
 
 
 RANK_SCRIPT = textwrap.dedent("""

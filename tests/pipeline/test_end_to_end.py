@@ -119,12 +119,17 @@ def alerting_ranks(prometheus_url: str, job_id: str) -> tuple[set[str], list[dic
     return {s["metric"]["training_rank"] for s in series if float(s["value"][1]) == 1}, series
 
 
+def step_and_stage_spans(trace: dict) -> list[dict]:
+    """A Jaeger trace's spans but the heartbeats (CONTRACT §2b), whose number depends on the run's length."""
+    return [span for span in trace["spans"] if span["operationName"] != "train.heartbeat"]
+
+
 def check_step_trace(trace: dict, job_id: str, ranks: int) -> int:
     """One step's trace: every rank's train.step with its stage spans under it, contract
-    attributes on each. Returns the step."""
+    attributes on each (the heartbeats the trace holds too are not looked at). Returns the step."""
     processes = {pid: (process["serviceName"], tag_map(process["tags"])) for pid, process in trace["processes"].items()}
     by_rank: dict[int, list[dict]] = defaultdict(list)
-    for span in trace["spans"]:
+    for span in step_and_stage_spans(trace):
         service, resource = processes[span["processID"]]
         assert service == DEMO_SERVICE
         assert resource["training.job.id"] == job_id
@@ -259,7 +264,9 @@ def test_demo_through_the_gateway_to_jaeger_prometheus_and_dashboards(stack, tmp
         def traces():
             found = services.jaeger_traces(pipeline.jaeger_query_url, DEMO_SERVICE, {"training.job.id": job_id},
                                            limit=steps * 2)
-            complete = len(found) == steps and all(len(t["spans"]) == ranks * (1 + len(DEMO_STAGES)) for t in found)
+            found = [trace for trace in found if step_and_stage_spans(trace)]  # not heartbeats before the first step
+            complete = len(found) == steps and all(len(step_and_stage_spans(t)) == ranks * (1 + len(DEMO_STAGES))
+                                                   for t in found)
             return found if complete else None
 
         try:
@@ -273,7 +280,7 @@ def test_demo_through_the_gateway_to_jaeger_prometheus_and_dashboards(stack, tmp
         assert sorted(check_step_trace(trace, job_id, ranks) for trace in found) == list(range(steps))
         seqs = Counter((tag_map(trace["processes"][span["processID"]]["tags"])["training.rank"],
                         tag_map(span["tags"])["training.seq"])
-                       for trace in found for span in trace["spans"] if span["operationName"] != "train.step")
+                       for trace in found for span in step_and_stage_spans(trace) if span["operationName"] != "train.step")
         assert max(seqs.values()) == 1, "training.seq is unique per rank"
 
         # Prometheus: the alert as the detector holds it at the end, and every dashboard panel.
@@ -374,14 +381,16 @@ def comparable(verdicts: list[dict]) -> Counter:
 
 
 def span_counts_by_cohort(path: Path, job_id: str) -> Counter:
-    """Spans per cohort in a collector file-exporter file (OTLP JSON lines)."""
+    """Stage and step spans per cohort in a collector file-exporter file (OTLP JSON lines); heartbeats,
+    as many as the run's length makes, are left out."""
     counts: Counter = Counter()
     for line in path.read_text(encoding="utf-8").splitlines():
         for resource_spans in json.loads(line).get("resourceSpans", []):
             attributes = {a["key"]: a["value"].get("stringValue") for a in resource_spans["resource"]["attributes"]}
             if attributes.get("training.job.id") == job_id:
-                counts[attributes.get("training.cohort")] += sum(len(s.get("spans", []))
-                                                                 for s in resource_spans.get("scopeSpans", []))
+                counts[attributes.get("training.cohort")] += sum(
+                    1 for s in resource_spans.get("scopeSpans", []) for span in s.get("spans", [])
+                    if span.get("name") != "train.heartbeat")
     return counts
 
 
@@ -513,7 +522,7 @@ def test_gateway_restart_mid_run_loses_only_counted_spans_and_detection_resumes(
         assert up[1] > down[1], "rank 0 made no progress while the gateway was down"
 
         # Every span a rank made is either at the detector or counted lost by the rank.
-        made = sum(s["spans_built"] + s["steps_built"] for s in statuses)
+        made = sum(s["spans_built"] + s["steps_built"] + s["heartbeats"] for s in statuses)
         exported = sum(s["exported"] for s in statuses)
         lost = Counter()
         for rank_status in statuses:

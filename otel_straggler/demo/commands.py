@@ -28,6 +28,7 @@ MIN_RANKS = 3  # a rank is judged against at least two peers (the detector's min
 DEMO_RUNS_KEPT = 10  # runs kept in the default output folder; older ones are removed at the next run
 RUN_NAME = re.compile(r"\d{8}-\d{6}(-\d+)?")  # the default output folders' names: <date>-<time>[-n]
 EXIT_RANK_FAILED = 1
+DEMO_HANG_TIMEOUT_S = 30.0  # a --hang run takes about a minute; a real job's checkpoint pauses need the 120 s default
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +44,12 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="extra time in that stage, as a fraction of its own (default 0.3: +30%%)")
     parser.add_argument("--from-step", type=int, default=40, help="first slowed step (default 40)")
     parser.add_argument("--healthy", action="store_true", help="inject nothing: no rank should be flagged")
+    parser.add_argument("--hang", action="store_true",
+                        help="the --slow-rank blocks for good inside --stage from --from-step (its peers then wait "
+                             "in the all-reduce); the demo ends once the detector names it")
+    parser.add_argument("--hang-timeout-s", type=float, default=DEMO_HANG_TIMEOUT_S,
+                        help=f"with --hang: the embedded detector's hang timeout (default {DEMO_HANG_TIMEOUT_S:g}; "
+                             "the detector's own default is 120)")
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for the report and evidence (default: a new folder in "
                              f"~/.cache/otel-straggler/demo-runs, which keeps the last {DEMO_RUNS_KEPT} runs)")
@@ -88,7 +95,8 @@ def run_demo(args: argparse.Namespace) -> int:
     settings = DemoSettings(
         ranks=args.ranks, steps=args.steps, window_steps=args.window_steps,
         injection=None if args.healthy else evidence_files.Injection(args.slow_rank, args.stage, args.from_step,
-                                                                     args.slowdown),
+                                                                     args.slowdown, hang=args.hang),
+        hang_timeout_s=args.hang_timeout_s,
         out_dir=out_dir, grpc_port=args.grpc_port, job_id=_given_job_id(os.environ) or f"demo-{uuid.uuid4().hex[:8]}",
         external_endpoint=_external_endpoint(),
     )
@@ -126,6 +134,10 @@ def _check_demo_arguments(args: argparse.Namespace) -> None:
                          "(2 warm-up windows, then 3 slow ones before an alert)")
     if not 0 <= args.grpc_port <= 65535:
         raise UsageError(f"--grpc-port {args.grpc_port}: must be 0 to 65535")
+    if args.healthy and args.hang:
+        raise UsageError("--hang and --healthy: pick one")
+    if not 1 <= args.hang_timeout_s <= 3600:
+        raise UsageError(f"--hang-timeout-s {args.hang_timeout_s:g}: must be 1 to 3600")
     if args.healthy:
         return
     if not 0 <= args.slow_rank < args.ranks:

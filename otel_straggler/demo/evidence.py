@@ -22,12 +22,14 @@ EVIDENCE_FILES = (VERDICTS_FILE, STATUS_FILE, WINDOWS_FILE, RUN_FILE)
 
 @dataclass(frozen=True)
 class Injection:
-    """The slowdown the demo injects: `slowdown` x the stage's own time, slept inside it."""
+    """What the demo injects: `slowdown` x the stage's own time, slept inside it; or, with `hang`,
+    the rank blocks inside the stage for good (its peers then wait in the all-reduce)."""
 
     rank: int
     stage: str
     from_step: int
     slowdown: float
+    hang: bool = False
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,8 @@ class RunRecord:
     started_unix_nano: int
     step_end_unix_nano: list[int] = field(default_factory=list)  # as rank 0 reported them
     losses: list[float] = field(default_factory=list)
-    outcome: str = "running"  # "completed", or why the run stopped
+    outcome: str = "running"  # "completed", "hang declared", or why the run stopped
+    hang_timeout_s: Optional[float] = None  # the embedded detector's, for a --hang run
 
     def injection_started_unix_nano(self) -> Optional[int]:
         """When the injected rank entered its first slowed step, as near as rank 0's progress

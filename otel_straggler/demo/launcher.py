@@ -80,6 +80,10 @@ class RankGroup:
     def pids(self) -> list[int]:
         return [process.pid for process in self._processes]
 
+    def seconds_without_progress(self) -> float:
+        """Since rank 0's last progress line (0 before its first)."""
+        return time.monotonic() - self._last_progress if self._steps_done else 0.0
+
     def log_path(self, rank: int) -> Path:
         return self.plan.log_dir / f"rank-{rank}.log"
 

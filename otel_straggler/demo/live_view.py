@@ -17,6 +17,7 @@ RED = "\x1b[31m"
 BOLD = "\x1b[1m"
 RESET = "\x1b[0m"
 MAX_ALERT_LINES = 6
+STALL_LINE_EVERY_S = 5.0
 
 
 def progress_bar(done: int, total: int, width: int = 30) -> str:
@@ -29,11 +30,31 @@ def verdict_line(verdict: dict[str, Any]) -> Optional[str]:
     kind = verdict.get("verdict")
     if kind == contract.VERDICT_STRAGGLER:
         return f"ALERT: straggler {describe_alert(verdict)}"
+    if kind == contract.VERDICT_RECOVERED and verdict.get("reason") == contract.HANG_PROGRESS_RESUMED:
+        who = "the job" if verdict.get("rank") is None else f"rank {verdict['rank']}"
+        return f"RESUMED: {who} is making progress again"
     if kind == contract.VERDICT_RECOVERED:
         return f"RECOVERED: rank {verdict['rank']} in {stage_phrase(verdict['stage'])} at window {verdict['window']}"
     if kind == contract.VERDICT_SILENT:
         return f"SILENT: rank {verdict['rank']} stopped reporting at window {verdict['window']}"
+    if kind == contract.VERDICT_HANG:
+        return f"HANG: {describe_hang(verdict)}"
     return None
+
+
+def describe_hang(verdict: dict[str, Any]) -> str:
+    """'no step for 31 s: rank 2 never left forward-compute (never_entered_collective); ranks 0, 1, 3
+    wait in the collective (31.0 s)'."""
+    stalled = f"no interval ended for {verdict['stalled_s']:.0f} s" if verdict.get("stalled_s") is not None else "stalled"
+    waiting = verdict.get("reference_ranks") or []
+    waited = f" ({verdict['reference_ms'] / 1000:.1f} s)" if verdict.get("reference_ms") is not None else ""
+    others = f"; ranks {', '.join(map(str, waiting))} wait in the collective{waited}" if waiting else ""
+    if verdict.get("rank") is None:
+        return f"{stalled}: every rank is stuck in {verdict['stage']} ({verdict['reason']})"
+    where = f" on {verdict['host']}" if verdict.get("host") else ""
+    if verdict.get("reason") == contract.HANG_RANK_LOST:
+        return f"{stalled}: rank {verdict['rank']}{where} is gone (no heartbeats; last in {verdict['stage']}){others}"
+    return f"{stalled}: rank {verdict['rank']}{where} never left {verdict['stage']} ({verdict['reason']}){others}"
 
 
 def window_table(
@@ -82,6 +103,8 @@ class LiveView:
         self._alert_lines: list[str] = []
         self._drawn_lines = 0
         self._last_progress_line = -1
+        self._stalled_s: Optional[float] = None
+        self._stall_lines_written = 0
         self._write_lines([header])
 
     # events, from any thread
@@ -116,6 +139,17 @@ class LiveView:
             if not self._interactive:
                 self._write_lines([line])
 
+    def on_stall(self, seconds: Optional[float]) -> None:
+        """How long no step has finished (None: progressing), shown as it grows: in the progress
+        line on a terminal, otherwise one line every STALL_LINE_EVERY_S."""
+        with self._lock:
+            self._stalled_s = seconds
+            if seconds is None:
+                self._stall_lines_written = 0
+            elif not self._interactive and seconds >= STALL_LINE_EVERY_S * (self._stall_lines_written + 1):
+                self._stall_lines_written = int(seconds // STALL_LINE_EVERY_S)
+                self._write_lines([f"stalled: no step finished for {seconds:.0f} s (after step {self._steps_done})"])
+
     def message(self, text: str) -> None:
         """A line that stays (above the live block on a terminal)."""
         with self._lock:
@@ -147,8 +181,9 @@ class LiveView:
     def _progress_line(self) -> str:
         loss = "" if self._loss is None else f"  loss {self._loss:.4f}"
         elapsed = time.monotonic() - self._started
+        stall = "" if self._stalled_s is None else f"  STALLED {self._stalled_s:.0f} s"
         return (f"{progress_bar(self._steps_done, self._total_steps)} step {self._steps_done}/{self._total_steps}"
-                f"{loss}  {elapsed:.1f} s")
+                f"{loss}  {elapsed:.1f} s{stall}")
 
     def _window_lines(self) -> list[str]:
         if self._latest_window is None:

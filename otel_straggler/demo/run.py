@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, TextIO
 
+from otel_straggler import contract
 from otel_straggler.cli import UsageError
 from otel_straggler.demo import evidence as evidence_files
 from otel_straggler.demo.evidence import Injection, RunRecord, WindowMedian
@@ -33,6 +35,10 @@ REL_THRESHOLD = 0.05
 MIN_GAP_MS = 5.0
 WINDOW_GRACE_S = 5.0  # the last window closes this long after the last span, not 30 s
 SPAN_EXPORT_DELAY_MS = 500  # the ranks' batch span export period (OTEL_BSP_SCHEDULE_DELAY; SDK default 5 s)
+HEARTBEAT_INTERVAL_MS = 1000  # the ranks' heartbeats (OTEL_STRAGGLER_HEARTBEAT_INTERVAL_MS; default 5 s)
+BLOCK_FOR_GOOD_S = 1e9  # --hang: the injected rank blocks this long, i.e. until the demo ends it
+HANG_LINGER_S = 2.0  # after the hang verdict: the live view shows it before the ranks are ended
+STALL_SHOWN_S = 3.0  # a pause in progress longer than this shows in the live view
 POLL_INTERVAL_S = 0.25
 DETECTOR_STOP_TIMEOUT_S = 15.0
 
@@ -47,12 +53,14 @@ class DemoSettings:
     grpc_port: int
     job_id: str
     external_endpoint: Optional[str]  # set: the ranks export there and no detector is embedded
+    hang_timeout_s: float = 120.0
 
 
 def detector_config(settings: DemoSettings, evidence_dir: Path) -> DetectorConfig:
     return DetectorConfig(
         window_steps=settings.window_steps, warmup_windows=WARMUP_WINDOWS, persist_windows=PERSIST_WINDOWS,
         rel_threshold=REL_THRESHOLD, min_gap_ms=MIN_GAP_MS, window_grace_s=WINDOW_GRACE_S,
+        hang_timeout_s=settings.hang_timeout_s,
         listen_address="127.0.0.1", grpc_port=settings.grpc_port, http_port=0, evidence_dir=str(evidence_dir),
         flush_interval_s=0.2, export_metrics=False,
     )
@@ -65,6 +73,8 @@ def rank_environment(settings: DemoSettings, endpoint: Optional[str], environ: M
            "OTEL_SERVICE_NAME": environ.get("OTEL_SERVICE_NAME") or "training"}  # CONTRACT §1 default
     if "OTEL_BSP_SCHEDULE_DELAY" not in environ:
         env["OTEL_BSP_SCHEDULE_DELAY"] = str(SPAN_EXPORT_DELAY_MS)
+    if "OTEL_STRAGGLER_HEARTBEAT_INTERVAL_MS" not in environ:
+        env["OTEL_STRAGGLER_HEARTBEAT_INTERVAL_MS"] = str(HEARTBEAT_INTERVAL_MS)
     if endpoint is not None:
         env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
                     "OTEL_STRAGGLER_EXPORT_METRICS": "false"})  # the embedded detector takes spans only
@@ -76,6 +86,7 @@ def rank_environment(settings: DemoSettings, endpoint: Optional[str], environ: M
             "OTEL_STRAGGLER_INJECT_RANK": str(injection.rank), "OTEL_STRAGGLER_INJECT_STAGE": injection.stage,
             "OTEL_STRAGGLER_INJECT_FROM_STEP": str(injection.from_step),
             "OTEL_STRAGGLER_INJECT_SLOWDOWN": repr(injection.slowdown),
+            "OTEL_STRAGGLER_INJECT_BLOCK_S": repr(BLOCK_FOR_GOOD_S if injection.hang else 0.0),
         })
     return env
 
@@ -83,6 +94,8 @@ def rank_environment(settings: DemoSettings, endpoint: Optional[str], environ: M
 def header(settings: DemoSettings, endpoint: str) -> str:
     injection = settings.injection
     slowed = ("healthy: nothing injected" if injection is None else
+              f"rank {injection.rank} blocks for good in {injection.stage} at step {injection.from_step} (hang "
+              f"timeout {settings.hang_timeout_s:g} s)" if injection.hang else
               f"injecting +{injection.slowdown:.0%} in {injection.stage} on rank {injection.rank} "
               f"from step {injection.from_step}")
     destination = (f"spans of job {settings.job_id} to {endpoint}" if settings.external_endpoint is None else
@@ -149,9 +162,11 @@ def run(settings: DemoSettings, stream: TextIO) -> RunResult:
     """Trains to the end or until a rank fails; the detector has judged every window on return."""
     evidence_dir = settings.out_dir / "evidence"
     evidence_dir.mkdir(parents=True, exist_ok=True)
+    hang_run = settings.injection is not None and settings.injection.hang
     record = RunRecord(job_id=settings.job_id, ranks=settings.ranks, steps=settings.steps,
                        window_steps=settings.window_steps, rel_threshold=REL_THRESHOLD, min_gap_ms=MIN_GAP_MS,
-                       injection=settings.injection, started_unix_nano=time.time_ns())
+                       injection=settings.injection, started_unix_nano=time.time_ns(),
+                       hang_timeout_s=settings.hang_timeout_s if hang_run else None)
     evidence_files.write_run(evidence_dir, record)
 
     medians = WindowMedians(settings.window_steps)
@@ -163,8 +178,15 @@ def run(settings: DemoSettings, stream: TextIO) -> RunResult:
     if note is not None:
         view.message(note)
     windows = _WindowSink(evidence_dir / evidence_files.WINDOWS_FILE, view)
+    hang_declared = threading.Event()
+
+    def on_verdict(verdict) -> None:
+        view.on_verdict(verdict.to_dict())
+        if verdict.verdict == contract.VERDICT_HANG:
+            hang_declared.set()
+
     if service is not None:
-        service.add_verdict_listener(lambda verdict: view.on_verdict(verdict.to_dict()))
+        service.add_verdict_listener(on_verdict)
 
     def on_progress(steps_done: int, loss: Optional[float]) -> None:
         if steps_done > len(record.step_end_unix_nano):
@@ -173,18 +195,32 @@ def run(settings: DemoSettings, stream: TextIO) -> RunResult:
                 record.losses.append(loss)
         view.on_progress(steps_done, loss)
 
-    plan = LaunchPlan(ranks=settings.ranks, trainer_args=("--steps", str(settings.steps), "--log-every", "1"),
+    # a --hang run waits for the detector: its ranks' collectives, and the launcher's patience with
+    # a stall, outlast the hang timeout
+    patience_s = settings.hang_timeout_s + 60.0 if hang_run else None
+    plan = LaunchPlan(ranks=settings.ranks,
+                      trainer_args=("--steps", str(settings.steps), "--log-every", "1",
+                                    *(("--collective-timeout-s", f"{patience_s + 60:g}") if hang_run else ())),
                       env=rank_environment(settings, None if service is None else endpoint, os.environ),
-                      log_dir=settings.out_dir / "ranks")
+                      log_dir=settings.out_dir / "ranks",
+                      **({"stall_timeout_s": patience_s} if hang_run else {}))
     group = RankGroup(plan, on_progress)
     failure: Optional[str] = None
     try:
         group.start()
         view.message(f"started {settings.ranks} ranks (pids {' '.join(map(str, group.pids))}); "
                      f"their output: {plan.log_dir}/rank-N.log")
+        declared_at: Optional[float] = None
         while not group.poll():
             windows.write(medians.take_complete())
+            stalled = group.seconds_without_progress()
+            view.on_stall(stalled if stalled > STALL_SHOWN_S else None)
             view.refresh()
+            if hang_declared.is_set():
+                declared_at = declared_at or time.monotonic()
+                if time.monotonic() - declared_at >= HANG_LINGER_S:
+                    view.message("the detector named the hang; ending the ranks")
+                    break
             time.sleep(POLL_INTERVAL_S)
     except RankFailure as error:
         failure = str(error)
@@ -197,6 +233,6 @@ def run(settings: DemoSettings, stream: TextIO) -> RunResult:
             service.stop(DETECTOR_STOP_TIMEOUT_S)  # judges the windows still open
         windows.write(medians.take_complete() + medians.finish())
         view.close()
-        record.outcome = failure or "completed"
+        record.outcome = failure or ("hang declared" if hang_declared.is_set() else "completed")
         evidence_files.write_run(evidence_dir, record)
     return RunResult(record, evidence_dir, service is not None, endpoint, failure)

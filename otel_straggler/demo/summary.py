@@ -63,11 +63,45 @@ def _join(phrases: list[str]) -> str:
     return phrases[0] if len(phrases) == 1 else ", ".join(phrases[:-1]) + " and " + phrases[-1]
 
 
+def hang_verdicts(verdicts: Iterable[Verdict]) -> list[Verdict]:
+    return sorted((verdict for verdict in verdicts if verdict.get("verdict") == contract.VERDICT_HANG),
+                  key=lambda verdict: verdict.get("time_unix_nano") or 0)
+
+
+def describe_hang_culprit(verdict: Verdict) -> str:
+    """'rank 2 (never_entered_collective, in forward-compute)' or 'the job (all_ranks_waiting, ...)'."""
+    who = "no single rank" if verdict.get("rank") is None else f"rank {verdict['rank']}"
+    where = f" on {verdict['host']}" if verdict.get("host") else ""
+    return f"{who}{where} ({verdict['reason']}, in {stage_phrase(verdict['stage'])})"
+
+
+def _summarize_hang(run: RunRecord, verdicts: list[Verdict]) -> list[str]:
+    injection = run.injection
+    hangs = hang_verdicts(verdicts)
+    culprit = next((verdict for verdict in hangs if verdict.get("rank") == injection.rank), None)
+    blocked = f"rank {injection.rank} blocked in {injection.stage} at step {injection.from_step}"
+    if culprit is None:
+        sentences = [f"The hang ({blocked}) was not named."]
+    else:
+        started, made = run.injection_started_unix_nano(), culprit.get("time_unix_nano")
+        after = f" {(made - started) / 1e9:.1f} s after it blocked" if started is not None and isinstance(made, int) else ""
+        timeout = f" (hang timeout {run.hang_timeout_s:g} s)" if run.hang_timeout_s is not None else ""
+        sentences = [f"Named the hang's culprit: {describe_hang_culprit(culprit)},{after}{timeout}; {blocked}."]
+    others = [verdict for verdict in hangs if verdict is not culprit]
+    if others:
+        sentences.append(f"Also said of the hang: {_join([describe_hang_culprit(verdict) for verdict in others])}.")
+    return sentences
+
+
 def summarize(run: Optional[RunRecord], verdicts: list[Verdict]) -> str:
     """The closing paragraph. Without a run record (a detector's evidence alone) it lists the alerts."""
     sentences = []
     others = other_alerts(run, verdicts)
-    if run is not None and run.injection is not None:
+    if run is not None and run.injection is not None and run.injection.hang:
+        sentences += _summarize_hang(run, verdicts)
+        if others:
+            sentences.append(f"Straggler alerts: {_join([describe_alert(alert) for alert in others])}.")
+    elif run is not None and run.injection is not None:
         injection = run.injection
         injected = (f"injected slowdown (+{injection.slowdown:.0%} in {injection.stage} on rank {injection.rank} "
                     f"from step {injection.from_step})")

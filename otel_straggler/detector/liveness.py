@@ -9,7 +9,8 @@ end time of an interval the engine accepted.
 `judge(now)` declares a hang when no interval of the job ended for `hang_timeout_s` (counted from
 its last progress, or its first heartbeat if it never made any) while some rank's heartbeats are
 recent. A rank's heartbeats have stopped when its latest is older than twice its own heartbeat gap
-plus `max_export_lag_s` (its exporter sends them in bursts), at most the hang timeout. Among the
+plus `max_export_lag_s` (its exporter sends them in bursts), at most half the hang timeout; a rank that
+sent spans but never a heartbeat has stopped when its latest spans came that long ago. Among the
 live ranks, those whose innermost open stage is a collective wait; a collective is a stage the job's
 spans mark as one or one the judge found to end at a synchronization point. Then:
 - most live ranks wait: every other live rank is a culprit, `never_entered_collective`, its stage
@@ -176,9 +177,12 @@ class Liveness:
     def _judge_stall(self, job: JobLiveness, now: int, stalled_from: int, collectives: set) -> list[Verdict]:
         live, lost = [], []
         for rank, record in job.ranks.items():
-            if not record.heartbeat_ns:
-                continue  # known from its spans only: says nothing of liveness
-            (lost if now - record.heartbeat_ns > self._patience_ns(record) else live).append((rank, record))
+            if record.heartbeat_ns:
+                (lost if now - record.heartbeat_ns > self._patience_ns(record) else live).append((rank, record))
+            elif now - record.touched_ns > self._patience_ns(record):
+                # its peers send heartbeats and it sent none, only spans, and none of those lately
+                # (a rank frozen before its first heartbeat): lost as well
+                lost.append((rank, record))
         if not any(record.open_stages for _, record in live):
             return []
         waiting = [(rank, record) for rank, record in live
@@ -234,8 +238,10 @@ class Liveness:
         ) for v in ended]
 
     def _patience_ns(self, record: RankRecord) -> int:
+        """How long after its latest heartbeat a rank counts as lost: at most half the hang timeout,
+        so a rank that stopped with the job is lost by the time the hang is declared."""
         gap = record.gap_ns or DEFAULT_HEARTBEAT_GAP_NS
-        return min(2 * gap + self._export_lag_ns, self._timeout_ns)
+        return min(2 * gap + self._export_lag_ns, self._timeout_ns // 2)
 
     # ---- views ----
     def hang_states(self) -> list[HangState]:

@@ -142,6 +142,7 @@ class Cohort:
         self._reached_ns_by_slot = np.zeros(0, dtype=np.int64)
         self._delivery_gap_ns_by_slot = np.zeros(0, dtype=np.int64)
         self._reached_since_advance: list[int] = []
+        self._last_delivery_ns = 0  # when any rank last reached a new window
         self._first_advance_unix_nano: Optional[int] = None
         self._last_advance_unix_nano = 0
         self._max_lag_ns = int(max_export_lag_s * 1e9)
@@ -410,6 +411,17 @@ class Cohort:
         """Ranks that reached a new window since the last call delivered at about `now`: their gap
         since the previous delivery updates a decaying maximum (the largest recent gap)."""
         slots, self._reached_since_advance = self._reached_since_advance, []
+        if not slots:
+            return
+        if self._last_delivery_ns and now_unix_nano - self._last_delivery_ns > self._max_lag_ns:
+            # The whole cohort was quiet for longer than any rank may lag: a pause every rank took
+            # (a checkpoint save), not every rank overdue. They resume together: each one's wait
+            # starts now, and the pause is no delivery gap to learn.
+            reporting = self._reporting_slots()
+            self._reached_ns_by_slot[reporting] = now_unix_nano
+            self._last_delivery_ns = now_unix_nano
+            return
+        self._last_delivery_ns = now_unix_nano
         for slot in set(slots):
             if slot >= len(self.slot_entries) or self.slot_entries[slot] is None:
                 continue  # evicted since

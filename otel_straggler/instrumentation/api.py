@@ -160,8 +160,10 @@ if hasattr(os, "register_at_fork"):
 
 
 def _injection(options: dict, attributes: dict) -> Optional[SlowdownInjection]:
-    if options["inject_rank"] < 0 or not options["inject_stage"] or options["inject_slowdown"] <= 0:
+    if options["inject_rank"] < 0 or not options["inject_stage"] or (
+            options["inject_slowdown"] <= 0 and options["inject_block_s"] <= 0):
         return None
     if attributes.get(contract.RANK) != options["inject_rank"]:
         return None
-    return SlowdownInjection(options["inject_stage"], options["inject_from_step"], options["inject_slowdown"])
+    return SlowdownInjection(options["inject_stage"], options["inject_from_step"], options["inject_slowdown"],
+                             options["inject_block_s"])

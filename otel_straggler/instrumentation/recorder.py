@@ -36,18 +36,28 @@ NAME, COLLECTIVE, ENCLOSING, START_STEP, START_NS, START_EVENT = range(6)
 
 class SlowdownInjection:
     """Test-only: stretches one stage on one rank from one step on, by sleeping inside it for
-    `slowdown` x the stage's own elapsed host time. Built only when it targets this rank."""
+    `slowdown` x the stage's own elapsed host time; or, with `block_s`, blocks inside it that long
+    once (a hang, or a pause such as a checkpoint's). Built only when it targets this rank. The
+    stage is still open while it sleeps, as a stuck stage is."""
 
-    __slots__ = ("stage", "from_step", "slowdown")
+    __slots__ = ("stage", "from_step", "slowdown", "block_s")
 
-    def __init__(self, stage: str, from_step: int, slowdown: float) -> None:
+    def __init__(self, stage: str, from_step: int, slowdown: float, block_s: float = 0.0) -> None:
         self.stage = stage
         self.from_step = from_step
         self.slowdown = slowdown
+        self.block_s = block_s
 
     def stretch(self, name: str, start_ns: int, step: Optional[int]) -> None:
-        if name == self.stage and step is not None and step >= self.from_step:
-            time.sleep(self.slowdown * (time.time_ns() - start_ns) / 1e9)
+        if name != self.stage or step is None or step < self.from_step:
+            return
+        if self.block_s > 0:
+            block_s, self.block_s = self.block_s, 0.0  # once
+            deadline = time.monotonic() + block_s
+            while time.monotonic() < deadline:  # short sleeps: a signal's handler runs between them
+                time.sleep(min(1.0, deadline - time.monotonic()))
+            return
+        time.sleep(self.slowdown * (time.time_ns() - start_ns) / 1e9)
 
 
 class IntervalRecorder:

@@ -28,6 +28,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("inject_stage", str, "", "the stage to slow down (test only)"),
     Setting("inject_from_step", int, 0, "slow down from this step on (test only)", 0, 1 << 62),
     Setting("inject_slowdown", float, 0.0, "sleep this fraction of the stage's own elapsed time (test only)", 0.0, 100.0),
+    Setting("inject_block_s", float, 0.0, "instead: block inside the stage this long, once, at the first step from inject_from_step on (test only; 1e9: for good, a hang)", 0.0, 1e9),
 )
 
 DEFAULTS = {setting.name: setting.default for setting in SETTINGS}

@@ -198,6 +198,27 @@ def test_windows_close_without_a_rank_once_it_is_overdue_for_its_own_delivery_ga
     assert engine.ingest(observation(3, 40, seq[3])) == "late"
 
 
+def test_windows_a_pause_every_rank_takes_leaves_none_of_them_overdue():
+    """Every rank pauses together (a checkpoint save) longer than any may lag: when they resume,
+    the first to deliver does not close the windows on the others, who are one export behind."""
+    engine = Engine(DetectorConfig(max_export_lag_s=3.0))
+    feed_steps, _ = _feeder(engine, 4)
+    now = START_NS
+    for window in range(4):
+        feed_steps(range(4), range(10 * window, 10 * window + 10))
+        now += SECOND
+        engine.advance(now)
+    now += 20 * SECOND  # the pause
+    feed_steps([0], range(40, 60))  # rank 0's export comes first ...
+    engine.advance(now)
+    now += SECOND
+    engine.advance(now)
+    feed_steps(range(1, 4), range(40, 60))  # ... the others' a second later
+    engine.advance(now + SECOND // 10)
+    stats = engine.stats()
+    assert stats["late"] == 0 and stats["coverage_gaps"] == 0
+
+
 def test_windows_close_without_a_rank_far_behind_in_steps():
     """However recently it delivered, a window closes once more than half of the cohort is
     window_close_lag windows past it."""

@@ -39,6 +39,7 @@ class ScriptedJob:
         self.frozen: set[int] = set()  # ranks that send nothing at all (SIGSTOP)
         self.slow: dict[int, float] = {}  # rank -> factor on its compute stages
         self.heartbeat_s = 5
+        self.heartbeats_from = START
         self.rng = np.random.default_rng(seed)
         engine.ingest_placements([Placement(job_id, 0, restart, rank, f"node-{rank // 2}", rank % 2)
                                   for rank in range(ranks)])
@@ -58,7 +59,7 @@ class ScriptedJob:
                 for _ in range(10):
                     observations += self._step(restart_of or {})
             beats = []
-            if (self.now - START) % (self.heartbeat_s * SECOND) == 0:
+            if (self.now - START) % (self.heartbeat_s * SECOND) == 0 and self.now >= self.heartbeats_from:
                 for rank in range(self.ranks):
                     if rank in self.frozen:
                         continue
@@ -126,6 +127,15 @@ def test_hang_names_a_rank_whose_heartbeats_stopped_rank_lost():
     assert [(v.rank, v.reason) for v in found] == [(2, contract.HANG_RANK_LOST)]
     # its stage: the innermost one its last heartbeat had open
     assert found[0].stage == "forward-compute" and found[0].host == "node-1" and found[0].local_rank == 0
+
+
+def test_hang_a_rank_frozen_before_its_first_heartbeat_is_lost_too():
+    job = ScriptedJob(Engine(CONFIG))
+    job.heartbeats_from = START + 30 * SECOND  # the first heartbeats come as rank 3 freezes
+    job.run(30)
+    job.frozen = {3}
+    found = hangs(job.run(75, progress=False, open_stages=in_stage("all-grads-sync", job.now)))
+    assert [(v.rank, v.reason, v.stage) for v in found] == [(3, contract.HANG_RANK_LOST, "*")]
 
 
 def test_hang_where_every_rank_waits_in_one_collective_is_one_job_level_verdict():

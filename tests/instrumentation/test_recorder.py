@@ -326,3 +326,29 @@ def test_nesting_beyond_the_bound_is_timed_but_not_kept_as_a_parent(hot_path):
     assert record[1][0] == "inner" and record[1][2] is deepest_tracked  # its parent: the deepest kept
     never_exited[-1].__exit__(None, None, None)  # an untracked one ending is recorded like any other
     assert len(recorder.completed) == 2 and recorder.internal_errors == 0
+
+
+def test_a_block_injection_holds_the_stage_open_once(hot_path):
+    """inject_block_s (the demo's --hang, the tests' pauses): the stage stays open while it blocks,
+    and only its first interval from the step on blocks."""
+    import threading
+    import time as real_time
+
+    hot_path.use_clock(None)  # real time: the block is measured
+    recorder = hot_path.IntervalRecorder(64, injection=python_hot_path.SlowdownInjection("save", 3, 0.0, 0.3))
+    recorder.begin_step(2)
+    started = real_time.monotonic()
+    recorder.stop(recorder.start("save"))  # before the step: no block
+    assert real_time.monotonic() - started < 0.2
+    recorder.begin_step(3)
+    seen_open = []
+    watcher = threading.Timer(0.15, lambda: seen_open.append([interval[0] for interval in recorder.open_intervals]))
+    watcher.start()
+    started = real_time.monotonic()
+    recorder.stop(recorder.start("save"))
+    blocked_s = real_time.monotonic() - started
+    watcher.join()
+    assert blocked_s >= 0.3 and seen_open == [["save"]]
+    started = real_time.monotonic()
+    recorder.stop(recorder.start("save"))
+    assert real_time.monotonic() - started < 0.2 and len(recorder.completed) == 5

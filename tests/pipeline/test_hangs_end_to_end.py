@@ -1,0 +1,169 @@
+"""Hangs and restarts with real gloo ranks (the demo trainer, or a torchrun-restarted job) sending
+heartbeats and spans over OTLP/gRPC to a detector in this process: one rank blocks before the
+all-reduce, one rank is frozen, every rank pauses together, and torchrun restarts every rank from a
+checkpoint. Every wait has a deadline, and the ranks are stopped whatever happens."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from otel_straggler import contract
+from otel_straggler.detector.config import DetectorConfig
+from otel_straggler.detector.service import DetectorService
+
+from . import services
+from .training import TrainingRanks, clean_environment
+
+pytest.importorskip("torch")
+
+RANKS = 4
+HANG_TIMEOUT_S = 15.0
+COLLECTIVE_TIMEOUT_S = 300  # the waiting ranks must still be waiting when the hang is declared
+RESTART_TRAINER = Path(__file__).resolve().parent / "restart_trainer.py"
+
+
+class Detector:
+    """A detector service with a listener that keeps every verdict."""
+
+    def __init__(self, tmp_path: Path, **changes) -> None:
+        values = dict(grpc_port=0, http_port=0, evidence_dir=str(tmp_path / "evidence"), export_metrics=False,
+                      flush_interval_s=0.1, window_steps=5, window_grace_s=5.0, max_export_lag_s=3.0,
+                      hang_timeout_s=HANG_TIMEOUT_S)
+        values.update(changes)
+        self.service = DetectorService(DetectorConfig(**values))
+        self.verdicts: list = []
+        self._lock = threading.Lock()
+        self.service.add_verdict_listener(self._keep)
+
+    def _keep(self, verdict) -> None:
+        with self._lock:
+            self.verdicts.append(verdict)
+
+    def of(self, kind: str) -> list:
+        with self._lock:
+            return [verdict for verdict in self.verdicts if verdict.verdict == kind]
+
+    @property
+    def endpoint(self) -> str:
+        return f"{services.LOOPBACK}:{self.service.bound_ports[0]}"
+
+    def __enter__(self) -> "Detector":
+        self.service.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.service.stop(timeout_s=15.0)
+
+
+def ranks(tmp_path: Path, detector: Detector, steps: int, rank_env=None, trainer_args=()) -> TrainingRanks:
+    return TrainingRanks(tmp_path / "ranks", RANKS, detector.endpoint, f"hang-{uuid.uuid4().hex[:8]}", steps,
+                         rank_env=rank_env, env={"OTEL_STRAGGLER_HEARTBEAT_INTERVAL_MS": "1000",
+                                                 "OTEL_STRAGGLER_EXPORT_METRICS": "false"},
+                         trainer_args=("--batch-size", "64", "--hidden", "256", *trainer_args))
+
+
+def wait_for_hang(detector: Detector, job: TrainingRanks, timeout_s: float) -> list:
+    def found():
+        return detector.of(contract.VERDICT_HANG)
+
+    try:
+        return services.wait_until(found, timeout_s, interval=0.2, what="a hang verdict")
+    except TimeoutError as error:
+        raise AssertionError(f"{error}; status {detector.service.status()['engine']}\n{job.log_tails()}") from None
+
+
+def test_a_rank_that_never_reaches_the_all_reduce_is_named(tmp_path):
+    block = {"OTEL_STRAGGLER_INJECT_RANK": "1", "OTEL_STRAGGLER_INJECT_STAGE": "forward-compute",
+             "OTEL_STRAGGLER_INJECT_FROM_STEP": "15", "OTEL_STRAGGLER_INJECT_BLOCK_S": "1e9"}
+    with Detector(tmp_path) as detector, ranks(tmp_path, detector, 10_000, rank_env=lambda rank: block,
+                                               trainer_args=("--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S))) as job:
+        job.wait_for_step(14, timeout=120)
+        blocked_at = time.monotonic()
+        hangs = wait_for_hang(detector, job, HANG_TIMEOUT_S + 30)
+        said_after_s = time.monotonic() - blocked_at
+        time.sleep(2)  # a second verdict, if any, would come now
+        hangs = detector.of(contract.VERDICT_HANG)
+    assert [(v.rank, v.reason, v.stage) for v in hangs] == [(1, contract.HANG_NEVER_ENTERED_COLLECTIVE, "forward-compute")]
+    assert (hangs[0].host, hangs[0].local_rank) == (socket.gethostname(), 1)
+    assert sorted(hangs[0].reference_ranks) == [0, 2, 3]
+    assert HANG_TIMEOUT_S <= hangs[0].stalled_s and said_after_s < HANG_TIMEOUT_S + 15
+    assert detector.of(contract.VERDICT_SILENT) == []
+
+
+def test_a_frozen_rank_is_named_as_lost(tmp_path):
+    with Detector(tmp_path) as detector, ranks(tmp_path, detector, 10_000,
+                                               trainer_args=("--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S))) as job:
+        job.wait_for_step(25, timeout=120)
+        frozen = job.processes[2]
+        frozen.send_signal(signal.SIGSTOP)  # no spans, no heartbeats: the process is there but frozen
+        try:
+            hangs = wait_for_hang(detector, job, HANG_TIMEOUT_S + 30)
+            time.sleep(2)
+            hangs = detector.of(contract.VERDICT_HANG)
+        finally:
+            frozen.send_signal(signal.SIGKILL)
+    assert [(v.rank, v.reason) for v in hangs] == [(2, contract.HANG_RANK_LOST)]
+    assert (hangs[0].host, hangs[0].local_rank) == (socket.gethostname(), 2)
+
+
+def test_a_pause_of_every_rank_shorter_than_the_timeout_is_no_hang(tmp_path):
+    def pause(rank: int) -> dict:  # every rank sits 20 s in the optimizer stage at step 15, as at a checkpoint
+        return {"OTEL_STRAGGLER_INJECT_RANK": str(rank), "OTEL_STRAGGLER_INJECT_STAGE": "optimizer",
+                "OTEL_STRAGGLER_INJECT_FROM_STEP": "15", "OTEL_STRAGGLER_INJECT_BLOCK_S": "20"}
+
+    # windows wait out the pause (window_grace_s at its default, longer than it)
+    with Detector(tmp_path, hang_timeout_s=60.0, window_grace_s=30.0) as detector, \
+            ranks(tmp_path, detector, 40, rank_env=pause) as job:
+        started = time.monotonic()
+        codes = job.wait(timeout=180)
+        took_s = time.monotonic() - started
+        status = detector.service.status()
+    assert codes == [0] * RANKS, job.log_tails()
+    assert took_s > 20  # the pause happened
+    assert status["spans"]["heartbeats"] > 20 * RANKS * 0.5  # and the detector heard the ranks through it
+    assert detector.of(contract.VERDICT_HANG) == []
+    # and the windows around it are judged whole: nothing late, no rank silent
+    assert status["engine"]["late"] == 0 and detector.of(contract.VERDICT_SILENT) == []
+
+
+def test_a_torchrun_restart_from_a_checkpoint_is_judged_again(tmp_path):
+    checkpoints = tmp_path / "checkpoint"
+    checkpoints.mkdir()
+    with Detector(tmp_path, window_steps=5) as detector:
+        env = {**clean_environment(), "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{detector.endpoint}",
+               "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_SERVICE_NAME": "training",
+               "OTEL_BSP_SCHEDULE_DELAY": "500", "OTEL_STRAGGLER_EXPORT_METRICS": "false",
+               "OTEL_STRAGGLER_HEARTBEAT_INTERVAL_MS": "1000", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
+                   "--max-restarts=1", "--monitor-interval=1", str(RESTART_TRAINER), "--steps", "150",
+                   "--checkpoint-dir", str(checkpoints), "--crash-rank", "3", "--crash-step", "55",
+                   "--slow-rank", "2"]
+        log = tmp_path / "torchrun.log"
+        with open(log, "wb") as output:
+            process = subprocess.Popen(command, env=env, cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=output,
+                                       stderr=subprocess.STDOUT, preexec_fn=services._die_with_parent)
+        try:
+            code = process.wait(timeout=300)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+        time.sleep(2)
+        stats = detector.service.status()["engine"]
+    text = log.read_text(errors="replace")
+    assert code == 0, text[-3000:]
+    assert "incarnation 1 step 51/150" in text  # resumed from the step-50 checkpoint: steps 51-55 came again
+    assert stats["incarnations"] == 1
+    assert stats["late"] == 0 and stats["duplicates"] == 0
+    assert detector.of(contract.VERDICT_SILENT) == []
+    onsets = detector.of(contract.VERDICT_STRAGGLER)
+    assert {v.rank for v in onsets} == {2} and all(v.window >= 50 // 5 for v in onsets), onsets

@@ -21,6 +21,7 @@ VERDICT_STYLE = {  # verdict -> (marker, color, draw order)
     contract.VERDICT_RECOVERED: ("s", "#2a9d3a", 2),
     contract.VERDICT_SILENT: ("x", "#000000", 3),
     contract.VERDICT_STRAGGLER: ("^", "#d62728", 4),
+    contract.VERDICT_HANG: ("X", "#7a0000", 5),
 }
 
 
@@ -93,7 +94,9 @@ def rank_timeline(timeline: Timeline) -> bytes:
 
 def verdict_timeline(verdicts: list[dict[str, Any]], ranks: list[int], windows: list[int]) -> bytes:
     """Every verdict as a marker at (window, rank); alerts are labelled with their stage. The
-    axes span every rank and window the evidence knows, so quiet ones show as empty."""
+    axes span every rank and window the evidence knows, so quiet ones show as empty. Job-level
+    verdicts (no rank) have no row."""
+    verdicts = [verdict for verdict in verdicts if verdict.get("rank") is not None]
     shown_ranks = sorted(set(ranks) | {verdict["rank"] for verdict in verdicts}) or [0]
     shown_windows = sorted(set(windows) | {verdict["window"] for verdict in verdicts}) or [0]
     figure, axis = plt.subplots(figsize=(8.5, 0.9 + 0.45 * len(shown_ranks)))

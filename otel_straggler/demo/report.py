@@ -164,7 +164,8 @@ def _settings_rows(run: Optional[evidence_files.RunRecord], rel_threshold: float
 def _verdict_table(verdicts: list[dict[str, Any]]) -> str:
     if not verdicts:
         return "<p>None.</p>"
-    columns = ("window", "rank", "stage", "verdict", "reason", "slowdown", "gap_ms", "timing", "attribution")
+    columns = ("window", "rank", "host", "local_rank", "stage", "verdict", "reason", "slowdown", "gap_ms",
+               "stalled_s", "timing", "attribution")
     rows = []
     for verdict in verdicts:
         cells = []

@@ -198,8 +198,9 @@ def verdict_counts(verdicts: list[Verdict]) -> dict[str, int]:
 
 
 def notable_verdicts(verdicts: list[Verdict]) -> list[Verdict]:
-    """The verdicts a reader looks at first: alerts, recoveries and silences, in window order
-    (uncertain verdicts are counted, not listed)."""
-    notable = (contract.VERDICT_STRAGGLER, contract.VERDICT_RECOVERED, contract.VERDICT_SILENT)
+    """The verdicts a reader looks at first: alerts, recoveries, silences and hangs, in window order
+    (uncertain verdicts are counted, not listed); job-level ones (no rank) first in their window."""
+    notable = (contract.VERDICT_STRAGGLER, contract.VERDICT_RECOVERED, contract.VERDICT_SILENT, contract.VERDICT_HANG)
     chosen = [verdict for verdict in verdicts if verdict["verdict"] in notable]
-    return sorted(chosen, key=lambda verdict: (verdict["window"], verdict["rank"], verdict["stage"]))
+    return sorted(chosen, key=lambda verdict: (verdict["window"], -1 if verdict["rank"] is None else verdict["rank"],
+                                               verdict["stage"]))

@@ -23,6 +23,8 @@ def one_line_error(capsys, argv):
     (["--from-step", "120"], "--from-step 120: must be a step of the run, 0 to 119"),
     (["--steps", "30"], "needs at least 5 windows"),
     (["--grpc-port", "70000"], "--grpc-port 70000: must be 0 to 65535"),
+    (["--hang", "--healthy"], "--hang and --healthy: pick one"),
+    (["--hang", "--hang-timeout-s", "0"], "--hang-timeout-s 0: must be 1 to 3600"),
 ])
 def test_bad_demo_flags(capsys, tmp_path, flags, expected):
     line = one_line_error(capsys, ["demo", "--out", str(tmp_path / "out"), *flags])

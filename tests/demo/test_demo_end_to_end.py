@@ -155,3 +155,17 @@ def test_killed_rank_ends_the_run_with_a_clear_message(tmp_path):
     assert process.returncode == 1
     assert "rank 1 was killed by SIGKILL" in errors
     assert len(errors.strip().splitlines()) == 1
+
+
+def test_hang_run_names_the_blocked_rank_and_ends_itself(tmp_path):
+    out_dir = tmp_path / "demo"
+    finished = run_demo(out_dir, "--hang", "--slow-rank", "1", "--stage", "backward-compute", "--from-step", "25",
+                        "--hang-timeout-s", "20")
+    assert finished.returncode == 0, finished.stderr[-2000:]
+    verdicts = read_jsonl(out_dir / "evidence" / "verdicts.jsonl")
+    hangs = [(v["rank"], v["reason"], v["stage"]) for v in verdicts if v["verdict"] == "hang"]
+    assert hangs == [(1, "never_entered_collective", "backward-compute")], finished.stdout[-3000:]
+    assert "HANG: no interval ended for" in finished.stdout  # said live
+    assert re.search(r"stalled: no step finished for \d+ s", finished.stdout)  # the stall shown as it grew
+    assert "Named the hang's culprit: rank 1" in finished.stdout  # and in the summary
+    assert json.loads((out_dir / "evidence" / "demo.json").read_text())["outcome"] == "hang declared"

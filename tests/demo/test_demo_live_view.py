@@ -19,6 +19,26 @@ def test_verdict_lines():
     assert verdict_line(verdict(2, 6, kind="recovered")) == "RECOVERED: rank 2 in forward-compute at window 6"
     assert verdict_line(verdict(1, 6, kind="silent", stage="*")) == "SILENT: rank 1 stopped reporting at window 6"
     assert verdict_line(verdict(1, 6, kind="uncertain")) is None
+    hang = verdict(1, 2, kind="hang", reason="never_entered_collective", stalled_s=31.2, host="node-0",
+                   reference_ranks=[0, 2, 3], reference_ms=30_400.0)
+    assert verdict_line(hang) == ("HANG: no interval ended for 31 s: rank 1 on node-0 never left forward-compute "
+                                  "(never_entered_collective); ranks 0, 2, 3 wait in the collective (30.4 s)")
+    lost = dict(hang, reason="rank_lost")
+    assert verdict_line(lost).startswith("HANG: no interval ended for 31 s: rank 1 on node-0 is gone (no heartbeats")
+    assert verdict_line(verdict(1, 2, kind="recovered", reason="progress_resumed")) == \
+        "RESUMED: rank 1 is making progress again"
+
+
+def test_a_stall_shows_as_it_grows():
+    stream = io.StringIO()
+    view = LiveView(stream, 70, 10, "header", interactive=False)
+    view.on_progress(40, 1.0)
+    for seconds in (3.0, 5.5, 7.0, 10.2):
+        view.on_stall(seconds)
+    view.on_stall(None)
+    lines = [line for line in stream.getvalue().splitlines() if line.startswith("stalled")]
+    assert lines == ["stalled: no step finished for 6 s (after step 40)",
+                     "stalled: no step finished for 10 s (after step 40)"]
 
 
 def test_window_table_marks_flagged_cells_without_color():

@@ -62,3 +62,24 @@ def test_unknown_injection_time_still_gives_windows():
     run = run_record(injection=Injection(2, "forward-compute", 20, 0.3), steps_done=10)
     detection = find_detection(run, [verdict(2, 4)])
     assert detection.windows_after_injection == 3 and detection.seconds_after_injection is None
+
+
+def hang(rank, reason="never_entered_collective", stage="forward-compute", made_unix_nano=0, host="node-0"):
+    return verdict(rank, 2, kind="hang", stage=stage, made_unix_nano=made_unix_nano, reason=reason, slowdown=None,
+                   gap_ms=None, stalled_s=31.0, host=host, local_rank=rank)
+
+
+def test_hang_summary_names_the_culprit_and_how_long_it_took():
+    run = run_record(injection=Injection(2, "forward-compute", 20, 0.3, hang=True))
+    run.hang_timeout_s = 30.0
+    text = summarize(run, [hang(2, made_unix_nano=run.started_unix_nano + int(35e9))])  # blocked at 4.0 s
+    assert text.startswith("Named the hang's culprit: rank 2 on node-0 (never_entered_collective, in forward-compute), "
+                           "31.0 s after it blocked (hang timeout 30 s)")
+    assert "Also said" not in text
+
+
+def test_hang_summary_says_a_miss_and_what_else_was_said():
+    run = run_record(injection=Injection(2, "forward-compute", 20, 0.3, hang=True))
+    text = summarize(run, [hang(None, reason="all_ranks_waiting", stage="all-grads-sync", host=None)])
+    assert "The hang (rank 2 blocked in forward-compute at step 20) was not named." in text
+    assert "Also said of the hang: no single rank (all_ranks_waiting, in all-grads-sync)" in text

@@ -24,6 +24,18 @@ def detector(pipeline, tmp_path):
         yield process
 
 
+def wait_for_sum(pipeline, detector, query: str, at_least: float) -> None:
+    """Waits until Prometheus answers `query` (one sum) with at least `at_least`."""
+    def reached():
+        result = services.prometheus_query(pipeline.prometheus_url, query)
+        return result and float(result[0]["value"][1]) >= at_least
+
+    try:
+        services.wait_until(reached, DEADLINE_S, what=query)
+    except TimeoutError:
+        pytest.fail(f"{query} stayed below the spans sent\n--- detector log ---\n{detector.log_tail()}")
+
+
 def test_detector_intake_counter_reaches_prometheus(pipeline, detector):
     job_id = f"detector-{uuid.uuid4().hex[:8]}"
     for rank in range(3):
@@ -31,15 +43,7 @@ def test_detector_intake_counter_reaches_prometheus(pipeline, detector):
     # The detector's resource names it: job="otel-straggler-detector", instance="<host>:<grpc port>".
     query = 'sum(straggler_detector_spans_total{job="otel-straggler-detector", outcome="accepted"})'
     stage_spans = 3 * 3 * 3  # ranks x steps x stages; train.step spans carry no stage and are not counted
-
-    def accepted():
-        result = services.prometheus_query(pipeline.prometheus_url, query)
-        return result and float(result[0]["value"][1]) >= stage_spans
-
-    try:
-        services.wait_until(accepted, DEADLINE_S, what=query)
-    except TimeoutError:
-        pytest.fail(f"{query} stayed below the spans sent\n--- detector log ---\n{detector.log_tail()}")
+    wait_for_sum(pipeline, detector, query, stage_spans)
 
 
 def test_detector_rejections_reach_prometheus_by_reason(pipeline, detector):
@@ -47,13 +51,5 @@ def test_detector_rejections_reach_prometheus_by_reason(pipeline, detector):
     send_rank_steps(pipeline.collector_grpc, Rank("", 0, 1, "tp0-pp0"), range(2))
     query = 'sum(straggler_detector_rejections_total{job="otel-straggler-detector", reason="missing_job_id"})'
     stage_spans = 2 * 3  # steps x stages
-
-    def rejected():
-        result = services.prometheus_query(pipeline.prometheus_url, query)
-        return result and float(result[0]["value"][1]) >= stage_spans
-
-    try:
-        services.wait_until(rejected, DEADLINE_S, what=query)
-    except TimeoutError:
-        pytest.fail(f"{query} stayed below the spans sent\n--- detector log ---\n{detector.log_tail()}")
+    wait_for_sum(pipeline, detector, query, stage_spans)
     assert "rejected as malformed (missing_job_id)" in detector.log_tail()

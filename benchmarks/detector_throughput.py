@@ -15,7 +15,7 @@ Arms, interleaved round by round because the machine is shared, timed in CPU sec
   decode          decode.py as the detector runs it: the C scanner (_otlp_scan) when built, the
                   Python view-schema decoder where it declines; one Observation per stage span
   ... Python only the same two arms with the Python decoder alone (what runs without a C compiler)
-  end to end      decode, engine.ingest_many, engine.advance after each round of every rank's
+  end to end      decode, engine.ingest_placements and ingest_many, engine.advance after each round of every rank's
                   request (the service advances every 0.1 s), drain at the end: verdicts out
 Memory: a fresh child process streams --memory-ranks ranks x 10 stages through decode and the engine
 (one step of requests in flight at a time) and reports its peak RSS over its RSS before the run.
@@ -116,6 +116,12 @@ def decode_only(rounds: list[list[bytes]], python_only: bool = False) -> int:
     return 0
 
 
+def ingest(engine: Engine, batch) -> None:
+    """What the service's engine thread does with a decoded request (pipeline.EngineDriver)."""
+    engine.ingest_placements(batch.placements)
+    engine.ingest_many(batch.observations)
+
+
 def end_to_end(rounds: list[list[bytes]], spans: int | None = None, python_only: bool = False) -> int:
     decoder = ProtobufDecoder()
     decode = decoder.decode_in_python if python_only else decoder.decode
@@ -124,7 +130,7 @@ def end_to_end(rounds: list[list[bytes]], spans: int | None = None, python_only:
     now = 0
     for requests in rounds:
         for payload in requests:
-            engine.ingest_many(decode(payload).observations)
+            ingest(engine, decode(payload))
         now += STEP_NS
         verdicts += len(engine.advance(now))
     verdicts += len(engine.drain(now + STEP_NS))
@@ -197,7 +203,7 @@ def memory_child(ranks: int, steps: int) -> None:
     for requests in rounds_of_requests(job, steps, 1, factory):
         in_flight = max(in_flight, sum(len(payload) for payload in requests))
         for payload in requests:
-            engine.ingest_many(decode(payload).observations)
+            ingest(engine, decode(payload))
         del requests
         now += STEP_NS
         verdicts += len(engine.advance(now))

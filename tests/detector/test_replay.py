@@ -90,3 +90,24 @@ def test_replay_command_errors_are_one_line_with_the_right_exit_code(tmp_path):
     assert bad_flag.returncode == 2 and bad_flag.stderr.strip().count("\n") == 0 and "--window-steps" in bad_flag.stderr
     bad_env = cli("replay", str(tmp_path / "x.jsonl"), env={"OTEL_STRAGGLER_REL_THRESHOLD": "fast"})
     assert bad_env.returncode == 2 and "OTEL_STRAGGLER_REL_THRESHOLD" in bad_env.stderr
+
+
+def test_a_recorded_hang_replays_as_it_happened(tmp_path):
+    """Its clock is the latest span end, heartbeats included: the stall after the last interval
+    is as long as it was live, and the culprit is named from the recorded heartbeats."""
+    from .otlp_spans import heartbeat_span
+
+    observations = slow_rank_observations(ranks=RANKS, steps=20)  # healthy enough: no straggler yet
+    requests = per_step_requests(observations)
+    stopped = max(o.end_unix_nano for o in observations)
+    second = 1_000_000_000
+    for beat in range(1, 80, 5):  # 80 s of heartbeats after the last interval: rank 5 in its forward
+        requests.append([heartbeat_span(rank, stopped + beat * second,
+                                        (("forward-compute" if rank == 5 else "all-grads-sync", stopped),))
+                         for rank in range(RANKS)])
+    path = write_lines(tmp_path / "hang.jsonl", requests)
+    config = service_config(tmp_path, hang_timeout_s=60.0)
+    replay([str(path)], config)
+    hangs = [v for v in verdict_records(tmp_path / "evidence" / "verdicts.jsonl") if v["verdict"] == "hang"]
+    assert [(v["rank"], v["reason"], v["stage"]) for v in hangs] == [(5, "never_entered_collective", "forward-compute")]
+    assert 60 <= hangs[0]["stalled_s"] < 66 and hangs[0]["host"] == "node-0"

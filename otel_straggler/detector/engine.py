@@ -131,6 +131,8 @@ class Engine:
                     if stage_offset is None:
                         dropped += 1
                         continue
+                if end_unix_nano > cohort.latest_end_unix_nano:  # the job made progress (hangs)
+                    cohort.latest_end_unix_nano = end_unix_nano
                 window = step // window_steps
                 rows = cohort.open_windows.get(window)
                 if rows is None:

@@ -124,7 +124,7 @@ class Cohort:
         self.epoch = epoch
         self.name = name
         self.restart = restart  # the highest training.restart.count of this incarnation
-        self.latest_end_unix_nano = 0  # the latest end of an interval in its windows: the job's progress
+        self.latest_end_unix_nano = 0  # the latest end of an accepted interval, late ones too: the job's progress
         self.layout = layout
         self.last_active_unix_nano = now_unix_nano
         self._counts = counts
@@ -351,9 +351,6 @@ class Cohort:
         closing, self._closed_early = self._closed_early, []
         for rows in self.open_windows.values():
             if rows.has_unnoticed_rows():
-                if len(rows) > rows.rows_noticed:
-                    latest = int(np.frombuffer(rows.end_unix_nano, dtype=np.int64)[rows.rows_noticed:].max())
-                    self.latest_end_unix_nano = max(self.latest_end_unix_nano, latest)
                 rows.rows_noticed = len(rows)
                 rows.last_data_unix_nano = now_unix_nano
                 self.last_active_unix_nano = now_unix_nano

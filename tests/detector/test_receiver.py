@@ -103,6 +103,23 @@ def test_duplicates_are_counted_not_accepted_twice(tmp_path):
         assert (service.status()["spans"]["accepted"], service.status()["spans"]["duplicate"]) == (4, 4)
 
 
+def test_heartbeats_arrive_on_both_receivers_in_every_encoding(tmp_path):
+    from .otlp_spans import heartbeat_span
+
+    beat = [heartbeat_span(3, 1_700_000_000_000_000_000, local_rank=3)]
+    with running_service(service_config(tmp_path)) as service:
+        assert grpc_exporter(service.bound_ports[0]).export(beat) is SpanExportResult.SUCCESS
+        assert post(service.bound_ports[1], request_bytes(beat))[0] == 200
+        assert post(service.bound_ports[1], json.dumps(otlp_json(beat)).encode(), "application/json")[0] == 200
+        deadline = time.monotonic() + 10
+        while service.status()["spans"]["heartbeats"] < 3 or service.status()["engine"]["heartbeats"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        status = service.status()
+    assert status["spans"]["heartbeats"] == 3 and status["spans"]["malformed"] == 0
+    assert status["engine"]["heartbeats"] == 1  # the same sample three times: the engine keeps it once
+
+
 # ---------------------------------------------------------------- malformed and partial
 
 def test_a_malformed_protobuf_is_400_with_a_status_over_http_and_invalid_argument_over_grpc(tmp_path):

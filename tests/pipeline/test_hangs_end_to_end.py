@@ -44,6 +44,23 @@ class Detector:
         self._lock = threading.Lock()
         self.service.add_verdict_listener(self._keep)
 
+    def liveness(self) -> str:
+        """What the detector knows of each rank's liveness: for a failure's message."""
+        engine = self.service._driver.engine
+        now = time.time_ns()
+        lines = []
+        for (job_id, _), job in list(engine._liveness._jobs.items()):
+            lines.append(f"job {job_id}: progress {(now - job.progress_ns) / 1e9:.1f} s ago")
+            lines += [f"  rank {rank}: heartbeat {(now - record.heartbeat_ns) / 1e9:.1f} s ago, gap "
+                      f"{record.gap_ns / 1e9:.1f} s, open {record.open_stages}"
+                      for rank, record in sorted(job.ranks.items())]
+        return "\n".join(lines)
+
+    def heard_from(self, ranks: int) -> bool:
+        """Every rank's heartbeat has reached the detector: only a rank it knows can be named."""
+        jobs = list(self.service._driver.engine._liveness._jobs.values())
+        return any(sum(1 for record in job.ranks.values() if record.heartbeat_ns) >= ranks for job in jobs)
+
     def _keep(self, verdict) -> None:
         with self._lock:
             self.verdicts.append(verdict)
@@ -103,15 +120,17 @@ def test_a_frozen_rank_is_named_as_lost(tmp_path):
     with Detector(tmp_path) as detector, ranks(tmp_path, detector, 10_000,
                                                trainer_args=("--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S))) as job:
         job.wait_for_step(25, timeout=120)
+        services.wait_until(lambda: detector.heard_from(RANKS), 30, what="a heartbeat of every rank")
         frozen = job.processes[2]
         frozen.send_signal(signal.SIGSTOP)  # no spans, no heartbeats: the process is there but frozen
         try:
             hangs = wait_for_hang(detector, job, HANG_TIMEOUT_S + 30)
+            known = detector.liveness()
             time.sleep(2)
             hangs = detector.of(contract.VERDICT_HANG)
         finally:
             frozen.send_signal(signal.SIGKILL)
-    assert [(v.rank, v.reason) for v in hangs] == [(2, contract.HANG_RANK_LOST)]
+    assert [(v.rank, v.reason) for v in hangs] == [(2, contract.HANG_RANK_LOST)], f"{hangs}\n{known}"
     assert (hangs[0].host, hangs[0].local_rank) == (socket.gethostname(), 2)
 
 

@@ -146,7 +146,9 @@ class Cohort:
         self._first_advance_unix_nano: Optional[int] = None
         self._last_advance_unix_nano = 0
         self._max_lag_ns = int(max_export_lag_s * 1e9)
-        self._startup_hold_ns = min(STARTUP_HOLD_NS, self._max_lag_ns)
+        # a new incarnation (restart > 0) waits as long as any rank may lag: its ranks are known to be
+        # coming back, and restarted processes start seconds apart
+        self._startup_hold_ns = self._max_lag_ns if restart else min(STARTUP_HOLD_NS, self._max_lag_ns)
         # closing rule: how many reporting (not silent) ranks have each latest window
         self._ranks_by_latest_window: Counter = Counter()
         self._reporting_ranks = 0

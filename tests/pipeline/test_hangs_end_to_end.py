@@ -157,7 +157,7 @@ def test_a_pause_of_every_rank_shorter_than_the_timeout_is_no_hang(tmp_path):
 def test_a_torchrun_restart_from_a_checkpoint_is_judged_again(tmp_path):
     checkpoints = tmp_path / "checkpoint"
     checkpoints.mkdir()
-    with Detector(tmp_path, window_steps=5) as detector:
+    with Detector(tmp_path, window_steps=5, max_export_lag_s=15.0) as detector:  # the default: no hang here
         env = {**clean_environment(), "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{detector.endpoint}",
                "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_SERVICE_NAME": "training",
                "OTEL_BSP_SCHEDULE_DELAY": "500", "OTEL_STRAGGLER_EXPORT_METRICS": "false",

@@ -320,6 +320,12 @@ class Engine:
                 if (due := cohort.next_idle_close_unix_nano(self._grace_ns)) is not None]
         return min(dues, default=None)
 
+    def detector_stalled(self, stalled_ns: int) -> None:
+        """The caller did not look for `stalled_ns` (its process stalled): no rank is overdue for it."""
+        self._counts["detector_stalls"] += 1
+        for cohort in self._cohorts.values():
+            cohort.delivery_clocks_paused(stalled_ns)
+
     def drain(self, now_unix_nano: int) -> list[Verdict]:
         """Closes and judges every open window: end of a replay, or shutdown."""
         self._now = now_unix_nano
@@ -346,7 +352,8 @@ class Engine:
         counters = ("accepted", "late", "malformed", "dropped", "windows_closed", "coverage_gaps",
                     "evictions_jobs", "evictions_cohorts", "evictions_ranks", "evictions_stages",
                     "evictions_windows", "windows_dropped", "windows_closed_full", "seq_restarts", "invalid_device_durations",
-                    "verdicts", "heartbeats", "incarnations", "evictions_liveness_jobs", "evictions_liveness_ranks")
+                    "verdicts", "heartbeats", "incarnations", "evictions_liveness_jobs", "evictions_liveness_ranks",
+                    "detector_stalls")
         stats = {name: int(self._counts[name]) for name in counters}
         stats["duplicates"] = int(self._counts["duplicate"])
         stats["jobs"] = len(self._cohorts_by_job)

@@ -29,7 +29,8 @@ Verdicts emitted (healthy windows emit nothing; the live slowdown gauge updates 
   straggler or recovered verdict, so a jittery stage does not repeat itself every window;
 - collective stages are never slow by their own duration: a pair whose wait is long for
   persist_windows windows gets one `uncertain`/`waiting_on_peer` (attribution `waiting_on_peer`);
-- `silent`/`no_report` (stage "*") when a rank misses silent_windows consecutive closed windows.
+- `silent`/`no_report` (stage "*") when a rank misses silent_windows consecutive closed windows
+  and its peers' intervals end more than max_export_lag_s after its last one (_judge_presence).
 """
 from __future__ import annotations
 
@@ -87,7 +88,9 @@ class CohortVerdictState:
     def __init__(self) -> None:
         self.windows_seen = np.zeros(0, dtype=np.int64)  # closed windows the rank had rows in
         self.missed_windows = np.zeros(0, dtype=np.int64)  # consecutive closed windows without its rows
-        self.silent = np.zeros(0, dtype=bool)
+        self.silent = np.zeros(0, dtype=bool)  # missed silent_windows windows: no longer waited for
+        self.silent_reported = np.zeros(0, dtype=bool)  # ... and its `silent` verdict was emitted
+        self.last_end_unix_nano = np.zeros(0, dtype=np.int64)  # latest interval end in its judged windows
         self.alert = np.zeros((0, 0), dtype=bool)
         self.slow_streak = np.zeros((0, 0), dtype=np.int64)
         self.floor_streak = np.zeros((0, 0), dtype=np.int64)
@@ -109,7 +112,7 @@ class CohortVerdictState:
             return
         codes = codes if 2 * stage_count <= codes else max(2 * codes, 2 * stage_count, 4)
         slots = slots if slot_count <= slots else max(2 * slots, slot_count, 16)
-        for name in ("windows_seen", "missed_windows", "silent"):
+        for name in ("windows_seen", "missed_windows", "silent", "silent_reported", "last_end_unix_nano"):
             old = getattr(self, name)
             new = np.zeros(slots, dtype=old.dtype)
             new[:old.size] = old
@@ -136,8 +139,8 @@ class CohortVerdictState:
             setattr(self, name, new)
 
     def reset_slot(self, slot: int) -> None:
-        self.windows_seen[slot] = self.missed_windows[slot] = 0
-        self.silent[slot] = False
+        self.windows_seen[slot] = self.missed_windows[slot] = self.last_end_unix_nano[slot] = 0
+        self.silent[slot] = self.silent_reported[slot] = False
         self._reset((slice(None), slot))
 
     def reset_code(self, code: int) -> None:
@@ -150,7 +153,7 @@ class CohortVerdictState:
     def rejoin(self, slot: int) -> None:
         """A silent rank reports again, likely a new process: warmup starts over."""
         self.windows_seen[slot] = self.missed_windows[slot] = 0
-        self.silent[slot] = False
+        self.silent[slot] = self.silent_reported[slot] = False
 
     def _reset(self, where) -> None:
         self.alert[where] = False
@@ -190,7 +193,7 @@ def judge_window(cohort, rows, config: DetectorConfig, now_unix_nano: int) -> Wi
         entries, invalid_device_rows = _entries(rows, layout, slot_count, state)
         judgement = _judge_entries(cohort, rows.window, entries, config, now_unix_nano)
     judgement.invalid_device_rows = invalid_device_rows
-    _judge_presence(cohort, rows.window, entries.present, config, now_unix_nano, judgement)
+    _judge_presence(cohort, rows.window, entries, config, now_unix_nano, judgement)
     state.windows_seen[:slot_count][entries.present] += 1
     state.collective_seen[entries.code[(entries.code & 1) == 1]] = True  # for hangs: who waits where
     for stage_index in np.unique(entries.code // 2).tolist():
@@ -208,6 +211,7 @@ class _Entries:
     device: np.ndarray  # nan: no device duration
     tokens: np.ndarray  # the slot's tokens per step; nan: not reported
     present: np.ndarray  # bool per slot: the rank had rows in this window
+    last_end_unix_nano: np.ndarray = None  # per slot: its latest interval end in this window (0: none)
     # collective entries: steps in which its wait was under the step's median wait (it arrived
     # later than half of its peers), and steps with enough ranks to tell; 0 elsewhere
     late_steps: np.ndarray = None
@@ -257,6 +261,8 @@ def _entries(rows, layout, slot_count: int, state: CohortVerdictState) -> tuple[
     all_slots = np.concatenate((whole_slots, stage_slot))
     present = np.zeros(slot_count, dtype=bool)
     present[slot] = True
+    last_end = np.zeros(slot_count, dtype=np.int64)
+    np.maximum.at(last_end, slot, end_unix_nano)
     entry_codes = np.concatenate((np.zeros(whole_slots.size, dtype=np.int64), stage_code))
     late_steps, arrival_steps = _late_steps(code, slot, step_offset, host, layout, entry_codes, all_slots)
     return _Entries(
@@ -267,6 +273,7 @@ def _entries(rows, layout, slot_count: int, state: CohortVerdictState) -> tuple[
         device=np.concatenate((whole_device, stage_device)),
         tokens=tokens_by_slot[all_slots],
         present=present,
+        last_end_unix_nano=last_end,
     ), invalid_device_rows
 
 
@@ -651,14 +658,24 @@ def _number(value) -> Optional[float]:
     return round(value, 4) if math.isfinite(value) else None
 
 
-def _judge_presence(cohort, window: int, present: np.ndarray, config: DetectorConfig, now: int,
+def _judge_presence(cohort, window: int, entries: _Entries, config: DetectorConfig, now: int,
                     judgement: WindowJudgement) -> None:
-    """Coverage gaps and `silent`: ranks of the cohort that had no rows in this window."""
+    """Coverage gaps and `silent`: ranks of the cohort that had no rows in this window.
+
+    A rank that misses silent_windows windows in a row falls silent at once (windows stop waiting
+    for it), but its verdict waits until its peers' intervals, in the windows judged, end more than
+    max_export_lag_s after its own last one: only then is the gap longer than any export delay. Ranks that all stop
+    together, as torchrun stops the survivors of a crash before their last export, never get
+    there, and a new incarnation replaces them without a `silent` verdict (CONTRACT §training.restart.count)."""
     state: CohortVerdictState = cohort.verdict_state
+    present = entries.present
     slot_count = present.size
     roster = np.array([entry is not None for entry in cohort.slot_entries], dtype=bool)
     silent = state.silent[:slot_count]
+    reported = state.silent_reported[:slot_count]
     missed = state.missed_windows[:slot_count]
+    last_end = state.last_end_unix_nano[:slot_count]
+    np.maximum(last_end, entries.last_end_unix_nano, out=last_end)
     missing = roster & ~present
     gaps = missing & ~silent
     judgement.coverage_gaps = int(np.count_nonzero(gaps))
@@ -667,10 +684,14 @@ def _judge_presence(cohort, window: int, present: np.ndarray, config: DetectorCo
     fell_silent = gaps & (missed >= config.silent_windows)
     came_back = present & silent
     silent[fell_silent] = True
-    silent[came_back] = False
+    silent[came_back] = reported[came_back] = False
     judgement.fell_silent = np.flatnonzero(fell_silent)
     judgement.came_back = np.flatnonzero(came_back)
-    for slot in judgement.fell_silent.tolist():
+    # by the judged windows' own rows (not what has arrived since), so that replay agrees with live
+    peers_moved_on = int(last_end.max(initial=0)) - last_end > int(config.max_export_lag_s * 1e9)
+    confirmed = roster & silent & ~reported & peers_moved_on
+    reported[confirmed] = True
+    for slot in np.flatnonzero(confirmed).tolist():
         judgement.verdicts.append(Verdict(
             time_unix_nano=now, job_id=cohort.job_id, cohort=cohort.name, stage=contract.WHOLE_STEP_STAGE,
             rank=cohort.slot_entries[slot].rank, window=window, verdict=contract.VERDICT_SILENT,

@@ -31,6 +31,9 @@ SPAN_OUTCOMES = ("accepted", "duplicate", "late", "malformed", "dropped")
 # each wake-up costs CPU (70 µs on a small VM, benchmarks/detector_idle.py), and a detector mostly waits.
 ADVANCE_INTERVAL_S = 0.1
 IDLE_WAKE_S = 1.0
+# the engine thread looks at least every IDLE_WAKE_S; a look later than that by more than this is a
+# stall of the detector itself, which the ranks' overdue clocks do not count (Engine.detector_stalled)
+STALL_SLACK_S = 1.0
 # spans the engine refuses after decoding: their kind, so that rejections add up to spans.malformed
 _ENGINE_REFUSED = RejectedSpan(Rejection(OTHER_KIND, "refused by the engine after decoding (a host duration that "
                                          "is not finite, or a value of the wrong type)"), None, None, None, None)
@@ -144,6 +147,17 @@ class EngineDriver:
     def drain(self, now_unix_nano: int) -> None:
         self._close("drain", now_unix_nano)
 
+    def detector_stalled(self, stalled_ns: int) -> None:
+        """The engine thread did not look for `stalled_ns` longer than it should have."""
+        stalled = getattr(self.engine, "detector_stalled", None)
+        if stalled is None:
+            return
+        try:
+            with self._engine_lock:
+                stalled(stalled_ns)
+        except Exception:  # noqa: BLE001
+            self._engine_failed("detector_stalled")
+
     def _close(self, method: str, now_unix_nano: int) -> None:
         try:
             with self._engine_lock:
@@ -250,8 +264,10 @@ class SpanPipeline:
 
     def _run(self) -> None:
         next_advance = time.monotonic() + ADVANCE_INTERVAL_S
+        last_look = time.monotonic()
         ingested_since_advance = False
-        while True:
+        stopping = False
+        while not stopping:
             try:
                 batch = self._pending.get(timeout=self._wait_s(next_advance, ingested_since_advance))
             except queue.Empty:
@@ -259,15 +275,39 @@ class SpanPipeline:
             if batch is _STOP:
                 break
             if batch is not None:
-                with self._pending_lock:
-                    self._pending_spans -= len(batch.observations) + len(batch.heartbeats)
-                self.driver.ingest(batch, self._clock())
+                self._ingest(batch)
                 ingested_since_advance = True
             if time.monotonic() >= next_advance:
+                # A rank is overdue by the clock, so what already waits in this queue is ingested
+                # first (at most what is queued now: bounded), and time in which this thread did
+                # not look at all (a stalled or CPU-starved detector) is not held against the ranks.
+                stopping = self._ingest_queued()
+                looked = time.monotonic()
+                stalled_s = looked - last_look - IDLE_WAKE_S - STALL_SLACK_S
+                if stalled_s > 0:
+                    self.driver.detector_stalled(int(stalled_s * 1e9))
                 self.driver.advance(self._clock())
+                last_look = looked
                 next_advance = time.monotonic() + ADVANCE_INTERVAL_S
                 ingested_since_advance = False
         self.driver.drain(self._clock())
+
+    def _ingest(self, batch: DecodedBatch) -> None:
+        with self._pending_lock:
+            self._pending_spans -= len(batch.observations) + len(batch.heartbeats)
+        self.driver.ingest(batch, self._clock())
+
+    def _ingest_queued(self) -> bool:
+        """Ingests the batches queued now; True when the stop mark was among them."""
+        for _ in range(self._pending.qsize()):
+            try:
+                batch = self._pending.get_nowait()
+            except queue.Empty:
+                break
+            if batch is _STOP:
+                return True
+            self._ingest(batch)
+        return False
 
     def _wait_s(self, next_advance: float, ingested_since_advance: bool) -> float:
         """How long the engine thread may wait for the next batch: until the next advance is allowed

@@ -430,6 +430,12 @@ class Cohort:
                 self._delivery_gap_ns_by_slot[slot] = max(gap, int(self._delivery_gap_ns_by_slot[slot] * GAP_DECAY))
             self._reached_ns_by_slot[slot] = now_unix_nano
 
+    def delivery_clocks_paused(self, paused_ns: int) -> None:
+        """The detector did not look for `paused_ns`: each rank's wait for its next delivery starts
+        that much later, so that a detector stall does not make ranks overdue."""
+        reached = self._reached_ns_by_slot[:len(self.slot_entries)]
+        reached[reached > 0] += paused_ns
+
     def _starting(self, now_unix_nano: int) -> bool:
         if self._first_advance_unix_nano is None:
             self._first_advance_unix_nano = now_unix_nano

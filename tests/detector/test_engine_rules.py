@@ -284,15 +284,40 @@ def test_windows_by_step_next_close_is_now_for_a_window_closed_by_the_bound():
 
 
 def test_windows_by_step_coverage_gaps_then_silent():
-    job = SyntheticJob(ranks=8, seed=4)
+    job = SyntheticJob(ranks=8, seed=4)  # ~108 ms steps, 10 per window
     observations = [o for o in job.observations(160) if not (o.rank == 7 and o.step >= 50)]
-    engine = Engine(DetectorConfig(silent_windows=3))
+    engine = Engine(DetectorConfig(silent_windows=3, max_export_lag_s=5.0))
     verdicts = feed(engine, observations, chunk=8 * len(TRAINING_STAGES))
     silent = select(verdicts, contract.VERDICT_SILENT)
-    assert [(v.rank, v.reason, v.stage, v.window) for v in silent] == [(7, judge.REASON_NO_REPORT, "*", 7)]
+    # it falls silent at window 7 (missing 5, 6, 7), and is reported once its peers' intervals end
+    # more than max_export_lag_s after its last one: not before the window of that step
+    last_end = max(o.end_unix_nano for o in observations if o.rank == 7)
+    beyond_lag = min(o.step for o in observations if o.end_unix_nano > last_end + 5e9)
+    assert [(v.rank, v.reason, v.stage) for v in silent] == [(7, judge.REASON_NO_REPORT, "*")]
+    # judged when the window of that step, or the one before it, closes
+    assert 7 < beyond_lag // 10 - 1 <= silent[0].window <= beyond_lag // 10, (beyond_lag, silent[0].window)
     stats = engine.stats()
     assert stats["coverage_gaps"] == 3  # windows 5, 6, 7; then it is silent, not a gap
     assert stats["windows_closed"] == 16 and stats["late"] == 0
+
+
+def test_ranks_that_stop_within_the_export_lag_of_their_peers_are_not_silent():
+    # torchrun stops the other ranks of a crashed job, some of them before their last export: their
+    # spans end a little before their peers' and then nothing comes. Here ranks 6 and 7 lose 40 of
+    # 80 steps (4.3 s), more than three windows, but the job's progress ends within
+    # max_export_lag_s of theirs, so they are not reported silent
+    job = SyntheticJob(ranks=8, seed=4)
+    observations = [o for o in job.observations(80) if not (o.rank in (6, 7) and o.step >= 40)]
+    end_ns = max(o.end_unix_nano for o in observations)
+
+    def silent(max_export_lag_s: float) -> list:
+        engine = Engine(DetectorConfig(silent_windows=3, max_export_lag_s=max_export_lag_s))
+        verdicts = feed(engine, observations, chunk=8 * len(TRAINING_STAGES)) + engine.drain(end_ns + 60 * 10**9)
+        assert engine.stats()["coverage_gaps"] == 6  # windows 4, 5, 6 of both: they did fall silent
+        return [v.rank for v in select(verdicts, contract.VERDICT_SILENT)]
+
+    assert silent(5.0) == []
+    assert silent(3.0) == [6, 7]  # control: the peers went on longer than that
 
 
 # ---------------------------------------------------------------- reference
@@ -416,7 +441,7 @@ def test_recovery_needs_positive_evidence_under_the_floor_but_over_the_ratio_hol
 def test_recovery_needs_positive_evidence_a_silent_rank_keeps_its_alert():
     job = SyntheticJob(ranks=8, seed=10).slow(4, 1.3)
     observations = [o for o in job.observations(150) if not (o.rank == 4 and o.step >= 70)]
-    engine = Engine(DetectorConfig())
+    engine = Engine(DetectorConfig(max_export_lag_s=3.0))  # peers go on 8 s after it stops
     verdicts = feed(engine, observations, chunk=8 * 5)
     assert select(verdicts, contract.VERDICT_STRAGGLER, rank=4)
     assert select(verdicts, contract.VERDICT_SILENT, rank=4)

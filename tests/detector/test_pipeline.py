@@ -116,3 +116,57 @@ def test_the_first_late_spans_are_explained_once_in_the_log(caplog):
     assert driver.counters.snapshot()["spans"]["late"] == 2
     warnings = [record for record in caplog.records if "late" in record.getMessage()]
     assert len(warnings) == 1 and "--window-steps" in warnings[0].getMessage()
+
+
+class BusyEngine(CountingEngine):
+    """Ingests a batch holding step `busy_step` slowly, as a starved or stalled detector would."""
+
+    def __init__(self, config: DetectorConfig, busy_step: int, busy_s: float) -> None:
+        super().__init__(config)
+        self.busy_step, self.busy_s = busy_step, busy_s
+
+    def ingest_many(self, observations):
+        if any(o.step == self.busy_step for o in observations):
+            time.sleep(self.busy_s)
+        return super().ingest_many(observations)
+
+
+def test_spans_queued_while_the_engine_thread_was_busy_are_ingested_before_anyone_is_overdue():
+    # two ranks deliver a window every 0.25 s (each one's wait: 2 x 0.25 + 1 s), then rank 0 reaches
+    # window 6 in a batch whose ingest takes 2.5 s, and rank 1's next batch (steps 51 and 60) comes
+    # meanwhile. Judged before that batch is taken, rank 1 would look overdue and step 51 be late
+    config = DetectorConfig(window_grace_s=3600.0, window_steps=10, max_export_lag_s=5.0)
+    engine = BusyEngine(config, busy_step=60, busy_s=2.5)
+    pipeline = SpanPipeline(EngineDriver(engine, IntakeCounters(), lambda verdicts: None), config)
+    pipeline.start()
+    try:
+        for window in range(6):
+            assert pipeline.submit(DecodedBatch(observations=[observation(rank, 10 * window, window)
+                                                              for rank in range(2)]))
+            time.sleep(0.25)
+        assert pipeline.submit(DecodedBatch(observations=[observation(0, 51, 6), observation(0, 60, 7)]))
+        time.sleep(0.3)  # the engine thread is in the slow ingest now
+        assert pipeline.submit(DecodedBatch(observations=[observation(1, 51, 6), observation(1, 60, 7)]))
+        wait_for(lambda: engine.stats()["windows_closed"] == 6, timeout_s=10)
+        stats = engine.stats()
+    finally:
+        assert pipeline.stop(5.0)
+    assert stats["late"] == 0 and stats["accepted"] == 16
+    assert stats["detector_stalls"] == 1  # 2.5 s without a look: more than IDLE_WAKE_S + 1 s
+
+
+def test_a_detector_stall_does_not_make_ranks_overdue():
+    def window_0_closed(stalled_ns: int) -> bool:
+        engine = Engine(DetectorConfig(window_grace_s=3600.0, window_steps=10, max_export_lag_s=1.0))
+        now = 10**18
+        engine.ingest_many([observation(rank, 0, 0) for rank in range(2)])
+        engine.advance(now)
+        engine.ingest_many([observation(0, 10, 1)])
+        engine.advance(now + 5 * 10**8)
+        if stalled_ns:
+            engine.detector_stalled(stalled_ns)
+        engine.advance(now + 2 * 10**9)  # past the startup hold, and rank 1 past its 1 s wait
+        return engine.stats()["windows_closed"] == 1
+
+    assert window_0_closed(0)  # control: rank 1 is overdue, window 0 is judged without waiting more
+    assert not window_0_closed(2 * 10**9)  # the detector did not look for 2 s of that

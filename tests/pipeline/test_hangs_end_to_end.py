@@ -151,7 +151,8 @@ def test_a_pause_of_every_rank_shorter_than_the_timeout_is_no_hang(tmp_path):
     assert status["spans"]["heartbeats"] > 20 * RANKS * 0.5  # and the detector heard the ranks through it
     assert detector.of(contract.VERDICT_HANG) == []
     # and the windows around it are judged whole: nothing late, no rank silent
-    assert status["engine"]["late"] == 0 and detector.of(contract.VERDICT_SILENT) == []
+    assert status["engine"]["late"] == 0 and detector.of(contract.VERDICT_SILENT) == [], \
+        f"{status['engine']}\n{status['spans']}\n{job.log_tails()}"
 
 
 def test_a_torchrun_restart_from_a_checkpoint_is_judged_again(tmp_path):
@@ -182,7 +183,7 @@ def test_a_torchrun_restart_from_a_checkpoint_is_judged_again(tmp_path):
     assert code == 0, text[-3000:]
     assert "incarnation 1 step 51/150" in text  # resumed from the step-50 checkpoint: steps 51-55 came again
     assert stats["incarnations"] == 1
-    assert stats["late"] == 0 and stats["duplicates"] == 0
-    assert detector.of(contract.VERDICT_SILENT) == []
+    assert stats["late"] == 0 and stats["duplicates"] == 0, stats
+    assert detector.of(contract.VERDICT_SILENT) == [], (stats, text[-3000:])
     onsets = detector.of(contract.VERDICT_STRAGGLER)
     assert {v.rank for v in onsets} == {2} and all(v.window >= 50 // 5 for v in onsets), onsets

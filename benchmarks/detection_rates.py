@@ -18,6 +18,12 @@ freedom) and 0.5% of intervals are 3x, so healthy ranks sit 5-8% off their peers
 - detection: the same jobs with one rank +5%, +10% or +20% slower in backward-compute only; then
   +10% with the busy host as well. Noise and seeds are those of the false-positive rows: the other
   ranks alerted compare with them, and the busy host adds its episode and nothing else.
+Job slowdown (the whole job slower than its own baseline, job_baseline.py), with the default
+reference: from window 20 the all-reduce takes 5x as long (a degraded network, +32% per step),
+every rank computes 20% slower (a software rollout), every rank 2% then (window 40) 4% slower (a
+drift: no verdict wanted), one rank 50% slower (a straggler: its alert, no job verdict), and the
+healthy and busy-host jobs above: share of seeds with `job_slowdown`, median windows from the
+change to it, `job_slowdown` verdicts where none is wanted per 10,000 cohort-windows, stragglers named.
 Reference choices: the median of the comparable peers (the default), their 25th percentile, and the
 fastest peer (quantile 0). The rank under test is always left out of its own reference. Seeds run in
 `--jobs` processes (default: one per core); the figures do not depend on how many.
@@ -47,6 +53,7 @@ STEP_NS = 100_000_000
 HOST_NOISE = HostNoise()  # the defaults: see tests/detector/host_noise.py
 NOISY_SLOW_STAGE = "backward-compute"
 WINDOW_STEPS = DetectorConfig().window_steps
+CHANGE_WINDOW = 20  # job slowdown scenarios: the window the job changes in
 
 
 def onsets(observations: list, ranks: int, quantile: float) -> dict[int, int]:
@@ -75,6 +82,8 @@ class Scenario:
     slow_factor: Optional[float] = None  # the rank ranks // 3 this much slower
     slow_stages: Optional[tuple[str, ...]] = None  # None: every compute stage
     noise: Optional[HostNoise] = None  # None: the synthetic job's Gaussian jitter
+    collective_delay_ms: float = 0.0  # every rank's all-reduce this much longer from CHANGE_WINDOW
+    everyone_factors: tuple = ()  # (factor, from window, to window or None): every rank's compute alike
 
     @property
     def slow_rank(self) -> Optional[int]:
@@ -88,6 +97,11 @@ class Scenario:
                 job.slow(rank, 1.0 + offset)
         if self.slow_factor is not None:
             job.slow(self.slow_rank, self.slow_factor, stages=self.slow_stages)
+        if self.collective_delay_ms:
+            job.collective_delay(self.collective_delay_ms, from_step=CHANGE_WINDOW * WINDOW_STEPS)
+        for factor, first, last in self.everyone_factors:
+            job.everyone_slower(factor, from_step=first * WINDOW_STEPS,
+                                to_step=None if last is None else (last + 1) * WINDOW_STEPS - 1)
         return job
 
 
@@ -124,6 +138,38 @@ def detection(pool: Executor, scenario: Scenario, seeds: int, windows: int) -> d
             others[name] += len(set(first) - {slow_rank})
     return {name: (len(times) / seeds, statistics.median(times) if times else float("nan"), others[name])
             for name, times in caught.items()}
+
+
+def job_verdicts(scenario: Scenario, seed: int, windows: int) -> tuple[list[int], set[int]]:
+    """(windows of the job_slowdown verdicts, ranks named stragglers) for one seed, default config."""
+    observations = scenario.job(seed).observations(windows * WINDOW_STEPS)
+    engine = Engine(DetectorConfig())
+    chunk = scenario.ranks * len(STAGES)
+    verdicts, now = [], 0
+    for start in range(0, len(observations), chunk):
+        engine.ingest_many(observations[start:start + chunk])
+        now += STEP_NS
+        verdicts += engine.advance(now)
+    verdicts += engine.drain(now + STEP_NS)
+    return ([v.window for v in verdicts if v.verdict == contract.VERDICT_JOB_SLOWDOWN],
+            {v.rank for v in verdicts if v.verdict == contract.VERDICT_STRAGGLER})
+
+
+def print_job_slowdown(pool: Executor, rows, seeds: int, windows: int) -> None:
+    print(f"{'scenario':<44}{'wanted':>8}{'caught':>8}{'windows':>9}{'unwanted /10k':>15}{'stragglers':>12}")
+    for label, scenario, wanted in rows:
+        results = list(pool.map(job_verdicts, [scenario] * seeds, range(seeds), [windows] * seeds))
+        # after warmup and the baseline's first windows, one cohort per job
+        judged = seeds * (windows - DetectorConfig().warmup_windows - 5)
+        caught = [next((w for w in found if w >= CHANGE_WINDOW), None) for found, _ in results] if wanted else []
+        delays = [w - CHANGE_WINDOW + 1 for w in caught if w is not None]
+        unwanted = sum(len(found) if not wanted else sum(1 for w in found if w < CHANGE_WINDOW)
+                       for found, _ in results)
+        stragglers = sum(len(named) for _, named in results)
+        print(f"{label:<44}{'yes' if wanted else 'no':>8}"
+              f"{f'{len(delays) / seeds:.0%}' if wanted else '-':>8}"
+              f"{f'{statistics.median(delays):g}' if delays else '-':>9}"
+              f"{unwanted / judged * 1e4:>15.1f}{stragglers:>12}")
 
 
 def describe(noise: HostNoise) -> str:
@@ -199,6 +245,20 @@ def main() -> int:
                         + [("+10%, busy host elsewhere",
                             Scenario(ranks, 3000, slow_factor=1.10, slow_stages=(NOISY_SLOW_STAGE,),
                                      noise=with_busy_host))], seeds, windows)
+
+        print(f"\njob slowdown at {ranks} ranks (threshold {DetectorConfig().job_slowdown_threshold:.0%}, "
+              f"changes from window {CHANGE_WINDOW}): share of seeds caught, median windows from the change "
+              f"(3 is the minimum), unwanted job_slowdown verdicts per 10,000 cohort-windows, stragglers named")
+        print_job_slowdown(pool, (
+            ("all-reduce 80 -> 400 ms (+32% per step)", Scenario(ranks, 4000, collective_delay_ms=320.0), True),
+            ("every rank's compute +20%", Scenario(ranks, 4000, everyone_factors=((1.2, CHANGE_WINDOW, None),)), True),
+            ("drift: every rank +2%, then +4%", Scenario(ranks, 4000, everyone_factors=(
+                (1.02, CHANGE_WINDOW, 39), (1.04, 40, None))), False),
+            ("one rank +50% (a straggler)", Scenario(ranks, 4000, slow_factor=1.5), False),
+            ("healthy", Scenario(ranks, 1000), False),
+            ("healthy, drifting heavy-tailed noise", Scenario(ranks, 3000, noise=HOST_NOISE), False),
+            ("same, busy host", Scenario(ranks, 3000, noise=with_busy_host), False),
+        ), seeds, windows)
     return 0
 
 

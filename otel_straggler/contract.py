@@ -53,6 +53,7 @@ VERDICT_RECOVERED = "recovered"
 VERDICT_UNCERTAIN = "uncertain"
 VERDICT_SILENT = "silent"
 VERDICT_HANG = "hang"  # v1.1
+VERDICT_JOB_SLOWDOWN = "job_slowdown"  # v1.1
 HANG_NEVER_ENTERED_COLLECTIVE = "never_entered_collective"
 HANG_RANK_LOST = "rank_lost"
 HANG_ALL_RANKS_WAITING = "all_ranks_waiting"
@@ -77,6 +78,7 @@ METRIC_ALERT_ACTIVE = "straggler.alert.active"
 METRIC_VERDICTS = "straggler.verdicts"
 METRIC_DETECTOR_SPANS = "straggler.detector.spans"
 METRIC_JOB_HANG = "straggler.job.hang"  # v1.1
+METRIC_JOB_SLOWDOWN = "straggler.job.slowdown"  # v1.1
 
 # §3c events
 VERDICT_EVENT_NAME = "straggler.verdict"

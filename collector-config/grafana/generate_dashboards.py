@@ -38,6 +38,13 @@ SLOWDOWN_THRESHOLDS = [
     {"color": "red", "value": 1.2},
 ]
 
+# The whole job against its own baseline (straggler_job_slowdown): the detector's default
+# --job-slowdown-threshold 0.15, as the TrainingJobSlowdown alert in rules.yml; change them together.
+JOB_SLOWDOWN_THRESHOLDS = [
+    {"color": "green", "value": None},
+    {"color": "red", "value": 1.15},
+]
+
 # A verdict names job, rank and stage, but not the step: it closes a window of steps. The link
 # opens Jaeger's search for that rank's spans of the job in the panel's time range; each hit is the
 # trace of one step with every rank side by side. Jaeger's search takes microseconds. The job is the
@@ -229,6 +236,21 @@ def job_overview() -> dict:
             ],
             options={"showHeader": True},
         ), 20, 6),
+        layout.place(panel(
+            "timeseries", "Job slowdown vs its baseline",
+            "Each cohort's latest window step time (or time per token) over the cohort's own baseline "
+            "(straggler_job_slowdown; 1.00 = as usual, 1.36 = 36% slower), from its first baseline on. "
+            "The dashed line is the detector's default job slowdown threshold (1.15); above it with no "
+            "straggler to blame, the detector issues a job_slowdown verdict naming the stage that grew most.",
+            [prom_target(f"max by (training_job_id, training_cohort) (straggler_job_slowdown{{{JOB_COHORT}}})",
+                         "{{training_job_id}} {{training_cohort}}")],
+            fieldConfig=field_config(
+                unit="none", thresholds=JOB_SLOWDOWN_THRESHOLDS, color_mode="palette-classic",
+                custom={"thresholdsStyle": {"mode": "dashed"}, "lineWidth": 1, "showPoints": "auto"},
+                no_value="No baseline yet"),
+            options={"legend": {"displayMode": "table", "placement": "right", "calcs": ["lastNotNull", "max"]},
+                     "tooltip": {"mode": "multi", "sort": "desc"}},
+        ), 24, 8),
         layout.place(panel(
             "table", "Slowdown per rank × stage",
             "Latest window slowdown of each rank against its comparable peers (1.00 = as fast as the "

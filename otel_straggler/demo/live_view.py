@@ -33,8 +33,14 @@ def verdict_line(verdict: dict[str, Any]) -> Optional[str]:
     if kind == contract.VERDICT_RECOVERED and verdict.get("reason") == contract.HANG_PROGRESS_RESUMED:
         who = "the job" if verdict.get("rank") is None else f"rank {verdict['rank']}"
         return f"RESUMED: {who} is making progress again"
+    if kind == contract.VERDICT_RECOVERED and verdict.get("rank") is None:
+        return f"RECOVERED: the job is back to its own baseline at window {verdict['window']}"
     if kind == contract.VERDICT_RECOVERED:
         return f"RECOVERED: rank {verdict['rank']} in {stage_phrase(verdict['stage'])} at window {verdict['window']}"
+    if kind == contract.VERDICT_JOB_SLOWDOWN:
+        grew = "" if verdict["stage"] == contract.WHOLE_STEP_STAGE else f", most in {verdict['stage']}"
+        return (f"JOB SLOWDOWN: every rank alike, {verdict['slowdown']:.2f}x its own baseline "
+                f"({verdict['rank_ms']:.4g} vs {verdict['reference_ms']:.4g} ms){grew}, at window {verdict['window']}")
     if kind == contract.VERDICT_SILENT:
         return f"SILENT: rank {verdict['rank']} stopped reporting at window {verdict['window']}"
     if kind == contract.VERDICT_HANG:

@@ -60,6 +60,14 @@ if Observation._fields != _OBSERVATION_FIELDS:
 RESTART_HORIZONS = 4
 
 
+class JobSlowdownState(NamedTuple):
+    """The straggler.job.slowdown gauge of one cohort: its latest window's pace over its baseline."""
+    job_id: str
+    cohort: str
+    ratio: float
+    active: bool  # a job_slowdown alert is active
+
+
 class RankState(NamedTuple):
     """The live view of one (job, epoch, cohort, stage, rank): the straggler.rank.slowdown and
     straggler.alert.active gauges."""
@@ -362,6 +370,12 @@ class Engine:
         stats["open_windows"] = sum(cohort.pending_window_count() for cohort in self._cohorts.values())
         stats["tracked_ranks"] = self._liveness.tracked_ranks()
         return stats
+
+    def job_slowdown_state(self) -> list[JobSlowdownState]:
+        """Per cohort with a pace baseline: its latest ratio and whether job_slowdown is active."""
+        return [JobSlowdownState(cohort.job_id, cohort.name, job.ratio, job.active)
+                for cohort in self._cohorts.values()
+                for job in (cohort.verdict_state.job,) if job.ratio is not None and math.isfinite(job.ratio)]
 
     def rank_state(self) -> list[RankState]:
         """Latest slowdown and alert per (job, epoch, cohort, stage, rank) that has been compared."""

@@ -47,6 +47,7 @@ import numpy as np
 from otel_straggler import contract
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.grouped import dense_groups, grouped_medians, grouped_medians_signed
+from otel_straggler.detector.job_baseline import JobBaseline, judge_pace, window_pace
 from otel_straggler.detector.observation import Verdict
 from otel_straggler.detector.peer_reference import (WORKLOAD_COMPARABLE, WORKLOAD_NOT_REPORTED,
                                                     PeerReferences, peer_references)
@@ -104,6 +105,7 @@ class CohortVerdictState:
         self.late_streak = np.zeros((0, 0), dtype=np.int64)  # per (collective code, slot)
         self.arrival_var = np.zeros(0)  # per collective code: smoothed variance of the ranks' lateness
         self.collective_seen = np.zeros(0, dtype=bool)  # per code: judged as a collective in some window
+        self.job = JobBaseline()  # the cohort's pace against its own baseline (job_baseline.py)
 
     def ensure(self, stage_count: int, slot_count: int) -> None:
         """Room for `stage_count` stage indices (two codes each) and `slot_count` slots, grown by doubling."""
@@ -194,6 +196,7 @@ def judge_window(cohort, rows, config: DetectorConfig, now_unix_nano: int) -> Wi
         judgement = _judge_entries(cohort, rows.window, entries, config, now_unix_nano)
     judgement.invalid_device_rows = invalid_device_rows
     _judge_presence(cohort, rows.window, entries, config, now_unix_nano, judgement)
+    judgement.verdicts += _judge_pace(cohort, rows, entries, config, now_unix_nano)
     state.windows_seen[:slot_count][entries.present] += 1
     state.collective_seen[entries.code[(entries.code & 1) == 1]] = True  # for hangs: who waits where
     for stage_index in np.unique(entries.code // 2).tolist():
@@ -698,6 +701,20 @@ def _judge_presence(cohort, window: int, entries: _Entries, config: DetectorConf
             reason=REASON_NO_REPORT, slowdown=None, gap_ms=None, rank_ms=None, reference_ms=None,
             reference_ranks=(), timing=TIMING_HOST, attribution=contract.ATTRIBUTION_UNKNOWN,
             workload_comparable=None))
+
+
+def _judge_pace(cohort, rows, entries: _Entries, config: DetectorConfig, now: int) -> list[Verdict]:
+    """`job_slowdown` (job_baseline.py): the cohort's pace against its own baseline."""
+    state: CohortVerdictState = cohort.verdict_state
+    slot_count = entries.present.size
+    tokens_by_slot = np.full(slot_count, np.nan)
+    tokens_by_slot[entries.slot] = entries.tokens
+    stages = entries.code != 0
+    pace = window_pace(rows, cohort.layout, slot_count, tokens_by_slot, entries.present,
+                       entries.code[stages], entries.host[stages])
+    # a straggler makes every rank wait: its own alert explains the slower steps
+    blamed = bool(state.alert.any() or (state.slow_streak[0::2] > 0).any() or (state.late_streak > 0).any())
+    return judge_pace(state.job, pace, blamed, cohort, rows.window, config, now)
 
 
 def restarted_verdicts(cohort, now: int) -> list[Verdict]:

@@ -179,6 +179,11 @@ class EngineDriver:
         with self._engine_lock:
             return self.engine.hang_state() if hasattr(self.engine, "hang_state") else []
 
+    def job_slowdown_state(self):
+        """The engine's straggler.job.slowdown series; none for an engine without them."""
+        with self._engine_lock:
+            return self.engine.job_slowdown_state() if hasattr(self.engine, "job_slowdown_state") else []
+
     def stats(self) -> dict[str, int]:
         """The engine's stats() as of the latest advance or drain."""
         return self._stats

@@ -155,7 +155,8 @@ class DetectorService:
             except (OSError, ValueError) as error:
                 raise ConfigError(f"--tls-cert-file/--tls-key-file: cannot load: {error}") from None
         self._telemetry = DetectorTelemetry(config, self.status, self.rank_state,
-                                            export_otlp=config.export_metrics, hang_states=self._driver.hang_state)
+                                            export_otlp=config.export_metrics, hang_states=self._driver.hang_state,
+                                            job_slowdown_states=self._driver.job_slowdown_state)
         self._emitter = VerdictEmitter(EvidenceFiles(config.evidence_dir, config.max_evidence_bytes),
                                        config.flush_interval_s, self.status, self._telemetry)
         intake = OtlpIntake(self._pipeline, token, config.max_request_bytes)

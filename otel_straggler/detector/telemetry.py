@@ -114,10 +114,12 @@ class DetectorTelemetry:
         export_otlp: bool,
         environ: Mapping[str, str] = os.environ,
         hang_states: Callable[[], Iterable[Any]] = tuple,
+        job_slowdown_states: Callable[[], Iterable[Any]] = tuple,
     ) -> None:
         self._health = health
         self._rank_states = rank_states
         self._hang_states = hang_states
+        self._job_slowdown_states = job_slowdown_states
         self._lock = threading.Lock()
         self.export_failures: Counter[str] = Counter()
         resource = Resource.create({
@@ -136,7 +138,7 @@ class DetectorTelemetry:
             self.scrape_reader = InMemoryMetricReader()
             readers.append(self.scrape_reader)
         per_rank = (contract.METRIC_RANK_SLOWDOWN, contract.METRIC_ALERT_ACTIVE, contract.METRIC_VERDICTS,
-                    contract.METRIC_JOB_HANG)
+                    contract.METRIC_JOB_HANG, contract.METRIC_JOB_SLOWDOWN)
         self._meter_provider = MeterProvider(
             metric_readers=readers, resource=resource,
             views=[View(instrument_name=name, aggregation_cardinality_limit=config.max_metric_series) for name in per_rank],
@@ -162,6 +164,10 @@ class DetectorTelemetry:
             contract.METRIC_JOB_HANG, [self._observe_hangs],
             description="1 while a hang is declared for the job, per culprit (training.rank -1: none stands out); "
                         "0 once progress resumed")
+        meter.create_observable_gauge(
+            contract.METRIC_JOB_SLOWDOWN, [self._observe_job_slowdown],
+            description="the cohort's latest window step time (time per token where reported) over its own "
+                        "baseline (1.36 = 36% slower)")
         meter.create_observable_counter(
             contract.METRIC_DETECTOR_SPANS, [self._observe_health("spans", "outcome", only=SPAN_OUTCOMES)],
             description="spans reaching the detector, by outcome")
@@ -251,6 +257,10 @@ class DetectorTelemetry:
             yield Observation(1 if state.active else 0, {
                 contract.JOB_ID: state.job_id, contract.RANK: state.rank, contract.HOST_NAME: state.host,
                 contract.LOCAL_RANK: state.local_rank, contract.STAGE: state.stage, "reason": state.reason})
+
+    def _observe_job_slowdown(self, options: CallbackOptions) -> Iterable[Observation]:
+        for state in self._job_slowdown_states():
+            yield Observation(state.ratio, {contract.JOB_ID: state.job_id, contract.COHORT: state.cohort})
 
     def _observe_health(self, section: str, attribute: str, only: Iterable[str] = (), prefix: str = "") -> Callable:
         wanted = set(only)

@@ -27,6 +27,13 @@ def test_verdict_lines():
     assert verdict_line(lost).startswith("HANG: no interval ended for 31 s: rank 1 on node-0 is gone (no heartbeats")
     assert verdict_line(verdict(1, 2, kind="recovered", reason="progress_resumed")) == \
         "RESUMED: rank 1 is making progress again"
+    slower = verdict(None, 14, kind="job_slowdown", stage="all-grads-sync", reason="slower_than_baseline",
+                     slowdown=1.36, rank_ms=378.0, reference_ms=278.0)
+    assert verdict_line(slower) == ("JOB SLOWDOWN: every rank alike, 1.36x its own baseline (378 vs 278 ms), "
+                                    "most in all-grads-sync, at window 14")
+    assert verdict_line(dict(slower, stage="*")).endswith("(378 vs 278 ms), at window 14")
+    assert verdict_line(verdict(None, 20, kind="recovered", stage="*", reason="back_to_baseline")) == \
+        "RECOVERED: the job is back to its own baseline at window 20"
 
 
 def test_a_stall_shows_as_it_grows():

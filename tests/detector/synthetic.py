@@ -78,6 +78,7 @@ class SyntheticJob:
     tokens: Optional[int] = None  # tokens per step reported on every span; None: not reported
     noise: Optional[HostNoise] = None  # replaces `jitter` when set
     _slowdowns: dict = field(default_factory=dict)
+    _collective_delays: list = field(default_factory=list)
     _tokens_by_rank: dict = field(default_factory=dict)
     _stage_jitter: dict = field(default_factory=dict)
 
@@ -87,6 +88,19 @@ class SyntheticJob:
         `factor` for steps [from_step, to_step]; `on` picks host, device or both durations."""
         self._slowdowns.setdefault(rank, []).append(
             _Slowdown(factor, frozenset(stages) if stages is not None else None, from_step, to_step, on))
+        return self
+
+    def collective_delay(self, extra_ms: float, *, from_step: int = 0, to_step: Optional[int] = None) -> "SyntheticJob":
+        """Every rank's collectives take `extra_ms` longer in steps [from_step, to_step]: a slower
+        network, the whole job alike."""
+        self._collective_delays.append((extra_ms, from_step, to_step))
+        return self
+
+    def everyone_slower(self, factor: float, *, stages: Optional[Sequence[str]] = None, from_step: int = 0,
+                        to_step: Optional[int] = None) -> "SyntheticJob":
+        """`slow` for every rank: the whole job's compute alike (a software rollout, a drift)."""
+        for rank in range(self.first_rank, self.first_rank + self.ranks):
+            self.slow(rank, factor, stages=stages, from_step=from_step, to_step=to_step)
         return self
 
     def workload(self, rank: int, tokens) -> "SyntheticJob":
@@ -159,9 +173,11 @@ class SyntheticJob:
         # over from the previous step's stages after its last collective), so the stages after a
         # collective run on each rank's own time until the next one
         since_sync = self._since_sync
+        delay = sum(extra for extra, first, last in self._collective_delays
+                    if step >= first and (last is None or step <= last))
         for stage_index, stage in enumerate(self.stages):
             if stage.collective:
-                wait = since_sync.max() - since_sync
+                wait = since_sync.max() - since_sync + delay
                 host[:, stage_index] += wait
                 device[:, stage_index] += wait
                 since_sync = np.zeros(self.ranks)

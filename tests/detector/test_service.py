@@ -149,6 +149,9 @@ def test_verdict_metrics_and_events_are_exported_over_otlp(tmp_path, monkeypatch
         assert {"verdict", "reason", contract.STAGE, contract.RANK, contract.JOB_ID, contract.HOST_NAME} == \
             set(verdict_counts[0])
         assert [value for attributes, value in points[contract.METRIC_JOB_HANG]][-1:] == [0]  # watched, no hang
+        # the job is slower while rank 3 is, but that is rank 3's alert (no job_slowdown verdict)
+        assert {(attributes[contract.JOB_ID], attributes[contract.COHORT])
+                for attributes, _ in points[contract.METRIC_JOB_SLOWDOWN]} == {("job-1", "tp0-pp0")}
         spans = {attributes["outcome"]: value for attributes, value in points[contract.METRIC_DETECTOR_SPANS]}
         assert spans["accepted"] == RANKS * 5 * 40 and spans["malformed"] == 0
         for health in ("straggler.detector.windows.closed", "straggler.detector.ingest.lag",
@@ -226,5 +229,7 @@ def test_the_prometheus_endpoint_serves_the_names_the_alert_rules_use(tmp_path):
                      r'training_stage="[^"]+",training_rank="3",host_name="node-0"\} 1$', text, re.MULTILINE)
     assert re.search(r'^straggler_job_hang\{training_job_id="job-1",training_rank="-1",host_name="",'
                      r'training_local_rank="-1",training_stage="\*",reason="none"\} 0$', text, re.MULTILINE)
+    assert re.search(r'^straggler_job_slowdown\{training_job_id="job-1",training_cohort="tp0-pp0"\} [0-9.]+$',
+                     text, re.MULTILINE)
     assert f'straggler_detector_spans_total{{outcome="accepted"}} {RANKS * 5 * 40}' in text
     assert "# TYPE straggler_detector_ingest_lag_seconds histogram" in text

@@ -164,6 +164,16 @@ def send_hang_metrics(endpoint: str, job_id: str, culprit: int, stage: str = "ba
     _flush(provider)
 
 
+def send_job_slowdown_metrics(endpoint: str, job_id: str, cohort: str, ratio: float,
+                              instance: str = "shard-test") -> None:
+    """One export of `straggler.job.slowdown` (CONTRACT §3b): a cohort's latest window over its own
+    baseline, as the detector reports it once a baseline exists."""
+    provider, meter = _detector_meter(endpoint, instance)
+    slowdown = meter.create_gauge("straggler.job.slowdown", description="latest window over the cohort's baseline")
+    slowdown.set(ratio, {"training.job.id": job_id, "training.cohort": cohort})
+    _flush(provider)
+
+
 def send_verdict_event(endpoint: str, job_id: str, rank: int) -> None:
     """One `straggler.verdict` log event with evidence-file fields as attributes (CONTRACT §3c)."""
     provider = LoggerProvider(resource=Resource.create({"service.name": "otel-straggler-detector"}))

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from . import services
-from .telemetry import Rank, send_detector_metrics, send_hang_metrics, send_rank_steps, send_verdict_event
+from .telemetry import (Rank, send_detector_metrics, send_hang_metrics, send_job_slowdown_metrics, send_rank_steps,
+                        send_verdict_event)
 
 pytestmark = pytest.mark.services
 
@@ -90,13 +91,21 @@ def test_detector_metrics_reach_prometheus_and_every_panel_has_data(pipeline):
     assert {(s["metric"]["training_rank"], s["metric"]["host_name"], s["metric"]["training_local_rank"])
             for s in series} == {(str(rank), "node-0", str(rank)) for rank in range(4)}
 
-    # A hang of the same job, rank 5 the culprit: its own gauge, one series per culprit.
+    # A hang of the same job, rank 5 the culprit: its own gauge, one series per culprit. And the
+    # job against its baseline, one series per cohort (sent together: one wait for both).
     send_hang_metrics(pipeline.collector_grpc, job_id, culprit=5)
+    send_job_slowdown_metrics(pipeline.collector_grpc, job_id, cohort="tp0-pp0", ratio=1.36)
     hang = services.wait_until(lambda: services.prometheus_query(
         pipeline.prometheus_url, f'straggler_job_hang{{training_job_id="{job_id}"}}'), DEADLINE_S, what="straggler_job_hang")
     assert len(hang) == 1 and {
         "training_job_id": job_id, "training_rank": "5", "host_name": "node-0", "training_local_rank": "5",
         "training_stage": "batch-generator", "reason": "never_entered_collective"}.items() <= hang[0]["metric"].items()
+    job_slowdown = services.wait_until(lambda: services.prometheus_query(
+        pipeline.prometheus_url, f'straggler_job_slowdown{{training_job_id="{job_id}"}}'), DEADLINE_S,
+        what="straggler_job_slowdown")
+    assert len(job_slowdown) == 1 and float(job_slowdown[0]["value"][1]) == 1.36
+    assert {"training_job_id": job_id, "training_cohort": "tp0-pp0", "job": "otel-straggler-detector",
+            "instance": "shard-test"}.items() <= job_slowdown[0]["metric"].items()
 
     for name in ("straggler_rank_slowdown", "straggler_verdicts_total", "straggler_detector_spans_total"):
         assert services.wait_until(lambda: services.prometheus_query(pipeline.prometheus_url, name), DEADLINE_S,

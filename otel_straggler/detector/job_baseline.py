@@ -1,0 +1,189 @@
+"""`job_slowdown`: a cohort slower than its own baseline, every rank alike, nobody to blame.
+
+Per judged window, the cohort's pace is the median over its ranks of each rank's step period: the
+time between the ends of its consecutive steps in the window (divided by the steps between them
+when one is missing), so untimed work and waits count, nesting does not, and one pause (a
+checkpoint) moves a median little. With one step per window the period is the time its intervals
+cover. Where every rank reports tokens, the pace is time per token instead, so a change of batch
+size is no slowdown.
+
+The baseline is the median pace of the cohort's first BASELINE_WINDOWS windows after warmup, then
+follows the cohort slowly (BASELINE_WEIGHT per window) through windows within the threshold only:
+a drift of a few percent is absorbed and never fires, a step change is not. A new incarnation or
+topology epoch is a new cohort, so a restart or re-shard starts a new baseline; so does a switch
+between step time and time per token.
+
+A window is over when pace > baseline x (1 + job_slowdown_threshold). `job_slowdown` after
+persist_windows consecutive windows over with no rank to blame (no straggler alert active, no
+rank slow or last to arrive in the window: one slow rank makes every rank wait, and its own
+alert says more); `recovered`/`back_to_baseline` at the first window back within the threshold.
+The verdict names the stage whose per-interval median (over ranks) grew most over its own
+baseline when it holds at least half of the growth, else `*`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from otel_straggler import contract
+from otel_straggler.detector.config import DetectorConfig
+from otel_straggler.detector.grouped import grouped_medians, grouped_medians_signed
+from otel_straggler.detector.observation import Verdict
+
+REASON_SLOWER_THAN_BASELINE = "slower_than_baseline"
+REASON_BACK_TO_BASELINE = "back_to_baseline"
+BASELINE_WINDOWS = 5  # windows whose median pace is the first baseline
+BASELINE_WEIGHT = 0.1  # how far each window within the threshold moves the baseline
+STAGE_SHARE = 0.5  # share of the stages' growth one stage must hold to be named
+TIMING_HOST = "host"  # paces are host time
+
+
+@dataclass
+class JobBaseline:
+    """One cohort's pace baseline and job_slowdown alert."""
+    per_token: Optional[bool] = None  # the baseline's unit: time per token, or step time
+    windows: int = 0  # windows with a pace, warmup included
+    first: list = field(default_factory=list)  # paces of the first windows, until the baseline forms
+    first_stages: list = field(default_factory=list)
+    baseline: float = float("nan")
+    stage_baseline: dict = field(default_factory=dict)  # stage code -> ms
+    streak: int = 0
+    active: bool = False
+    ratio: Optional[float] = None  # latest window's pace over the baseline (straggler.job.slowdown)
+
+
+@dataclass
+class Pace:
+    """One window's pace of a cohort: ms per step (or per token) and each stage's median."""
+    value: float
+    per_token: bool
+    stages: dict  # stage code -> median ms over ranks of the ranks' per-interval medians
+
+
+def window_pace(rows, layout, slot_count: int, tokens_by_slot: np.ndarray, present: np.ndarray,
+                stage_codes: np.ndarray, stage_host: np.ndarray) -> Optional[Pace]:
+    """The pace of a closed window (None: no rank has a period in it). tokens_by_slot: each slot's
+    tokens per step (nan: not reported); stage_codes, stage_host: the window's (stage code, rank)
+    entries and their per-interval medians."""
+    keys = np.frombuffer(rows.keys, dtype=np.int64)
+    if keys.size == 0:
+        return None
+    end = np.frombuffer(rows.end_unix_nano, dtype=np.int64)
+    host = np.frombuffer(rows.host_ms, dtype=np.float64)
+    _, _, slot, step_offset = layout.unpack(keys)
+    steps = layout.window_steps
+    bins = slot * steps + step_offset
+    step_end = np.zeros(slot_count * steps, dtype=np.int64)
+    np.maximum.at(step_end, bins, end)
+    step_end = step_end.reshape(slot_count, steps)
+    if steps > 1:
+        period_slots, period_ms = [], []
+        previous_end = np.zeros(slot_count, dtype=np.int64)
+        previous_step = np.full(slot_count, -1)
+        for offset in range(steps):
+            here = step_end[:, offset] > 0
+            follows = np.flatnonzero(here & (previous_step >= 0))
+            period_slots.append(follows)
+            period_ms.append((step_end[follows, offset] - previous_end[follows])
+                             / (offset - previous_step[follows]) / 1e6)
+            previous_end[here] = step_end[here, offset]
+            previous_step[here] = offset
+        groups, medians = grouped_medians_signed(np.concatenate(period_slots), np.concatenate(period_ms))
+        per_slot = np.full(slot_count, np.nan)
+        per_slot[groups] = medians
+    else:  # one step per window: the time its intervals cover
+        start = np.full(slot_count, np.iinfo(np.int64).max)
+        np.minimum.at(start, slot, end - (host * 1e6).astype(np.int64))
+        per_slot = np.where(step_end[:, 0] > 0, (step_end[:, 0] - start) / 1e6, np.nan)
+    ranks = present & np.isfinite(per_slot) & (per_slot > 0)
+    if not ranks.any():
+        return None
+    tokens = tokens_by_slot[ranks]
+    per_token = bool(np.all(np.isfinite(tokens) & (tokens > 0)))
+    values = per_slot[ranks] / tokens if per_token else per_slot[ranks]
+    stages = {}
+    if stage_codes.size:
+        codes, medians = grouped_medians(stage_codes, stage_host)
+        stages = {int(code): float(median) for code, median in zip(codes.tolist(), medians.tolist())
+                  if np.isfinite(median)}
+    return Pace(float(np.median(values)), per_token, stages)
+
+
+def judge_pace(baseline: JobBaseline, pace: Optional[Pace], blamed: bool, cohort, window: int,
+               config: DetectorConfig, now: int) -> list[Verdict]:
+    """Updates `baseline` with one window's pace; the verdicts it gives (at most one)."""
+    if pace is None:
+        return []
+    baseline.windows += 1
+    if baseline.windows <= config.warmup_windows:  # startup: compilation, allocator, first loads
+        return []
+    if baseline.per_token is not None and pace.per_token != baseline.per_token:
+        _restart(baseline)  # its unit changed: the old baseline says nothing about the new pace
+    baseline.per_token = pace.per_token
+    if baseline.first is not None:
+        baseline.first.append(pace.value)
+        baseline.first_stages.append(pace.stages)
+        if len(baseline.first) < BASELINE_WINDOWS:
+            return []
+        baseline.baseline = float(np.median(baseline.first))
+        for code in set().union(*baseline.first_stages):
+            values = [stages[code] for stages in baseline.first_stages if code in stages]
+            baseline.stage_baseline[code] = float(np.median(values))
+        baseline.first = baseline.first_stages = None
+        baseline.ratio = pace.value / baseline.baseline
+        return []
+    ratio = pace.value / baseline.baseline
+    baseline.ratio = ratio
+    over = ratio > 1.0 + config.job_slowdown_threshold
+    verdicts = []
+    if over:
+        baseline.streak = 0 if blamed else baseline.streak + 1
+        if not baseline.active and baseline.streak >= config.persist_windows:
+            baseline.active = True
+            verdicts.append(_verdict(baseline, pace, cohort, window, now, contract.VERDICT_JOB_SLOWDOWN,
+                                     REASON_SLOWER_THAN_BASELINE, _grown_stage(baseline, pace, cohort)))
+        return verdicts
+    baseline.streak = 0
+    if baseline.active:
+        baseline.active = False
+        verdicts.append(_verdict(baseline, pace, cohort, window, now, contract.VERDICT_RECOVERED,
+                                 REASON_BACK_TO_BASELINE, contract.WHOLE_STEP_STAGE))
+    if not blamed:  # follow a slow drift, never a straggler's effect
+        baseline.baseline += BASELINE_WEIGHT * (pace.value - baseline.baseline)
+        for code, value in pace.stages.items():
+            known = baseline.stage_baseline.get(code)
+            baseline.stage_baseline[code] = value if known is None else known + BASELINE_WEIGHT * (value - known)
+    return verdicts
+
+
+def _restart(baseline: JobBaseline) -> None:
+    baseline.first, baseline.first_stages = [], []
+    baseline.baseline = float("nan")
+    baseline.stage_baseline = {}
+    baseline.streak = 0
+    baseline.active = False
+    baseline.ratio = None
+
+
+def _grown_stage(baseline: JobBaseline, pace: Pace, cohort) -> str:
+    growth = {code: value - baseline.stage_baseline[code] for code, value in pace.stages.items()
+              if code in baseline.stage_baseline and value > baseline.stage_baseline[code]}
+    if not growth:
+        return contract.WHOLE_STEP_STAGE
+    code = max(growth, key=growth.__getitem__)
+    name = cohort.stage_names[code // 2] if code // 2 < len(cohort.stage_names) else None
+    if name is None or growth[code] < STAGE_SHARE * sum(growth.values()):
+        return contract.WHOLE_STEP_STAGE
+    return name
+
+
+def _verdict(baseline: JobBaseline, pace: Pace, cohort, window: int, now: int, kind: str, reason: str,
+             stage: str) -> Verdict:
+    return Verdict(
+        time_unix_nano=now, job_id=cohort.job_id, cohort=cohort.name, stage=stage, rank=None, window=window,
+        verdict=kind, reason=reason, slowdown=round(pace.value / baseline.baseline, 4),
+        gap_ms=round(pace.value - baseline.baseline, 4), rank_ms=round(pace.value, 4),
+        reference_ms=round(baseline.baseline, 4), reference_ranks=(), timing=TIMING_HOST,
+        attribution=contract.ATTRIBUTION_UNKNOWN, workload_comparable=None)

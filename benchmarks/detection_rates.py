@@ -56,16 +56,21 @@ WINDOW_STEPS = DetectorConfig().window_steps
 CHANGE_WINDOW = 20  # job slowdown scenarios: the window the job changes in
 
 
-def onsets(observations: list, ranks: int, quantile: float) -> dict[int, int]:
-    """rank -> window of its first straggler verdict."""
-    engine = Engine(DetectorConfig(reference_quantile=quantile))
+def judged(observations: list, ranks: int, config: DetectorConfig) -> list:
+    """Every verdict, ingesting one step of input at a time and advancing the clock 0.1 s after each."""
+    engine = Engine(config)
     chunk = ranks * len(STAGES)
     verdicts, now = [], 0
     for start in range(0, len(observations), chunk):
         engine.ingest_many(observations[start:start + chunk])
         now += STEP_NS
         verdicts += engine.advance(now)
-    verdicts += engine.drain(now + STEP_NS)
+    return verdicts + engine.drain(now + STEP_NS)
+
+
+def onsets(observations: list, ranks: int, quantile: float) -> dict[int, int]:
+    """rank -> window of its first straggler verdict."""
+    verdicts = judged(observations, ranks, DetectorConfig(reference_quantile=quantile))
     first: dict[int, int] = {}
     for verdict in verdicts:
         if verdict.verdict == contract.VERDICT_STRAGGLER:
@@ -142,15 +147,7 @@ def detection(pool: Executor, scenario: Scenario, seeds: int, windows: int) -> d
 
 def job_verdicts(scenario: Scenario, seed: int, windows: int) -> tuple[list[int], set[int]]:
     """(windows of the job_slowdown verdicts, ranks named stragglers) for one seed, default config."""
-    observations = scenario.job(seed).observations(windows * WINDOW_STEPS)
-    engine = Engine(DetectorConfig())
-    chunk = scenario.ranks * len(STAGES)
-    verdicts, now = [], 0
-    for start in range(0, len(observations), chunk):
-        engine.ingest_many(observations[start:start + chunk])
-        now += STEP_NS
-        verdicts += engine.advance(now)
-    verdicts += engine.drain(now + STEP_NS)
+    verdicts = judged(scenario.job(seed).observations(windows * WINDOW_STEPS), scenario.ranks, DetectorConfig())
     return ([v.window for v in verdicts if v.verdict == contract.VERDICT_JOB_SLOWDOWN],
             {v.rank for v in verdicts if v.verdict == contract.VERDICT_STRAGGLER})
 

@@ -19,6 +19,7 @@ import pytest
 from otel_straggler import contract
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.service import DetectorService
+from otel_straggler.detector.windows import Cohort
 
 from . import services
 from .training import TrainingRanks, clean_environment
@@ -134,7 +135,27 @@ def test_a_frozen_rank_is_named_as_lost(tmp_path):
     assert (hangs[0].host, hangs[0].local_rank) == (socket.gethostname(), 2)
 
 
-def test_a_pause_of_every_rank_shorter_than_the_timeout_is_no_hang(tmp_path):
+def test_a_pause_of_every_rank_shorter_than_the_timeout_is_no_hang(tmp_path, monkeypatch):
+    # what the windows did, for the message of a failure: (time, closed window, its rows, each
+    # rank's latest window), and the windows that late spans were for
+    closes, late_for = [], set()
+    real_close, real_open = Cohort._close, Cohort.open_window
+
+    def close(cohort, window):
+        rows = real_close(cohort, window)
+        latest = {entry.rank: entry.latest_window for entry in cohort.slot_entries if entry is not None}
+        closes.append((round(time.monotonic(), 2), window, len(rows), latest))
+        return rows
+
+    def open_window(cohort, window):
+        rows = real_open(cohort, window)
+        if rows is None:
+            late_for.add(window)
+        return rows
+
+    monkeypatch.setattr(Cohort, "_close", close)
+    monkeypatch.setattr(Cohort, "open_window", open_window)
+
     def pause(rank: int) -> dict:  # every rank sits 20 s in the optimizer stage at step 15, as at a checkpoint
         return {"OTEL_STRAGGLER_INJECT_RANK": str(rank), "OTEL_STRAGGLER_INJECT_STAGE": "optimizer",
                 "OTEL_STRAGGLER_INJECT_FROM_STEP": "15", "OTEL_STRAGGLER_INJECT_BLOCK_S": "20"}
@@ -152,7 +173,7 @@ def test_a_pause_of_every_rank_shorter_than_the_timeout_is_no_hang(tmp_path):
     assert detector.of(contract.VERDICT_HANG) == []
     # and the windows around it are judged whole: nothing late, no rank silent
     assert status["engine"]["late"] == 0 and detector.of(contract.VERDICT_SILENT) == [], \
-        f"{status['engine']}\n{status['spans']}\n{job.log_tails()}"
+        f"{status['engine']}\n{status['spans']}\nlate for windows {sorted(late_for)}; closes {closes}\n{job.log_tails()}"
 
 
 def test_a_torchrun_restart_from_a_checkpoint_is_judged_again(tmp_path):

@@ -204,6 +204,10 @@ def test_idle_scrape_connections_are_bounded_and_taken_back(tmp_path, monkeypatc
                 except (OSError, urllib.error.HTTPError):
                     assert time.monotonic() < deadline
                     time.sleep(0.2)
+            # the first slot freed lets the scrape in; the rest are shut at their own deadlines
+            # (their threads started at different times), each seen here as the server's EOF
+            for connection in idle:
+                assert connection.recv(4096) == b""
         finally:
             for connection in idle:
                 connection.close()

@@ -24,6 +24,14 @@ every rank computes 20% slower (a software rollout), every rank 2% then (window 
 drift: no verdict wanted), one rank 50% slower (a straggler: its alert, no job verdict), and the
 healthy and busy-host jobs above: share of seeds with `job_slowdown`, median windows from the
 change to it, `job_slowdown` verdicts where none is wanted per 10,000 cohort-windows, stragglers named.
+Intermittent stragglers and streams real clusters send (default config, from window 20): one
+rank slower in a share of its steps only (intermittent.py); a whole node of 8 ranks, a quarter of
+the ranks, one rank's data loading 20 -> 36 ms, one rank's backward slower on the device only
+(host intervals unchanged), one rank +10% with a fifth of all intervals missing their device
+duration; and healthy jobs with spikes on every rank: share of seeds in which every wanted rank
+was flagged (with the wanted reason or timing) within 5 windows, median windows from the change to
+the last of them, and ranks flagged that should not be, per 10,000 rank-windows (all rules, and
+those flagged as intermittent).
 Reference choices: the median of the comparable peers (the default), their 25th percentile, and the
 fastest peer (quantile 0). The rank under test is always left out of its own reference. Seeds run in
 `--jobs` processes (default: one per core); the figures do not depend on how many.
@@ -45,6 +53,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from otel_straggler import contract  # noqa: E402
 from otel_straggler.detector.config import DetectorConfig  # noqa: E402
 from otel_straggler.detector.engine import Engine  # noqa: E402
+from otel_straggler.detector.judge import REASON_INTERMITTENT  # noqa: E402
 from tests.detector.host_noise import BusyHost, HostNoise  # noqa: E402
 from tests.detector.synthetic import LARGE_MODEL_STAGES as STAGES, SyntheticJob  # noqa: E402
 
@@ -53,7 +62,8 @@ STEP_NS = 100_000_000
 HOST_NOISE = HostNoise()  # the defaults: see tests/detector/host_noise.py
 NOISY_SLOW_STAGE = "backward-compute"
 WINDOW_STEPS = DetectorConfig().window_steps
-CHANGE_WINDOW = 20  # job slowdown scenarios: the window the job changes in
+CHANGE_WINDOW = 20  # job slowdown, intermittent and stream scenarios: the window the job changes in
+WINDOWS_TO_ALERT = 5  # the intermittent target: flagged within 5 windows of the change
 
 
 def judged(observations: list, ranks: int, config: DetectorConfig) -> list:
@@ -169,6 +179,71 @@ def print_job_slowdown(pool: Executor, rows, seeds: int, windows: int) -> None:
               f"{unwanted / judged * 1e4:>15.1f}{stragglers:>12}")
 
 
+@dataclass(frozen=True)
+class Incident:
+    """Some ranks of a 64-rank job slower from CHANGE_WINDOW on, in `share` of their steps, and the
+    verdict wanted for each: a straggler with `reason` (any when None) and `timing` (any when None)."""
+    ranks: int
+    seed_base: int
+    slow_ranks: tuple = ()
+    factor: float = 1.0
+    stages: Optional[tuple[str, ...]] = None  # None: every compute stage
+    share: float = 1.0
+    on: str = "both"
+    noise: Optional[HostNoise] = None
+    spikes: Optional[tuple[float, float]] = None  # (share of (rank, step) pairs, factor) on every rank
+    without_device: float = 0.0  # share of all intervals that carry no device duration
+    reason: Optional[str] = None
+    timing: Optional[str] = None
+
+    def observations(self, seed: int, windows: int) -> list:
+        job = SyntheticJob(ranks=self.ranks, stages=STAGES, seed=self.seed_base + seed, noise=self.noise)
+        if self.spikes is not None:
+            job.spikes(*self.spikes)
+        for rank in self.slow_ranks:
+            job.slow(rank, self.factor, stages=self.stages, from_step=CHANGE_WINDOW * WINDOW_STEPS,
+                     share=self.share, on=self.on)
+        observations = job.observations(windows * WINDOW_STEPS)
+        if self.without_device:
+            dropped = np.random.default_rng([self.seed_base + seed, 0xDE5]).random(len(observations)) < self.without_device
+            observations = [o._replace(device_ms=None) if drop else o for o, drop in zip(observations, dropped.tolist())]
+        return observations
+
+
+def incident_alerts(incident: Incident, seed: int, windows: int) -> tuple[dict[int, int], set[int], set[int]]:
+    """(wanted rank -> window of its first wanted verdict, ranks flagged that are not wanted, those
+    of them flagged as intermittent)."""
+    verdicts = judged(incident.observations(seed, windows), incident.ranks, DetectorConfig())
+    first: dict[int, int] = {}
+    unwanted, unwanted_intermittent = set(), set()
+    for verdict in verdicts:
+        if verdict.verdict != contract.VERDICT_STRAGGLER:
+            continue
+        if verdict.rank not in incident.slow_ranks:
+            unwanted.add(verdict.rank)
+            if verdict.reason == REASON_INTERMITTENT:
+                unwanted_intermittent.add(verdict.rank)
+        elif verdict.window >= CHANGE_WINDOW and (incident.reason in (None, verdict.reason)) and \
+                (incident.timing in (None, verdict.timing)):
+            first.setdefault(verdict.rank, verdict.window)
+    return first, unwanted, unwanted_intermittent
+
+
+def print_incidents(pool: Executor, rows, seeds: int, windows: int) -> None:
+    print(f"{'scenario':<52}{'caught':>8}{'windows':>9}{'false /10k':>12}{'intermittent':>14}")
+    for label, incident in rows:
+        results = list(pool.map(incident_alerts, [incident] * seeds, range(seeds), [windows] * seeds))
+        delays = [max(first[rank] for rank in incident.slow_ranks) - CHANGE_WINDOW + 1
+                  for first, _, _ in results if incident.slow_ranks and set(first) == set(incident.slow_ranks)]
+        caught = sum(delay <= WINDOWS_TO_ALERT for delay in delays)
+        unwanted = sum(len(ranks) for _, ranks, _ in results)
+        unwanted_intermittent = sum(len(ranks) for _, _, ranks in results)
+        rank_windows = seeds * incident.ranks * (windows - DetectorConfig().warmup_windows)
+        print(f"{label:<52}{f'{caught / seeds:.0%}' if incident.slow_ranks else '-':>8}"
+              f"{f'{statistics.median(delays):g}' if delays else '-':>9}{unwanted / rank_windows * 1e4:>12.1f}"
+              f"{unwanted_intermittent / rank_windows * 1e4:>14.1f}")
+
+
 def describe(noise: HostNoise) -> str:
     return (f"each rank drifting (AR(1), {noise.drift_std:.1%} std dev, correlation time "
             f"{noise.drift_steps / WINDOW_STEPS:g} windows), Student-t (df {noise.jitter_df:g}) jitter of "
@@ -255,6 +330,34 @@ def main() -> int:
             ("healthy", Scenario(ranks, 1000), False),
             ("healthy, drifting heavy-tailed noise", Scenario(ranks, 3000, noise=HOST_NOISE), False),
             ("same, busy host", Scenario(ranks, 3000, noise=with_busy_host), False),
+        ), seeds, windows)
+
+        print(f"\nintermittent stragglers and streams real clusters send at {ranks} ranks (changes from window "
+              f"{CHANGE_WINDOW}): share of seeds with every wanted rank flagged within {WINDOWS_TO_ALERT} windows, "
+              f"median windows from the change, ranks wrongly flagged per 10,000 rank-windows")
+        slow = NOISY_SLOW_STAGE
+        print_incidents(pool, (
+            ("one rank +50% in 30% of its steps (backward)", Incident(
+                ranks, 5000, (ranks // 3,), 1.5, (slow,), 0.3, reason=REASON_INTERMITTENT)),
+            ("one rank +50% in 20% of its steps", Incident(
+                ranks, 5000, (ranks // 3,), 1.5, (slow,), 0.2, reason=REASON_INTERMITTENT)),
+            ("one rank +100% in 10% of its steps", Incident(
+                ranks, 5000, (ranks // 3,), 2.0, (slow,), 0.1, reason=REASON_INTERMITTENT)),
+            ("one rank +50% in 30%, drifting heavy-tailed noise", Incident(
+                ranks, 3000, (ranks // 3,), 1.5, (slow,), 0.3, noise=HOST_NOISE, reason=REASON_INTERMITTENT)),
+            (f"{args.large_ranks} healthy ranks, 1% of steps one stage 3x", Incident(
+                args.large_ranks, 6000, spikes=(0.01, 3.0))),
+            ("healthy, noise as above with 4x the spikes (2%)", Incident(
+                ranks, 3000, noise=replace(HOST_NOISE, spike_rate=0.02))),
+            ("healthy, 4x the spikes, busy host", Incident(
+                ranks, 3000, noise=replace(with_busy_host, spike_rate=0.02))),
+            ("a whole node (8 ranks) +10%", Incident(ranks, 5000, tuple(range(8, 16)), 1.10)),
+            ("a quarter of the ranks +10%", Incident(ranks, 5000, tuple(range(ranks // 4)), 1.10)),
+            ("one rank's data loading 20 -> 36 ms", Incident(ranks, 5000, (ranks // 3,), 1.8, ("data-load",))),
+            ("one rank's backward +30% on the device only", Incident(
+                ranks, 5000, (ranks // 3,), 1.3, (slow,), on="device", timing="device")),
+            ("one rank +10%, a fifth of intervals without device", Incident(
+                ranks, 5000, (ranks // 3,), 1.10, without_device=0.2)),
         ), seeds, windows)
     return 0
 

@@ -65,6 +65,7 @@ VERDICT_FIELDS = (
     "slowdown", "gap_ms", "rank_ms", "reference_ms", "reference_ranks", "timing",
     "attribution", "workload_comparable",
     "host", "local_rank", "gpu", "stalled_s",  # v1.1
+    "slow_steps",  # added here: an intermittent straggler's slow steps (docs/detection.md)
 )
 
 ATTRIBUTION_GPU = "gpu_stream_stall"

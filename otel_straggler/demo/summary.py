@@ -49,13 +49,20 @@ def other_alerts(run: Optional[RunRecord], verdicts: Iterable[Verdict]) -> list[
 
 
 def describe_alert(alert: Verdict) -> str:
-    """'rank 2 in forward-compute at window 4 (1.31x its peers, +9.4 ms)'."""
+    """'rank 2 in forward-compute at window 4 (1.31x its peers, +9.4 ms)'; for an intermittent
+    straggler '(slow in 11 of 60 steps, its peers in 0.0%; those steps 1.50x, +15.1 ms)'."""
     numbers = []
+    slow_steps = alert.get("slow_steps")
     if isinstance(alert.get("slowdown"), (int, float)):
-        numbers.append(f"{alert['slowdown']:.2f}x its peers")
+        numbers.append(f"{alert['slowdown']:.2f}x" + ("" if slow_steps else " its peers"))
     if isinstance(alert.get("gap_ms"), (int, float)):
         numbers.append(f"{alert['gap_ms']:+.1f} ms")
     detail = f" ({', '.join(numbers)})" if numbers else ""
+    if isinstance(slow_steps, dict) and slow_steps.get("steps"):
+        peers = slow_steps.get("peer_share")
+        detail = (f" (slow in {slow_steps['slow']} of {slow_steps['steps']} steps"
+                  + (f", its peers in {peers:.1%}" if isinstance(peers, (int, float)) else "")
+                  + (f"; those steps {', '.join(numbers)})" if numbers else ")"))
     return f"rank {alert['rank']} in {stage_phrase(alert['stage'])} at window {alert['window']}{detail}"
 
 

@@ -23,6 +23,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("min_gap_ms", float, 5.0, "slow also needs rank median - reference > this many ms", 0.0, 3_600_000.0),
     Setting("false_alarm_rate", float, 0.05, "slow also needs a deviation beyond the cohort's own noise: z x its robust spread, z the normal quantile 1 - this / (comparisons in the window)", 1e-9, 0.5),
     Setting("persist_windows", int, 3, "consecutive slow windows before a straggler alert", 1, 1000),
+    Setting("intermittent_threshold", float, 0.25, "a slow step (intermittent stragglers) is over the median of its step's ranks by more than this, and by min_gap_ms", 0.01, 100.0),
     Setting("job_slowdown_threshold", float, 0.15, "`job_slowdown` when a cohort's step time (time per token where tokens are reported) is over its own baseline by more than this for persist_windows windows", 0.01, 10.0),
     Setting("warmup_windows", int, 2, "each rank's first windows are not judged", 0, 1000),
     Setting("work_tolerance", float, 0.1, "ranks are comparable when tokens per step differ by at most this fraction", 0.0, 10.0),
@@ -74,6 +75,7 @@ class DetectorConfig:
     min_gap_ms: float = 5.0
     false_alarm_rate: float = 0.05
     persist_windows: int = 3
+    intermittent_threshold: float = 0.25
     job_slowdown_threshold: float = 0.15
     warmup_windows: int = 2
     work_tolerance: float = 0.1

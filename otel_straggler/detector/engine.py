@@ -385,7 +385,8 @@ class Engine:
             slot_count = len(cohort.slot_entries)
             code_count = min(2 * len(cohort.stage_names), verdict_state.alert.shape[0])
             slowdown = verdict_state.slowdown[:code_count, :slot_count]
-            alert = verdict_state.alert[:code_count, :slot_count]
+            alert = verdict_state.alert[:code_count, :slot_count] | \
+                verdict_state.intermittent.alert[:code_count, :slot_count]
             codes, slots = np.nonzero(~np.isnan(slowdown) | alert)
             for code, slot, value, active in zip(codes.tolist(), slots.tolist(),
                                                  slowdown[codes, slots].tolist(), alert[codes, slots].tolist()):

@@ -20,6 +20,8 @@ are built only for the few pairs whose state changes. Per pair and window:
 Verdicts emitted (healthy windows emit nothing; the live slowdown gauge updates every window):
 - `straggler`/`slow_vs_peers` when a pair is slow for persist_windows consecutive usable windows
   (a rank's first warmup_windows windows are not judged at all; an unusable window breaks a streak);
+- `straggler`/`intermittent` for a pair slow in a share of its steps well beyond its peers' while
+  its median does not move (intermittent.py), and its `recovered`/`within_tolerance`;
 - `recovered`/`within_tolerance` at the first usable window back within the relative threshold
   while an alert is active; an unusable window, or one over the ratio but under the floor, holds it;
 - `uncertain`/`recovery_evidence_insufficient` when an active alert meets an unusable window;
@@ -47,12 +49,14 @@ import numpy as np
 from otel_straggler import contract
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.grouped import dense_groups, grouped_medians, grouped_medians_signed
+from otel_straggler.detector.intermittent import IntermittentState, SlowSteps, count_slow_steps, judge_intermittent
 from otel_straggler.detector.job_baseline import JobBaseline, judge_pace, window_pace
 from otel_straggler.detector.observation import Verdict
 from otel_straggler.detector.peer_reference import (WORKLOAD_COMPARABLE, WORKLOAD_NOT_REPORTED,
                                                     PeerReferences, peer_references)
 
 REASON_SLOW_VS_PEERS = "slow_vs_peers"
+REASON_INTERMITTENT = "intermittent"  # slow in a sizeable share of its steps (intermittent.py)
 REASON_WITHIN_TOLERANCE = "within_tolerance"
 REASON_BELOW_ABSOLUTE_FLOOR = "below_absolute_floor"
 REASON_COHORT_BELOW_MIN_SIZE = "cohort_below_min_size"
@@ -106,6 +110,7 @@ class CohortVerdictState:
         self.arrival_var = np.zeros(0)  # per collective code: smoothed variance of the ranks' lateness
         self.collective_seen = np.zeros(0, dtype=bool)  # per code: judged as a collective in some window
         self.job = JobBaseline()  # the cohort's pace against its own baseline (job_baseline.py)
+        self.intermittent = IntermittentState()  # slow steps per (code, slot), recent windows
 
     def ensure(self, stage_count: int, slot_count: int) -> None:
         """Room for `stage_count` stage indices (two codes each) and `slot_count` slots, grown by doubling."""
@@ -139,14 +144,17 @@ class CohortVerdictState:
             new = np.full((codes, slots), fill, dtype=old.dtype)
             new[:old.shape[0], :old.shape[1]] = old
             setattr(self, name, new)
+        self.intermittent.ensure(codes, slots)
 
     def reset_slot(self, slot: int) -> None:
         self.windows_seen[slot] = self.missed_windows[slot] = self.last_end_unix_nano[slot] = 0
         self.silent[slot] = self.silent_reported[slot] = False
         self._reset((slice(None), slot))
+        self.intermittent.reset((slice(None), slot))
 
     def reset_code(self, code: int) -> None:
         self._reset((code, slice(None)))
+        self.intermittent.reset((code, slice(None)))
         self.sync_slope[code] = np.nan
         self.noise_var[:, code] = np.nan
         self.arrival_var[code] = np.nan
@@ -192,7 +200,7 @@ def judge_window(cohort, rows, config: DetectorConfig, now_unix_nano: int) -> Wi
     layout = cohort.layout
     slot_count = len(cohort.slot_entries)
     with np.errstate(all="ignore"):  # inf/nan from hostile values are handled as unusable below
-        entries, invalid_device_rows = _entries(rows, layout, slot_count, state)
+        entries, invalid_device_rows = _entries(rows, layout, slot_count, state, config)
         judgement = _judge_entries(cohort, rows.window, entries, config, now_unix_nano)
     judgement.invalid_device_rows = invalid_device_rows
     _judge_presence(cohort, rows.window, entries, config, now_unix_nano, judgement)
@@ -219,9 +227,11 @@ class _Entries:
     # later than half of its peers), and steps with enough ranks to tell; 0 elsewhere
     late_steps: np.ndarray = None
     arrival_steps: np.ndarray = None
+    slow_steps: SlowSteps = None  # per entry (compute stages and the whole step): its slow steps
 
 
-def _entries(rows, layout, slot_count: int, state: CohortVerdictState) -> tuple[_Entries, int]:
+def _entries(rows, layout, slot_count: int, state: CohortVerdictState,
+             config: DetectorConfig) -> tuple[_Entries, int]:
     keys = np.frombuffer(rows.keys, dtype=np.int64)
     host = np.frombuffer(rows.host_ms, dtype=np.float64)
     device = np.frombuffer(rows.device_ms, dtype=np.float64)
@@ -268,8 +278,20 @@ def _entries(rows, layout, slot_count: int, state: CohortVerdictState) -> tuple[
     np.maximum.at(last_end, slot, end_unix_nano)
     entry_codes = np.concatenate((np.zeros(whole_slots.size, dtype=np.int64), stage_code))
     late_steps, arrival_steps = _late_steps(code, slot, step_offset, host, layout, entry_codes, all_slots)
+    # per (stage, rank, step) time of the compute stages, and the whole step's sums, for intermittent.py
+    stage_rows = compute & (code > 0)
+    stage_cells, (stage_cell_ms,) = _sums_by_bin(code[stage_rows] * layout.code_stride + slot[stage_rows]
+                                                 * layout.window_steps + step_offset[stage_rows], host[stage_rows])
+    _, cell_code, cell_slot, cell_step = layout.unpack(stage_cells)
+    slow_steps = count_slow_steps(
+        np.concatenate((np.zeros(bins.size, dtype=np.int64), cell_code)),
+        np.concatenate((bins // layout.window_steps, cell_slot)),
+        np.concatenate((bins % layout.window_steps, cell_step)),
+        np.concatenate((host_sum, stage_cell_ms)),
+        entry_codes, all_slots, layout.slot_stride, layout.window_steps,
+        config.intermittent_threshold, config.min_gap_ms, config.min_cohort_size)
     return _Entries(
-        late_steps=late_steps, arrival_steps=arrival_steps,
+        late_steps=late_steps, arrival_steps=arrival_steps, slow_steps=slow_steps,
         code=np.concatenate((np.zeros(whole_slots.size, dtype=np.int64), stage_code)),
         slot=all_slots,
         host=np.concatenate((whole_host, stage_host)),
@@ -577,8 +599,20 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
     state.late_streak.reshape(-1)[update] = late_streak[judged]
     state.last_uncertain.reshape(-1)[update] = notice[judged]
 
+    # intermittent stragglers (intermittent.py): only pairs the steady rule neither counts as slow
+    # nor holds an alert for; its alert, once it holds one, supersedes theirs
+    steady_alert = (alert | onset) & ~recovery
+    state.intermittent.record(config.persist_windows, entries.code, entries.slot, entries.slow_steps,
+                              ~(slow | steady_alert))
+    intermittent = judge_intermittent(state.intermittent, entries.code, entries.slot,
+                                      compute & usable & ~steady_alert & (slow_streak == 0),
+                                      compute & steady_alert, state.alert, config.false_alarm_rate,
+                                      config.persist_windows)
+
     context = _VerdictContext(cohort, window, now, entries, host, device, use_device, slowdown)
-    for entry in np.flatnonzero(onset | recovery | uncertain_notice | floor_notice | waiting_notice).tolist():
+    # a steady alert that ends as the intermittent one starts is handed over: one straggler verdict
+    recovery_said = recovery & ~intermittent.onset
+    for entry in np.flatnonzero(onset | recovery_said | uncertain_notice | floor_notice | waiting_notice).tolist():
         if late_onset[entry]:
             record = context.verdict(entry, contract.VERDICT_STRAGGLER, REASON_LAST_TO_ARRIVE,
                                      contract.ATTRIBUTION_UNKNOWN, timing_host=True)
@@ -588,7 +622,7 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
             continue
         if onset[entry]:
             verdict, reason = contract.VERDICT_STRAGGLER, REASON_SLOW_VS_PEERS
-        elif recovery[entry]:
+        elif recovery_said[entry]:
             verdict, reason = contract.VERDICT_RECOVERED, REASON_WITHIN_TOLERANCE
         elif waiting_notice[entry]:
             verdict, reason = contract.VERDICT_UNCERTAIN, REASON_WAITING_ON_PEER
@@ -597,7 +631,31 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
             verdict, reason = contract.VERDICT_UNCERTAIN, _UNCERTAIN_REASONS[notice_code]
         attribution = _attribution(reason, host_flag[entry], device_flag[entry], device_usable[entry])
         judgement.verdicts.append(context.verdict(entry, verdict, reason, attribution))
+    for entry in np.flatnonzero(intermittent.onset | intermittent.recovery).tolist():
+        started = bool(intermittent.onset[entry])
+        record = context.verdict(entry, contract.VERDICT_STRAGGLER if started else contract.VERDICT_RECOVERED,
+                                 REASON_INTERMITTENT if started else REASON_WITHIN_TOLERANCE,
+                                 contract.ATTRIBUTION_UNKNOWN, timing_host=True)
+        judgement.verdicts.append(dataclasses.replace(record, **_intermittent_evidence(intermittent, entry)))
     return judgement
+
+
+def _intermittent_evidence(judgement, entry: int) -> dict:
+    """The verdict's numbers for an intermittent straggler: its slow steps over the last
+    persist_windows windows (count, share, the peers' share), and their mean time against the mean
+    median of the same steps."""
+    slow, steps = int(judgement.slow[entry]), int(judgement.steps[entry])
+    counts = {"slow": slow, "steps": steps, "share": _number(slow / steps if steps else 0.0)}
+    peer_share = _number(judgement.peer_share[entry])
+    if peer_share is not None:  # null where no peer had steps: an event attribute has no null
+        counts["peer_share"] = peer_share
+    evidence = {"slow_steps": counts}
+    if slow:
+        rank_ms, reference_ms = float(judgement.slow_ms[entry]), float(judgement.slow_reference_ms[entry])
+        evidence.update(rank_ms=_number(rank_ms), reference_ms=_number(reference_ms),
+                        gap_ms=_number(rank_ms - reference_ms),
+                        slowdown=_number(rank_ms / reference_ms if reference_ms > 0 else math.nan))
+    return evidence
 
 
 def _attribution(reason: str, host_flag: bool, device_flag: bool, device_usable: bool) -> str:
@@ -713,7 +771,8 @@ def _judge_pace(cohort, rows, entries: _Entries, config: DetectorConfig, now: in
     pace = window_pace(rows, cohort.layout, slot_count, tokens_by_slot, entries.present,
                        entries.code[stages], entries.host[stages])
     # a straggler makes every rank wait: its own alert explains the slower steps
-    blamed = bool(state.alert.any() or (state.slow_streak[0::2] > 0).any() or (state.late_streak > 0).any())
+    blamed = bool(state.alert.any() or state.intermittent.alert.any() or (state.slow_streak[0::2] > 0).any()
+                  or (state.late_streak > 0).any())
     return judge_pace(state.job, pace, blamed, cohort, rows.window, config, now)
 
 
@@ -722,7 +781,9 @@ def restarted_verdicts(cohort, now: int) -> list[Verdict]:
     state: CohortVerdictState = cohort.verdict_state
     slot_count = len(cohort.slot_entries)
     verdicts = []
-    for code, slot in zip(*(index.tolist() for index in np.nonzero(state.alert[:, :slot_count]))):
+    codes = state.alert.shape[0]
+    active = state.alert[:, :slot_count] | state.intermittent.alert[:codes, :slot_count]
+    for code, slot in zip(*(index.tolist() for index in np.nonzero(active))):
         entry, stage = cohort.slot_entries[slot], cohort.stage_names[code // 2]
         if entry is None or stage is None:
             continue

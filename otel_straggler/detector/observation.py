@@ -80,6 +80,8 @@ class Verdict:
     # v1.1: GPU evidence from heartbeats' GPU samples (§2c); null while ranks send none
     gpu: Optional[dict] = None
     stalled_s: Optional[float] = None  # v1.1, hang only: since the job's last completed interval
+    # intermittent stragglers only: {"slow", "steps", "share", "peer_share"} over the windows tested
+    slow_steps: Optional[dict] = None
 
     def to_dict(self) -> dict:
         record = asdict(self)

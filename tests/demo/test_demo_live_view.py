@@ -16,6 +16,10 @@ def test_progress_bar():
 
 def test_verdict_lines():
     assert verdict_line(verdict(2, 4)) == "ALERT: straggler rank 2 in forward-compute at window 4 (1.30x its peers, +9.0 ms)"
+    intermittent = verdict(2, 7, reason="intermittent", slowdown=1.5, gap_ms=15.1,
+                           slow_steps={"slow": 11, "steps": 60, "share": 0.1833, "peer_share": 0.0})
+    assert verdict_line(intermittent) == ("ALERT: straggler rank 2 in forward-compute at window 7 (slow in 11 of 60 "
+                                          "steps, its peers in 0.0%; those steps 1.50x, +15.1 ms)")
     assert verdict_line(verdict(2, 6, kind="recovered")) == "RECOVERED: rank 2 in forward-compute at window 6"
     assert verdict_line(verdict(1, 6, kind="silent", stage="*")) == "SILENT: rank 1 stopped reporting at window 6"
     assert verdict_line(verdict(1, 6, kind="uncertain")) is None

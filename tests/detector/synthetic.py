@@ -59,10 +59,15 @@ class _Slowdown:
     first_step: int
     last_step: Optional[int]
     on: str  # "both", "host" or "device"
+    share: float = 1.0  # of the rank's steps in range that are slowed (the same steps for every stage)
 
     def applies(self, stage: str, step: int) -> bool:
         return ((self.stages is None or stage in self.stages) and step >= self.first_step
                 and (self.last_step is None or step <= self.last_step))
+
+    def slows_step(self, seed: int, rank: int, step: int) -> bool:
+        # a draw of its own per (rank, step): adding an intermittent slowdown leaves every other draw
+        return self.share >= 1.0 or np.random.default_rng([seed, 0x1E7, rank, step]).random() < self.share
 
 
 @dataclass
@@ -81,13 +86,21 @@ class SyntheticJob:
     _collective_delays: list = field(default_factory=list)
     _tokens_by_rank: dict = field(default_factory=dict)
     _stage_jitter: dict = field(default_factory=dict)
+    _spikes: Optional[tuple[float, float]] = None
 
     def slow(self, rank: int, factor: float, *, stages: Optional[Sequence[str]] = None, from_step: int = 0,
-             to_step: Optional[int] = None, on: str = "both") -> "SyntheticJob":
+             to_step: Optional[int] = None, on: str = "both", share: float = 1.0) -> "SyntheticJob":
         """Multiplies `rank`'s durations of `stages` (default: every non-collective stage) by
-        `factor` for steps [from_step, to_step]; `on` picks host, device or both durations."""
+        `factor` for steps [from_step, to_step]; `on` picks host, device or both durations. With
+        `share` < 1 only that share of those steps, drawn at random (an intermittent straggler)."""
         self._slowdowns.setdefault(rank, []).append(
-            _Slowdown(factor, frozenset(stages) if stages is not None else None, from_step, to_step, on))
+            _Slowdown(factor, frozenset(stages) if stages is not None else None, from_step, to_step, on, share))
+        return self
+
+    def spikes(self, share: float, factor: float) -> "SyntheticJob":
+        """In `share` of all (rank, step) pairs, drawn at random, one compute stage (drawn too) takes
+        `factor` times as long: healthy heavy-tailed jitter, every rank alike."""
+        self._spikes = (share, factor)
         return self
 
     def collective_delay(self, extra_ms: float, *, from_step: int = 0, to_step: Optional[int] = None) -> "SyntheticJob":
@@ -131,6 +144,7 @@ class SyntheticJob:
         job_id, epoch, cohort = self.job_id, self.epoch, self.cohort
         # positional Observation(...) from plain lists: the benchmarks build hundreds of thousands
         self._since_sync = np.zeros(self.ranks)
+        self._spike_rng = np.random.default_rng([self.seed, 0x5B1E])
         for step in range(first_step, first_step + steps):
             host, device = self._step_durations(rng, step, noise_level, noise_factors)
             for index, (rank, host_row, device_row) in enumerate(zip(rank_ids, host.tolist(), device.tolist())):
@@ -159,9 +173,16 @@ class SyntheticJob:
             sigma = self._stage_jitter.get(stage.name)
             if sigma is not None:
                 host[:, stage_index] = stage.base_ms * rng.lognormal(0.0, sigma, size=self.ranks)
+        if self._spikes is not None:
+            share, factor = self._spikes
+            compute = [index for index, stage in enumerate(self.stages) if not stage.collective]
+            spiked = np.flatnonzero(self._spike_rng.random(self.ranks) < share)
+            host[spiked, np.asarray(compute)[self._spike_rng.integers(len(compute), size=spiked.size)]] *= factor
         device = host * 0.97
         for index in range(self.ranks):
             for slowdown in self._slowdowns.get(self.first_rank + index, ()):
+                if not slowdown.slows_step(self.seed, self.first_rank + index, step):
+                    continue
                 for stage_index, stage in enumerate(self.stages):
                     if not stage.collective and slowdown.applies(stage.name, step):
                         if slowdown.on in ("both", "host"):

@@ -646,8 +646,11 @@ def test_case_tiny_metadata_stage_with_10x_jitter_never_alerts():
     stages = TRAINING_STAGES + (Stage("metadata", 0.2, device=False),)
     job = SyntheticJob(ranks=32, stages=stages, seed=22).stage_jitter("metadata", 1.2).slow(9, 5.0, stages=["metadata"])
     verdicts, _ = run(job, 300)
-    assert stragglers(verdicts) == set()
+    assert select(verdicts, contract.VERDICT_STRAGGLER, judge.REASON_SLOW_VS_PEERS) == []
     assert select(verdicts, contract.VERDICT_UNCERTAIN, judge.REASON_BELOW_ABSOLUTE_FLOOR, stage="metadata")
+    # the jitter never makes a healthy rank intermittent; rank 9's 5x makes 13% of its steps over
+    # the floor (8.5% expected, against 0.35% of its peers'): that one may be (intermittent.py)
+    assert {v.rank for v in select(verdicts, contract.VERDICT_STRAGGLER, judge.REASON_INTERMITTENT)} <= {9}
     # control: without the floor the jitter alone raises alerts
     assert stragglers(run(job, 300, DetectorConfig(min_gap_ms=0.0))[0])
 

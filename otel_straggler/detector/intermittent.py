@@ -1,0 +1,213 @@
+"""Intermittent stragglers: a rank slow in a sizeable share of its steps, whose window median does
+not move (a GPU with correctable-error storms, a periodic host job).
+
+Per window, each rank's time per step of each compute stage (its intervals of the stage in that
+step summed) and of the whole step is compared with the median over the ranks of the same step: a
+slow step is over it by more than `intermittent_threshold` and by more than `min_gap_ms`. Steps
+with fewer than `min_cohort_size` ranks do not count. Over the last HORIZON x `persist_windows`
+windows a rank's k slow steps of its n are tested against its peers' pooled share p over the same
+windows (its own left out, and alerted pairs; floored at 1 / the peers' steps: none among a few
+thousand steps does not make the rate zero):
+
+    onset: P(X >= k), X ~ Binomial(n, p), under (false_alarm_rate / comparisons) ** persist_windows,
+           comparisons the window's judged (stage, rank) pairs: the budget of the steady rule,
+           persist_windows windows in a row each beyond its Bonferroni threshold; k / n at least
+           MIN_SHARE; and slow steps in at least persist_windows of those windows (recurring, not
+           one burst, which a spike storm or a GC pause is);
+    recovery: that tail at RECOVERY_LEVEL or above, or k / n under MIN_SHARE / 2.
+
+The horizon is longer than persist_windows so that a share of 20-30% in windows of 10 steps, whose
+count in any three windows varies a lot, is still found within a few windows; its evidence then
+also takes up to the horizon to leave, so recovery comes that much later than the slowdown ends.
+
+Healthy ranks share their peers' rate, so heavy-tailed jitter (spikes on every rank) stays quiet
+however heavy it is; one spike, or one burst of spikes, is not in every window. The steady rule
+takes precedence: a pair it counts as slow, or holds an alert for, is not tested here, and the
+windows in which its median was slow are its evidence, not this rule's: they record no steps here
+(a rank slow for three windows in a row is not intermittent once it recovers).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from otel_straggler.detector.grouped import dense_groups, grouped_medians_signed
+
+HORIZON = 2  # windows tested, in persist_windows
+MIN_SHARE = 0.1  # slow steps a rank needs, as a share of its steps, besides the binomial test
+RECOVERY_LEVEL = 0.05  # one-sided, uncorrected: the alert holds while the share is still unusual
+EXACT_TAIL_STEPS = 1000  # above this many steps the tail is bounded (Chernoff) instead of summed
+
+
+class IntermittentState:
+    """Per (code, slot): slow steps, steps and the slow steps' time and reference, for the last
+    `windows` judged windows of a cohort (a ring), and the intermittent alert."""
+
+    def __init__(self) -> None:
+        self.windows = 0  # ring length (persist_windows), set at the first window
+        self.position = 0  # windows recorded so far
+        self.slow = np.zeros((0, 0, 0), dtype=np.int32)
+        self.steps = np.zeros((0, 0, 0), dtype=np.int32)
+        self.slow_ms = np.zeros((0, 0, 0), dtype=np.float32)  # sum over slow steps of the rank's time
+        self.slow_reference_ms = np.zeros((0, 0, 0), dtype=np.float32)  # ... and of the steps' medians
+        self.alert = np.zeros((0, 0), dtype=bool)
+
+    def ensure(self, codes: int, slots: int) -> None:
+        """At least (codes, slots) room, keeping what is there (CohortVerdictState grows by doubling)."""
+        old_codes, old_slots = self.alert.shape
+        if codes <= old_codes and slots <= old_slots:
+            return
+        codes, slots = max(codes, old_codes), max(slots, old_slots)
+        for name in ("slow", "steps", "slow_ms", "slow_reference_ms"):
+            old = getattr(self, name)
+            new = np.zeros((old.shape[0], codes, slots), dtype=old.dtype)
+            new[:, :old_codes, :old_slots] = old
+            setattr(self, name, new)
+        alert = np.zeros((codes, slots), dtype=bool)
+        alert[:old_codes, :old_slots] = self.alert
+        self.alert = alert
+
+    def reset(self, where) -> None:
+        """Forgets pairs: `where` indexes (code, slot)."""
+        for name in ("slow", "steps", "slow_ms", "slow_reference_ms"):
+            getattr(self, name)[(slice(None),) + where] = 0
+        self.alert[where] = False
+
+    def record(self, persist_windows: int, code: np.ndarray, slot: np.ndarray, counts: "SlowSteps",
+               counted: np.ndarray) -> None:
+        """The window's counts per (code, slot) entry become the ring's newest row; entries not
+        `counted` (the steady rule's slow windows) record nothing."""
+        windows = HORIZON * persist_windows
+        if windows != self.windows:  # the first window (or a changed persist_windows): a fresh ring
+            codes, slots = self.alert.shape
+            for name in ("slow", "steps", "slow_ms", "slow_reference_ms"):
+                setattr(self, name, np.zeros((windows, codes, slots), dtype=getattr(self, name).dtype))
+            self.windows, self.position = windows, 0
+        row = self.position % windows
+        for name in ("slow", "steps", "slow_ms", "slow_reference_ms"):
+            target = getattr(self, name)[row]
+            target[:] = 0
+            target[code[counted], slot[counted]] = getattr(counts, name)[counted]
+        self.position += 1
+
+
+@dataclass
+class SlowSteps:
+    """Per entry of a window: its slow steps, counted steps, and the slow steps' summed time and
+    summed step medians."""
+    slow: np.ndarray
+    steps: np.ndarray
+    slow_ms: np.ndarray
+    slow_reference_ms: np.ndarray
+
+
+def count_slow_steps(cell_code: np.ndarray, cell_slot: np.ndarray, cell_step: np.ndarray, cell_ms: np.ndarray,
+                     entry_code: np.ndarray, entry_slot: np.ndarray, slot_stride: int, window_steps: int,
+                     threshold: float, min_gap_ms: float, min_ranks: int) -> SlowSteps:
+    """`cell_*`: one value per (code, slot, step), the rank's time in that step; entries: (code,
+    slot) pairs sorted by code then slot. Returns each entry's counts (0 where it has no cells)."""
+    count = entry_code.size
+    result = SlowSteps(np.zeros(count, np.int32), np.zeros(count, np.int32), np.zeros(count), np.zeros(count))
+    finite = np.isfinite(cell_ms)
+    if not finite.any():
+        return result
+    cell_code, cell_slot, cell_step, cell_ms = cell_code[finite], cell_slot[finite], cell_step[finite], cell_ms[finite]
+    _, by_step = dense_groups(cell_code * window_steps + cell_step)
+    ranks_in_step = np.bincount(by_step)
+    _, step_median = grouped_medians_signed(by_step, cell_ms)
+    median = step_median[by_step]
+    counted = ranks_in_step[by_step] >= min_ranks
+    slow = counted & (cell_ms > median * (1.0 + threshold)) & (cell_ms - median > min_gap_ms)
+    # each cell's entry: entries are sorted by their pair key, and every counted cell has one
+    pair = cell_code * slot_stride + cell_slot
+    entry_pair = entry_code * slot_stride + entry_slot
+    index = np.searchsorted(entry_pair, pair)
+    has_entry = counted & (index < count)
+    has_entry[has_entry] = entry_pair[index[has_entry]] == pair[has_entry]
+    index, slow = index[has_entry], slow[has_entry]
+    result.steps[:] = np.bincount(index, minlength=count)
+    result.slow[:] = np.bincount(index, weights=slow, minlength=count)
+    result.slow_ms[:] = np.bincount(index, weights=np.where(slow, cell_ms[has_entry], 0.0), minlength=count)
+    result.slow_reference_ms[:] = np.bincount(index, weights=np.where(slow, median[has_entry], 0.0), minlength=count)
+    return result
+
+
+@dataclass
+class IntermittentJudgement:
+    """Per entry of the window: onset, recovery, and the evidence over the ring (k, n, the peers'
+    share, the slow steps' mean time and mean step median)."""
+    onset: np.ndarray
+    recovery: np.ndarray
+    slow: np.ndarray
+    steps: np.ndarray
+    peer_share: np.ndarray
+    slow_ms: np.ndarray
+    slow_reference_ms: np.ndarray
+
+
+def judge_intermittent(state: IntermittentState, code: np.ndarray, slot: np.ndarray, tested: np.ndarray,
+                       superseded: np.ndarray, steady_alert: np.ndarray, false_alarm_rate: float,
+                       persist_windows: int) -> IntermittentJudgement:
+    """After `record`: per entry (code, slot), onset among the `tested` pairs, recovery among the
+    pairs with an intermittent alert (cleared without a verdict where `superseded`: the steady rule
+    took over). `steady_alert`: the steady rule's alerts per (code, slot). Updates the alert state."""
+    slow_by_pair = state.slow.sum(axis=0, dtype=np.int64)
+    steps_by_pair = state.steps.sum(axis=0, dtype=np.int64)
+    k = slow_by_pair[code, slot]
+    n = steps_by_pair[code, slot]
+    # the peers' pool leaves out pairs already alerted: a straggler's slow steps are not the rate
+    # healthy ranks show
+    codes, slots = state.alert.shape
+    pooled = ~(state.alert | steady_alert[:codes, :slots])
+    own = pooled[code, slot]
+    peer_k = np.where(pooled, slow_by_pair, 0).sum(axis=1)[code] - np.where(own, k, 0)
+    peer_n = np.where(pooled, steps_by_pair, 0).sum(axis=1)[code] - np.where(own, n, 0)
+    with np.errstate(all="ignore"):
+        share = np.where(n > 0, k / np.maximum(n, 1), 0.0)
+        peer_share = np.where(peer_n > 0, peer_k / np.maximum(peer_n, 1), np.nan)
+        rate = np.fmax(peer_share, 1.0 / np.maximum(peer_n, 1))
+        slow_ms = state.slow_ms.sum(axis=0)[code, slot] / np.maximum(k, 1)
+        slow_reference_ms = state.slow_reference_ms.sum(axis=0)[code, slot] / np.maximum(k, 1)
+    recurring = (state.slow[:, code, slot] > 0).sum(axis=0) >= persist_windows
+    alert = state.alert[code, slot]
+    comparisons = max(1, int(np.count_nonzero(tested)))
+    level = (false_alarm_rate / comparisons) ** persist_windows
+
+    onset = np.zeros(code.size, dtype=bool)
+    for entry in np.flatnonzero(tested & ~alert & recurring & (share >= MIN_SHARE) & (peer_n > 0)).tolist():
+        onset[entry] = binomial_tail(int(k[entry]), int(n[entry]), float(rate[entry])) < level
+    recovery = np.zeros(code.size, dtype=bool)
+    for entry in np.flatnonzero(alert & ~superseded).tolist():
+        recovery[entry] = (share[entry] < MIN_SHARE / 2 or peer_n[entry] <= 0 or
+                           binomial_tail(int(k[entry]), int(n[entry]), float(rate[entry])) >= RECOVERY_LEVEL)
+    state.alert[code, slot] = (alert | onset) & ~recovery & ~superseded
+    return IntermittentJudgement(onset, recovery, k, n, peer_share, slow_ms, slow_reference_ms)
+
+
+def binomial_tail(k: int, n: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p): summed exactly up to EXACT_TAIL_STEPS steps, above that the
+    Chernoff bound exp(-n KL(k/n || p)), which is never under the exact tail (no extra alerts)."""
+    if k <= 0:
+        return 1.0
+    if k > n:
+        return 0.0
+    p = min(max(p, 1e-300), 1.0)
+    if p >= 1.0:
+        return 1.0
+    if n > EXACT_TAIL_STEPS:
+        share = k / n
+        if share <= p:
+            return 1.0
+        divergence = share * math.log(share / p) + ((1 - share) * math.log((1 - share) / (1 - p)) if share < 1 else 0.0)
+        return math.exp(-n * divergence)
+    log_p, log_q = math.log(p), math.log1p(-p)
+    log_n = math.lgamma(n + 1)
+    total = 0.0
+    for i in range(k, n + 1):
+        term = math.exp(log_n - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * log_p + (n - i) * log_q)
+        total += term
+        if term < total * 1e-17:  # rising terms never are: the sum stops only in the shrinking tail
+            break
+    return min(total, 1.0)

@@ -1,0 +1,130 @@
+"""Intermittent stragglers (intermittent.py): a rank slow in a share of its steps whose window
+median does not move. Synthetic jobs of ~108 ms steps, 10 steps per window; each rule that keeps a
+verdict from happening has a control run in which the stream alone gives it."""
+from __future__ import annotations
+
+import math
+
+from otel_straggler import contract
+from otel_straggler.detector.config import DetectorConfig
+from otel_straggler.detector.intermittent import EXACT_TAIL_STEPS, HORIZON, MIN_SHARE, binomial_tail
+from otel_straggler.detector.judge import (REASON_INTERMITTENT, REASON_LAST_TO_ARRIVE, REASON_SLOW_VS_PEERS,
+                                          REASON_WITHIN_TOLERANCE)
+
+from .host_noise import HostNoise
+from .synthetic import LARGE_MODEL_STAGES, SyntheticJob
+from .test_engine_rules import run
+
+ONSET_STEP = 50  # window 5
+WINDOWS_TO_ALERT = 5  # the target: flagged within 5 windows of the onset
+
+
+def stragglers(verdicts) -> list:
+    return [v for v in verdicts if v.verdict == contract.VERDICT_STRAGGLER]
+
+
+def intermittent_job(ranks: int, seed: int, share: float = 0.3, **slow) -> SyntheticJob:
+    return SyntheticJob(ranks=ranks, seed=seed).slow(2, 1.5, stages=["forward-compute"], from_step=ONSET_STEP,
+                                                     share=share, **slow)
+
+
+def test_a_rank_50_percent_slower_in_30_percent_of_its_steps_is_an_intermittent_straggler_within_5_windows():
+    """In 4 of 5 seeds; a window without any of its slow steps (3% of windows at 30%) delays it."""
+    delays = []
+    for seed in range(5):
+        verdicts, engine = run(intermittent_job(16, seed), 200)
+        flagged = stragglers(verdicts)
+        # where the draw makes it slow in most steps of a window, the steady rule says so later too
+        assert {v.rank for v in flagged} == {2}, seed
+        first = flagged[0]
+        assert (first.stage, first.reason) == ("forward-compute", REASON_INTERMITTENT), seed
+        delays.append(first.window - ONSET_STEP // 10 + 1)
+        evidence = first.slow_steps
+        # windows in which its median was slow are the steady rule's, not counted here
+        assert 30 <= evidence["steps"] <= HORIZON * 3 * 10 and MIN_SHARE <= evidence["share"] <= 0.5
+        assert evidence["peer_share"] == 0.0
+        assert 1.4 < first.slowdown < 1.6 and first.rank_ms > first.reference_ms + 10  # its slow steps, 30 ms +50%
+        assert first.timing == "host" and first.reference_ranks == tuple(r for r in range(16) if r != 2)
+        assert {s.rank for s in engine.rank_state() if s.alert_active} == {2}
+    assert sum(delay <= WINDOWS_TO_ALERT for delay in delays) >= 4 and max(delays) <= 2 * WINDOWS_TO_ALERT, delays
+
+
+def test_its_window_median_did_not_move_so_the_steady_rule_alone_says_nothing():
+    verdicts, _ = run(intermittent_job(16, 1), 200, DetectorConfig(intermittent_threshold=100.0))
+    assert stragglers(verdicts) == []
+
+
+def test_a_steady_slowdown_is_slow_vs_peers_and_never_intermittent():
+    verdicts, _ = run(intermittent_job(16, 1, share=1.0), 200)
+    assert {(v.rank, v.stage, v.reason) for v in stragglers(verdicts)} == {
+        (2, "forward-compute", REASON_SLOW_VS_PEERS), (2, "*", REASON_SLOW_VS_PEERS),
+        (2, "all-grads-sync", REASON_LAST_TO_ARRIVE)}  # its peers wait for it at the all-reduce
+
+
+def test_an_intermittent_straggler_that_stops_recovers_within_tolerance():
+    verdicts, engine = run(intermittent_job(16, 1, to_step=149), 300)
+    said = [(v.verdict, v.reason, v.window) for v in verdicts if v.rank == 2]
+    assert [s[:2] for s in said] == [(contract.VERDICT_STRAGGLER, REASON_INTERMITTENT),
+                                     (contract.VERDICT_RECOVERED, REASON_WITHIN_TOLERANCE)]
+    recovered = verdicts[-1] if verdicts[-1].rank == 2 else [v for v in verdicts if v.rank == 2][-1]
+    # the last slow window is 14; its evidence leaves the tested windows within the horizon
+    assert 15 <= recovered.window <= 14 + HORIZON * DetectorConfig().persist_windows
+    assert recovered.slow_steps["share"] < MIN_SHARE / 2
+    assert not any(s.alert_active for s in engine.rank_state())
+
+
+def test_256_healthy_ranks_with_1_percent_of_steps_one_stage_3x_give_no_alert():
+    job = SyntheticJob(ranks=256, seed=7).spikes(0.01, 3.0)
+    verdicts, _ = run(job, 200)
+    assert stragglers(verdicts) == []
+    # control: the same stream with one rank's spikes in 30% of its steps is caught, that rank only
+    verdicts, _ = run(job.slow(9, 3.0, stages=["backward-compute"], from_step=ONSET_STEP, share=0.3), 200)
+    assert {(v.rank, v.stage, v.reason) for v in stragglers(verdicts)} >= {(9, "backward-compute", REASON_INTERMITTENT)}
+    assert {v.rank for v in stragglers(verdicts)} == {9}
+
+
+def test_a_single_spike_and_a_single_burst_are_not_intermittent():
+    job = SyntheticJob(ranks=16, seed=3).slow(4, 3.0, stages=["forward-compute"], from_step=60, to_step=60) \
+        .slow(6, 3.0, stages=["forward-compute"], from_step=80, to_step=87)  # 8 steps of window 8
+    verdicts, _ = run(job, 200)
+    assert stragglers(verdicts) == []
+    # the burst's count alone would pass the binomial test (8 of 60 steps against the floor of 15
+    # peers x 60 steps, 5 compute codes x 16 ranks compared): it is quiet for being in one window
+    assert binomial_tail(8, HORIZON * 30, 1 / (15 * HORIZON * 30)) < (0.05 / (5 * 16)) ** 3
+    # control: the burst's five slow steps of 30 are enough once they recur in every window
+    recurring = SyntheticJob(ranks=16, seed=3)
+    for window in range(5, 20):
+        recurring.slow(6, 3.0, stages=["forward-compute"], from_step=10 * window, to_step=10 * window + 1)
+    assert [(v.rank, v.reason) for v in stragglers(run(recurring, 200)[0])][:1] == [(6, REASON_INTERMITTENT)]
+
+
+def test_drifting_heavy_tailed_noise_with_spikes_on_every_rank_gives_no_intermittent_alert():
+    for seed in range(3):
+        job = SyntheticJob(ranks=32, stages=LARGE_MODEL_STAGES, seed=100 + seed,
+                           noise=HostNoise(spike_rate=0.02))  # four times the default spikes
+        verdicts, _ = run(job, 400)
+        assert [v for v in verdicts if v.reason == REASON_INTERMITTENT] == [], seed
+
+
+def test_the_binomial_tail_is_exact_for_small_counts_and_bounded_above_for_large_ones():
+    def exact(k, n, p):
+        if p == 0.0:
+            return float(k <= 0)
+        return math.fsum(math.exp(math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1)
+                                  + i * math.log(p) + (n - i) * math.log1p(-p)) for i in range(k, n + 1))
+
+    for k, n, p in ((0, 30, 0.1), (3, 30, 0.01), (9, 30, 0.011), (30, 30, 0.5), (5, 30, 0.0)):
+        assert math.isclose(binomial_tail(k, n, p), exact(k, n, p), rel_tol=1e-9, abs_tol=1e-300)
+    assert binomial_tail(31, 30, 0.5) == 0.0
+    n = EXACT_TAIL_STEPS + 500
+    for k, p in ((160, 0.1), (300, 0.1), (200, 0.01)):
+        assert exact(k, n, p) <= binomial_tail(k, n, p) <= 1.0
+    assert binomial_tail(100, n, 0.1) == 1.0  # at or under the expected count: no evidence
+
+
+def test_a_steady_straggler_does_not_hide_an_intermittent_one_in_the_peers_rate():
+    """The peers' pool leaves out alerted pairs: rank 5's slow steps (all of them, once alerted)
+    would otherwise make slow steps look common among rank 2's peers."""
+    job = intermittent_job(8, 1).slow(5, 1.5, stages=["forward-compute"], from_step=0)
+    flagged = {(v.rank, v.reason) for v in stragglers(run(job, 200)[0]) if v.stage == "forward-compute"}
+    assert flagged == {(5, REASON_SLOW_VS_PEERS), (2, REASON_INTERMITTENT)}

@@ -14,14 +14,19 @@ thousand steps does not make the rate zero):
            persist_windows windows in a row each beyond its Bonferroni threshold; k / n at least
            MIN_SHARE; and slow steps in at least persist_windows of those windows (recurring, not
            one burst, which a spike storm or a GC pause is);
-    recovery: that tail at RECOVERY_LEVEL or above, or k / n under MIN_SHARE / 2.
+    recovery: that tail at RECOVERY_LEVEL or above, or k / n under MIN_SHARE / 2, in a window the
+              pair is judged in with steps of its own and its peers' counted (else it holds).
 
 The horizon is longer than persist_windows so that a share of 20-30% in windows of 10 steps, whose
 count in any three windows varies a lot, is still found within a few windows; its evidence then
 also takes up to the horizon to leave, so recovery comes that much later than the slowdown ends.
 
-Healthy ranks share their peers' rate, so heavy-tailed jitter (spikes on every rank) stays quiet
-however heavy it is; one spike, or one burst of spikes, is not in every window. The steady rule
+Ranks are compared within workload classes (ranks whose tokens per step are within
+`work_tolerance`), and only windows in which a rank is judged (past warmup, with usable peers)
+count. Heavy-tailed jitter that every rank shares gives every rank the peers' rate and stays quiet;
+one spike, or one burst of spikes, is not in persist_windows windows. A rank with a lasting rate of
+its own (a slower hardware bin that crosses the threshold now and then, rank 0 doing extra work in
+some steps) is intermittent by this rule: it does delay the job in those steps. The steady rule
 takes precedence: a pair it counts as slow, or holds an alert for, is not tested here, and the
 windows in which its median was slow are its evidence, not this rule's: they record no steps here
 (a rank slow for three windows in a row is not intermittent once it recovers).
@@ -36,6 +41,7 @@ import numpy as np
 from otel_straggler.detector.grouped import dense_groups, grouped_medians_signed
 
 HORIZON = 2  # windows tested, in persist_windows
+MAX_HORIZON_WINDOWS = 16  # ... at most (a large persist_windows does not make the ring deep)
 MIN_SHARE = 0.1  # slow steps a rank needs, as a share of its steps, besides the binomial test
 RECOVERY_LEVEL = 0.05  # one-sided, uncorrected: the alert holds while the share is still unusual
 EXACT_TAIL_STEPS = 1000  # above this many steps the tail is bounded (Chernoff) instead of summed
@@ -79,7 +85,7 @@ class IntermittentState:
                counted: np.ndarray) -> None:
         """The window's counts per (code, slot) entry become the ring's newest row; entries not
         `counted` (the steady rule's slow windows) record nothing."""
-        windows = HORIZON * persist_windows
+        windows = min(HORIZON * persist_windows, MAX_HORIZON_WINDOWS)
         if windows != self.windows:  # the first window (or a changed persist_windows): a fresh ring
             codes, slots = self.alert.shape
             for name in ("slow", "steps", "slow_ms", "slow_reference_ms"):
@@ -103,18 +109,39 @@ class SlowSteps:
     slow_reference_ms: np.ndarray
 
 
+def workload_classes(tokens_by_slot: np.ndarray, tolerance: float) -> np.ndarray:
+    """Per slot, the class of ranks whose steps are compared with each other: one class while the
+    reported workloads (tokens per step) are all within `tolerance` of each other (ranks without
+    one among them, as the steady rule compares them); else classes of workloads within
+    `tolerance` (log-spaced bins) and one of the ranks without a workload."""
+    reported = np.isfinite(tokens_by_slot) & (tokens_by_slot > 0)
+    classes = np.zeros(tokens_by_slot.size, dtype=np.int64)
+    if not reported.any():
+        return classes
+    workload = tokens_by_slot[reported]
+    if workload.max() <= workload.min() * (1.0 + tolerance):
+        return classes
+    width = math.log1p(tolerance) if tolerance > 0 else 1e-12
+    bins = np.floor(np.log(workload) / width).astype(np.int64)
+    classes[reported] = bins - bins.min() + 1  # 0: the ranks without a workload
+    return classes
+
+
 def count_slow_steps(cell_code: np.ndarray, cell_slot: np.ndarray, cell_step: np.ndarray, cell_ms: np.ndarray,
-                     entry_code: np.ndarray, entry_slot: np.ndarray, slot_stride: int, window_steps: int,
-                     threshold: float, min_gap_ms: float, min_ranks: int) -> SlowSteps:
-    """`cell_*`: one value per (code, slot, step), the rank's time in that step; entries: (code,
-    slot) pairs sorted by code then slot. Returns each entry's counts (0 where it has no cells)."""
+                     slot_class: np.ndarray, entry_code: np.ndarray, entry_slot: np.ndarray, slot_stride: int,
+                     window_steps: int, threshold: float, min_gap_ms: float, min_ranks: int) -> SlowSteps:
+    """`cell_*`: one value per (code, slot, step), the rank's time in that step; `slot_class`: each
+    slot's workload class (workload_classes); entries: (code, slot) pairs sorted by code then slot.
+    Each cell is compared with the median of its (code, step, class). Returns each entry's counts
+    (0 where it has no cells)."""
     count = entry_code.size
     result = SlowSteps(np.zeros(count, np.int32), np.zeros(count, np.int32), np.zeros(count), np.zeros(count))
     finite = np.isfinite(cell_ms)
     if not finite.any():
         return result
     cell_code, cell_slot, cell_step, cell_ms = cell_code[finite], cell_slot[finite], cell_step[finite], cell_ms[finite]
-    _, by_step = dense_groups(cell_code * window_steps + cell_step)
+    classes = int(slot_class.max(initial=0)) + 1
+    _, by_step = dense_groups((cell_code * window_steps + cell_step) * classes + slot_class[cell_slot])
     ranks_in_step = np.bincount(by_step)
     _, step_median = grouped_medians_signed(by_step, cell_ms)
     median = step_median[by_step]
@@ -147,12 +174,14 @@ class IntermittentJudgement:
     slow_reference_ms: np.ndarray
 
 
-def judge_intermittent(state: IntermittentState, code: np.ndarray, slot: np.ndarray, tested: np.ndarray,
-                       superseded: np.ndarray, steady_alert: np.ndarray, false_alarm_rate: float,
-                       persist_windows: int) -> IntermittentJudgement:
-    """After `record`: per entry (code, slot), onset among the `tested` pairs, recovery among the
-    pairs with an intermittent alert (cleared without a verdict where `superseded`: the steady rule
-    took over). `steady_alert`: the steady rule's alerts per (code, slot). Updates the alert state."""
+def judge_intermittent(state: IntermittentState, code: np.ndarray, slot: np.ndarray, judged: np.ndarray,
+                       tested: np.ndarray, superseded: np.ndarray, steady_alert: np.ndarray,
+                       false_alarm_rate: float, persist_windows: int) -> IntermittentJudgement:
+    """After `record`: per entry (code, slot), onset among the `tested` pairs and recovery among
+    the `judged` ones (compute pairs past warmup with usable peers: the comparisons of the window)
+    with an intermittent alert; an alert is cleared without a verdict where `superseded` (the steady
+    rule took over) and held where the window gives no evidence. `steady_alert`: the steady rule's
+    alerts per (code, slot). Updates the alert state."""
     slow_by_pair = state.slow.sum(axis=0, dtype=np.int64)
     steps_by_pair = state.steps.sum(axis=0, dtype=np.int64)
     k = slow_by_pair[code, slot]
@@ -170,20 +199,54 @@ def judge_intermittent(state: IntermittentState, code: np.ndarray, slot: np.ndar
         rate = np.fmax(peer_share, 1.0 / np.maximum(peer_n, 1))
         slow_ms = state.slow_ms.sum(axis=0)[code, slot] / np.maximum(k, 1)
         slow_reference_ms = state.slow_reference_ms.sum(axis=0)[code, slot] / np.maximum(k, 1)
-    recurring = (state.slow[:, code, slot] > 0).sum(axis=0) >= persist_windows
+    recurring = (state.slow[:, code, slot] > 0).sum(axis=0) >= min(persist_windows, state.windows)
     alert = state.alert[code, slot]
-    comparisons = max(1, int(np.count_nonzero(tested)))
+    comparisons = max(1, int(np.count_nonzero(judged)))
     level = (false_alarm_rate / comparisons) ** persist_windows
 
+    candidates = np.flatnonzero(tested & ~alert & recurring & (share >= MIN_SHARE) & (peer_n > 0))
     onset = np.zeros(code.size, dtype=bool)
-    for entry in np.flatnonzero(tested & ~alert & recurring & (share >= MIN_SHARE) & (peer_n > 0)).tolist():
-        onset[entry] = binomial_tail(int(k[entry]), int(n[entry]), float(rate[entry])) < level
+    onset[candidates] = tails_below(k[candidates], n[candidates], rate[candidates], level)
     recovery = np.zeros(code.size, dtype=bool)
-    for entry in np.flatnonzero(alert & ~superseded).tolist():
-        recovery[entry] = (share[entry] < MIN_SHARE / 2 or peer_n[entry] <= 0 or
+    # with no steps of its own or of its peers counted the window says nothing: the alert holds
+    for entry in np.flatnonzero(alert & judged & ~superseded & (n > 0) & (peer_n > 0)).tolist():
+        recovery[entry] = (share[entry] < MIN_SHARE / 2 or
                            binomial_tail(int(k[entry]), int(n[entry]), float(rate[entry])) >= RECOVERY_LEVEL)
     state.alert[code, slot] = (alert | onset) & ~recovery & ~superseded
     return IntermittentJudgement(onset, recovery, k, n, peer_share, slow_ms, slow_reference_ms)
+
+
+def tails_below(k: np.ndarray, n: np.ndarray, p: np.ndarray, level: float) -> np.ndarray:
+    """binomial_tail(k, n, p) < level per element, without summing where it is decided anyway: the
+    Chernoff bound under the level is below it, and a probability of k itself (a part of the tail)
+    at the level or above is not. Heavy jitter makes every rank a candidate; few remain."""
+    k, n = k.astype(np.float64), n.astype(np.float64)
+    p = np.clip(p, 1e-300, 1.0)
+    with np.errstate(all="ignore"):
+        share = k / n
+        log_ratio = np.where(share > 0, share * np.log(share / p), 0.0)
+        log_rest = np.where(share < 1, (1 - share) * np.log((1 - share) / (1 - p)), 0.0)
+        bound = np.where(share > p, np.exp(-n * (log_ratio + log_rest)), 1.0)
+        log_pmf = (_log_factorial(n) - _log_factorial(k) - _log_factorial(n - k) + k * np.log(p)
+                   + (n - k) * np.log1p(-p))
+    below = (bound < level) & (k <= n)
+    undecided = ~below & (n <= EXACT_TAIL_STEPS) & (k <= n) & (log_pmf < math.log(level) + 1e-9)
+    for entry in np.flatnonzero(undecided).tolist():
+        below[entry] = binomial_tail(int(k[entry]), int(n[entry]), float(p[entry])) < level
+    return below
+
+
+def _log_factorial(x: np.ndarray) -> np.ndarray:
+    """log(x!) per element (exact to float precision for integers; Stirling's series past 256)."""
+    x = np.asarray(x, dtype=np.float64)
+    table = _LOG_FACTORIALS
+    small = x < table.size
+    large = np.where(small, 1.0, x)
+    stirling = (large + 0.5) * np.log(large) - large + 0.5 * math.log(2 * math.pi) + 1.0 / (12 * large)
+    return np.where(small, table[np.minimum(x, table.size - 1).astype(np.int64)], stirling)
+
+
+_LOG_FACTORIALS = np.concatenate(([0.0], np.cumsum(np.log(np.arange(1, 257, dtype=np.float64)))))
 
 
 def binomial_tail(k: int, n: int, p: float) -> float:

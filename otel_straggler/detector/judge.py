@@ -49,7 +49,8 @@ import numpy as np
 from otel_straggler import contract
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.grouped import dense_groups, grouped_medians, grouped_medians_signed
-from otel_straggler.detector.intermittent import IntermittentState, SlowSteps, count_slow_steps, judge_intermittent
+from otel_straggler.detector.intermittent import (IntermittentState, SlowSteps, count_slow_steps, judge_intermittent,
+                                                  workload_classes)
 from otel_straggler.detector.job_baseline import JobBaseline, judge_pace, window_pace
 from otel_straggler.detector.observation import Verdict
 from otel_straggler.detector.peer_reference import (WORKLOAD_COMPARABLE, WORKLOAD_NOT_REPORTED,
@@ -287,7 +288,7 @@ def _entries(rows, layout, slot_count: int, state: CohortVerdictState,
         np.concatenate((np.zeros(bins.size, dtype=np.int64), cell_code)),
         np.concatenate((bins // layout.window_steps, cell_slot)),
         np.concatenate((bins % layout.window_steps, cell_step)),
-        np.concatenate((host_sum, stage_cell_ms)),
+        np.concatenate((host_sum, stage_cell_ms)), workload_classes(tokens_by_slot, config.work_tolerance),
         entry_codes, all_slots, layout.slot_stride, layout.window_steps,
         config.intermittent_threshold, config.min_gap_ms, config.min_cohort_size)
     return _Entries(
@@ -602,10 +603,11 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
     # intermittent stragglers (intermittent.py): only pairs the steady rule neither counts as slow
     # nor holds an alert for; its alert, once it holds one, supersedes theirs
     steady_alert = (alert | onset) & ~recovery
+    comparable = compute & usable  # compute: judged (past warmup) and not a collective
     state.intermittent.record(config.persist_windows, entries.code, entries.slot, entries.slow_steps,
-                              ~(slow | steady_alert))
-    intermittent = judge_intermittent(state.intermittent, entries.code, entries.slot,
-                                      compute & usable & ~steady_alert & (slow_streak == 0),
+                              comparable & ~(slow | steady_alert))
+    intermittent = judge_intermittent(state.intermittent, entries.code, entries.slot, comparable,
+                                      comparable & ~steady_alert & (slow_streak == 0),
                                       compute & steady_alert, state.alert, config.false_alarm_rate,
                                       config.persist_windows)
 
@@ -641,15 +643,15 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
 
 
 def _intermittent_evidence(judgement, entry: int) -> dict:
-    """The verdict's numbers for an intermittent straggler: its slow steps over the last
-    persist_windows windows (count, share, the peers' share), and their mean time against the mean
-    median of the same steps."""
+    """The verdict's numbers for an intermittent straggler: its slow steps over the windows tested
+    (count, share, the peers' share), and their mean time against the mean median of the same
+    steps (null without slow steps, as at a recovery)."""
     slow, steps = int(judgement.slow[entry]), int(judgement.steps[entry])
     counts = {"slow": slow, "steps": steps, "share": _number(slow / steps if steps else 0.0)}
     peer_share = _number(judgement.peer_share[entry])
     if peer_share is not None:  # null where no peer had steps: an event attribute has no null
         counts["peer_share"] = peer_share
-    evidence = {"slow_steps": counts}
+    evidence = {"slow_steps": counts, "rank_ms": None, "reference_ms": None, "gap_ms": None, "slowdown": None}
     if slow:
         rank_ms, reference_ms = float(judgement.slow_ms[entry]), float(judgement.slow_reference_ms[entry])
         evidence.update(rank_ms=_number(rank_ms), reference_ms=_number(reference_ms),
@@ -771,7 +773,9 @@ def _judge_pace(cohort, rows, entries: _Entries, config: DetectorConfig, now: in
     pace = window_pace(rows, cohort.layout, slot_count, tokens_by_slot, entries.present,
                        entries.code[stages], entries.host[stages])
     # a straggler makes every rank wait: its own alert explains the slower steps
-    blamed = bool(state.alert.any() or state.intermittent.alert.any() or (state.slow_streak[0::2] > 0).any()
+    # an intermittent one only for the whole step: slow steps of one stage are too small a share of
+    # the step to explain the cohort's pace
+    blamed = bool(state.alert.any() or state.intermittent.alert[:1].any() or (state.slow_streak[0::2] > 0).any()
                   or (state.late_streak > 0).any())
     return judge_pace(state.job, pace, blamed, cohort, rows.window, config, now)
 

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from otel_straggler import contract
 from otel_straggler.detector.config import DetectorConfig
-from otel_straggler.detector.intermittent import EXACT_TAIL_STEPS, HORIZON, MIN_SHARE, binomial_tail
+from otel_straggler.detector.engine import Engine
+from otel_straggler.detector.intermittent import EXACT_TAIL_STEPS, HORIZON, MIN_SHARE, binomial_tail, tails_below
 from otel_straggler.detector.judge import (REASON_INTERMITTENT, REASON_LAST_TO_ARRIVE, REASON_SLOW_VS_PEERS,
                                           REASON_WITHIN_TOLERANCE)
 
 from .host_noise import HostNoise
 from .synthetic import LARGE_MODEL_STAGES, SyntheticJob
-from .test_engine_rules import run
+from .test_engine_rules import feed, replaced, run
 
 ONSET_STEP = 50  # window 5
 WINDOWS_TO_ALERT = 5  # the target: flagged within 5 windows of the onset
@@ -96,6 +99,11 @@ def test_a_single_spike_and_a_single_burst_are_not_intermittent():
     for window in range(5, 20):
         recurring.slow(6, 3.0, stages=["forward-compute"], from_step=10 * window, to_step=10 * window + 1)
     assert [(v.rank, v.reason) for v in stragglers(run(recurring, 200)[0])][:1] == [(6, REASON_INTERMITTENT)]
+    # and the burst's own eight steps, spread over three windows, are enough
+    spread = SyntheticJob(ranks=16, seed=3)
+    for first, last in ((80, 82), (90, 92), (100, 101)):
+        spread.slow(6, 3.0, stages=["forward-compute"], from_step=first, to_step=last)
+    assert [(v.rank, v.reason) for v in stragglers(run(spread, 200)[0])][:1] == [(6, REASON_INTERMITTENT)]
 
 
 def test_drifting_heavy_tailed_noise_with_spikes_on_every_rank_gives_no_intermittent_alert():
@@ -128,3 +136,55 @@ def test_a_steady_straggler_does_not_hide_an_intermittent_one_in_the_peers_rate(
     job = intermittent_job(8, 1).slow(5, 1.5, stages=["forward-compute"], from_step=0)
     flagged = {(v.rank, v.reason) for v in stragglers(run(job, 200)[0]) if v.stage == "forward-compute"}
     assert flagged == {(5, REASON_SLOW_VS_PEERS), (2, REASON_INTERMITTENT)}
+
+
+def test_ranks_with_a_larger_workload_are_compared_within_their_class():
+    """Ranks 0-4 process twice the tokens in twice the time: never slow steps against the others'."""
+    job = SyntheticJob(ranks=12, seed=5, tokens=4096)
+    for rank in range(5):
+        job.workload(rank, 8192).slow(rank, 2.0)
+    assert stragglers(run(job, 200)[0]) == []
+    # control: an intermittent straggler inside the larger class is found, nobody else
+    job.slow(1, 1.5, stages=["forward-compute"], from_step=ONSET_STEP, share=0.3)
+    assert {(v.rank, v.reason) for v in stragglers(run(job, 200)[0])} >= {(1, REASON_INTERMITTENT)}
+    assert {v.rank for v in stragglers(run(job, 200)[0])} == {1}
+
+
+def slow_in_steps(job: SyntheticJob, rank: int, steps) -> SyntheticJob:
+    for step in steps:
+        job.slow(rank, 3.0, stages=["forward-compute"], from_step=step, to_step=step)
+    return job
+
+
+def test_slow_steps_in_warmup_windows_are_no_evidence():
+    """Rank 3 slow in 3 of 10 steps of windows 0-2 (compilation, first loads), then healthy:
+    windows 0 and 1 are its warmup, and window 2 alone is one window."""
+    pattern = [window * 10 + offset for window in range(3) for offset in (1, 4, 7)]
+    assert stragglers(run(slow_in_steps(SyntheticJob(ranks=16, seed=6), 3, pattern), 200)[0]) == []
+    # control: the same slow steps two windows later, all judged, are intermittent
+    later = slow_in_steps(SyntheticJob(ranks=16, seed=6), 3, [step + 20 for step in pattern])
+    assert [(v.rank, v.reason) for v in stragglers(run(later, 200)[0])][:1] == [(3, REASON_INTERMITTENT)]
+
+
+def test_an_alert_holds_through_windows_without_evidence():
+    """An intermittent straggler whose workload becomes incomparable (no usable peers) is not
+    `recovered` for it: the alert holds until a window with evidence says so."""
+    job = SyntheticJob(ranks=16, seed=1, tokens=4096).slow(2, 1.5, stages=["forward-compute"], from_step=ONSET_STEP,
+                                                           to_step=149, share=0.3)
+    observations = replaced(job.observations(300), lambda o: o.rank == 2 and 150 <= o.step < 250,
+                            lambda o: {"tokens": 9000})
+    verdicts = feed(Engine(DetectorConfig()), observations, chunk=16 * len(job.stages))
+    said = [(v.verdict, v.reason, v.window) for v in verdicts if v.rank == 2 and v.stage == "forward-compute"]
+    assert said[0][:2] == (contract.VERDICT_STRAGGLER, REASON_INTERMITTENT)
+    recovered = [window for verdict, reason, window in said if verdict == contract.VERDICT_RECOVERED]
+    assert len(recovered) == 1 and recovered[0] >= 25, said  # only once comparable again (window 25 on)
+
+
+def test_the_vectorised_screen_agrees_with_the_exact_tail():
+    rng = np.random.default_rng(0)
+    n = rng.integers(1, 200, size=4000)
+    k = (rng.random(4000) * (n + 1)).astype(np.int64)
+    p = 10.0 ** rng.uniform(-5, -0.5, size=4000)
+    level = 1e-9
+    exact = np.array([binomial_tail(int(a), int(b), float(c)) < level for a, b, c in zip(k, n, p)])
+    assert (tails_below(k, n, p, level) == exact).all() and 0 < exact.sum() < exact.size

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from otel_straggler.detector.grouped import dense_groups, grouped_medians_signed
+from otel_straggler.detector.grouped import grouped_medians
 
 HORIZON = 2  # windows tested, in persist_windows
 MAX_HORIZON_WINDOWS = 16  # ... at most (a large persist_windows does not make the ring deep)
@@ -141,24 +141,36 @@ def count_slow_steps(cell_code: np.ndarray, cell_slot: np.ndarray, cell_step: np
         return result
     cell_code, cell_slot, cell_step, cell_ms = cell_code[finite], cell_slot[finite], cell_step[finite], cell_ms[finite]
     classes = int(slot_class.max(initial=0)) + 1
-    _, by_step = dense_groups((cell_code * window_steps + cell_step) * classes + slot_class[cell_slot])
-    ranks_in_step = np.bincount(by_step)
-    _, step_median = grouped_medians_signed(by_step, cell_ms)
+    step_key = (cell_code * window_steps + cell_step) * classes + slot_class[cell_slot]
+    steps, step_median = grouped_medians(step_key, cell_ms)  # times are >= 0: the packed sort
+    by_step = _positions(steps, step_key)
     median = step_median[by_step]
-    counted = ranks_in_step[by_step] >= min_ranks
+    counted = np.bincount(by_step, minlength=steps.size)[by_step] >= min_ranks
     slow = counted & (cell_ms > median * (1.0 + threshold)) & (cell_ms - median > min_gap_ms)
-    # each cell's entry: entries are sorted by their pair key, and every counted cell has one
-    pair = cell_code * slot_stride + cell_slot
-    entry_pair = entry_code * slot_stride + entry_slot
-    index = np.searchsorted(entry_pair, pair)
-    has_entry = counted & (index < count)
-    has_entry[has_entry] = entry_pair[index[has_entry]] == pair[has_entry]
+    # each cell's entry (every cell of a compute stage has one)
+    index = _positions(entry_code * slot_stride + entry_slot, cell_code * slot_stride + cell_slot)
+    has_entry = counted & (index >= 0)
     index, slow = index[has_entry], slow[has_entry]
     result.steps[:] = np.bincount(index, minlength=count)
-    result.slow[:] = np.bincount(index, weights=slow, minlength=count)
-    result.slow_ms[:] = np.bincount(index, weights=np.where(slow, cell_ms[has_entry], 0.0), minlength=count)
-    result.slow_reference_ms[:] = np.bincount(index, weights=np.where(slow, median[has_entry], 0.0), minlength=count)
+    if slow.any():
+        result.slow[:] = np.bincount(index, weights=slow, minlength=count)
+        result.slow_ms[:] = np.bincount(index[slow], weights=cell_ms[has_entry][slow], minlength=count)
+        result.slow_reference_ms[:] = np.bincount(index[slow], weights=median[has_entry][slow], minlength=count)
     return result
+
+
+def _positions(distinct: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """Each key's index in the ascending `distinct` keys, -1 where absent: a lookup table where the
+    keys are dense enough (one gather), else a binary search."""
+    if distinct.size == 0:
+        return np.full(keys.size, -1, dtype=np.int64)
+    span = int(distinct[-1]) + 1
+    if span <= 4 * keys.size + 65536 and int(keys.min(initial=0)) >= 0:
+        table = np.full(span + 1, -1, dtype=np.int64)
+        table[distinct] = np.arange(distinct.size)
+        return table[np.minimum(keys, span)]
+    position = np.minimum(np.searchsorted(distinct, keys), distinct.size - 1)
+    return np.where(distinct[position] == keys, position, -1)
 
 
 @dataclass
@@ -183,6 +195,9 @@ def judge_intermittent(state: IntermittentState, code: np.ndarray, slot: np.ndar
     rule took over) and held where the window gives no evidence. `steady_alert`: the steady rule's
     alerts per (code, slot). Updates the alert state."""
     slow_by_pair = state.slow.sum(axis=0, dtype=np.int64)
+    if not slow_by_pair.any() and not state.alert.any():  # the usual window: nothing to test
+        nothing = np.zeros(code.size, dtype=bool)
+        return IntermittentJudgement(nothing, nothing, *(np.zeros(code.size) for _ in range(5)))
     steps_by_pair = state.steps.sum(axis=0, dtype=np.int64)
     k = slow_by_pair[code, slot]
     n = steps_by_pair[code, slot]
@@ -197,8 +212,6 @@ def judge_intermittent(state: IntermittentState, code: np.ndarray, slot: np.ndar
         share = np.where(n > 0, k / np.maximum(n, 1), 0.0)
         peer_share = np.where(peer_n > 0, peer_k / np.maximum(peer_n, 1), np.nan)
         rate = np.fmax(peer_share, 1.0 / np.maximum(peer_n, 1))
-        slow_ms = state.slow_ms.sum(axis=0)[code, slot] / np.maximum(k, 1)
-        slow_reference_ms = state.slow_reference_ms.sum(axis=0)[code, slot] / np.maximum(k, 1)
     recurring = (state.slow[:, code, slot] > 0).sum(axis=0) >= min(persist_windows, state.windows)
     alert = state.alert[code, slot]
     comparisons = max(1, int(np.count_nonzero(judged)))
@@ -213,6 +226,11 @@ def judge_intermittent(state: IntermittentState, code: np.ndarray, slot: np.ndar
         recovery[entry] = (share[entry] < MIN_SHARE / 2 or
                            binomial_tail(int(k[entry]), int(n[entry]), float(rate[entry])) >= RECOVERY_LEVEL)
     state.alert[code, slot] = (alert | onset) & ~recovery & ~superseded
+    # the slow steps' mean time and median, for the few verdicts only
+    said = np.flatnonzero(onset | recovery)
+    slow_ms, slow_reference_ms = np.zeros(code.size), np.zeros(code.size)
+    slow_ms[said] = state.slow_ms[:, code[said], slot[said]].sum(axis=0) / np.maximum(k[said], 1)
+    slow_reference_ms[said] = state.slow_reference_ms[:, code[said], slot[said]].sum(axis=0) / np.maximum(k[said], 1)
     return IntermittentJudgement(onset, recovery, k, n, peer_share, slow_ms, slow_reference_ms)
 
 
@@ -220,6 +238,8 @@ def tails_below(k: np.ndarray, n: np.ndarray, p: np.ndarray, level: float) -> np
     """binomial_tail(k, n, p) < level per element, without summing where it is decided anyway: the
     Chernoff bound under the level is below it, and a probability of k itself (a part of the tail)
     at the level or above is not. Heavy jitter makes every rank a candidate; few remain."""
+    if k.size == 0:
+        return np.zeros(0, dtype=bool)
     k, n = k.astype(np.float64), n.astype(np.float64)
     p = np.clip(p, 1e-300, 1.0)
     with np.errstate(all="ignore"):

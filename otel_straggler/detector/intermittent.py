@@ -52,7 +52,7 @@ class IntermittentState:
     `windows` judged windows of a cohort (a ring), and the intermittent alert."""
 
     def __init__(self) -> None:
-        self.windows = 0  # ring length (persist_windows), set at the first window
+        self.windows = 0  # ring length (HORIZON x persist_windows, capped), set at the first window
         self.position = 0  # windows recorded so far
         self.slow = np.zeros((0, 0, 0), dtype=np.int32)
         self.steps = np.zeros((0, 0, 0), dtype=np.int32)
@@ -242,11 +242,8 @@ def tails_below(k: np.ndarray, n: np.ndarray, p: np.ndarray, level: float) -> np
         return np.zeros(0, dtype=bool)
     k, n = k.astype(np.float64), n.astype(np.float64)
     p = np.clip(p, 1e-300, 1.0)
+    bound = _chernoff_bound(k, n, p)
     with np.errstate(all="ignore"):
-        share = k / n
-        log_ratio = np.where(share > 0, share * np.log(share / p), 0.0)
-        log_rest = np.where(share < 1, (1 - share) * np.log((1 - share) / (1 - p)), 0.0)
-        bound = np.where(share > p, np.exp(-n * (log_ratio + log_rest)), 1.0)
         log_pmf = (_log_factorial(n) - _log_factorial(k) - _log_factorial(n - k) + k * np.log(p)
                    + (n - k) * np.log1p(-p))
     below = (bound < level) & (k <= n)
@@ -254,6 +251,15 @@ def tails_below(k: np.ndarray, n: np.ndarray, p: np.ndarray, level: float) -> np
     for entry in np.flatnonzero(undecided).tolist():
         below[entry] = binomial_tail(int(k[entry]), int(n[entry]), float(p[entry])) < level
     return below
+
+
+def _chernoff_bound(k: np.ndarray, n: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """exp(-n KL(k/n || p)) where k/n > p, else 1: never under P(X >= k), X ~ Binomial(n, p)."""
+    with np.errstate(all="ignore"):
+        share = k / n
+        log_ratio = np.where(share > 0, share * np.log(share / p), 0.0)
+        log_rest = np.where(share < 1, (1 - share) * np.log((1 - share) / (1 - p)), 0.0)
+        return np.where(share > p, np.exp(-n * (log_ratio + log_rest)), 1.0)
 
 
 def _log_factorial(x: np.ndarray) -> np.ndarray:
@@ -280,11 +286,7 @@ def binomial_tail(k: int, n: int, p: float) -> float:
     if p >= 1.0:
         return 1.0
     if n > EXACT_TAIL_STEPS:
-        share = k / n
-        if share <= p:
-            return 1.0
-        divergence = share * math.log(share / p) + ((1 - share) * math.log((1 - share) / (1 - p)) if share < 1 else 0.0)
-        return math.exp(-n * divergence)
+        return float(_chernoff_bound(np.float64(k), np.float64(n), np.float64(p)))
     log_p, log_q = math.log(p), math.log1p(-p)
     log_n = math.lgamma(n + 1)
     total = 0.0

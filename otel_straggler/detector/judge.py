@@ -84,6 +84,7 @@ SYNC_MIN_STEPS = 3
 SYNC_MIN_START_SPREAD_MS = 0.1  # rms start deviation below which the ends say nothing
 # the cohort's noise (_beyond_noise)
 NOISE_SMOOTHING = 0.2  # weight of each window's spread in the smoothed variance
+NORMAL_MAD = 0.6745  # median absolute deviation of N(0, 1)
 HALF_NORMAL_MAD = 0.3986  # median absolute deviation from its median of the lower half of N(0, 1)
 
 
@@ -107,6 +108,7 @@ class CohortVerdictState:
         # of the ranks' relative deviations from their references, host and device (nan: none yet)
         self.sync_slope = np.zeros(0)
         self.noise_var = np.zeros((2, 0))
+        self.last_deviation = np.zeros((2, 0, 0))  # per kind (host, device) and (code, slot): its latest log(slowdown)
         self.late_streak = np.zeros((0, 0), dtype=np.int64)  # per (collective code, slot)
         self.arrival_var = np.zeros(0)  # per collective code: smoothed variance of the ranks' lateness
         self.collective_seen = np.zeros(0, dtype=bool)  # per code: judged as a collective in some window
@@ -145,6 +147,9 @@ class CohortVerdictState:
             new = np.full((codes, slots), fill, dtype=old.dtype)
             new[:old.shape[0], :old.shape[1]] = old
             setattr(self, name, new)
+        deviation = np.full((2, codes, slots), np.nan)
+        deviation[:, :self.last_deviation.shape[1], :self.last_deviation.shape[2]] = self.last_deviation
+        self.last_deviation = deviation
         self.intermittent.ensure(codes, slots)
 
     def reset_slot(self, slot: int) -> None:
@@ -171,6 +176,7 @@ class CohortVerdictState:
         self.slow_streak[where] = self.floor_streak[where] = self.late_streak[where] = 0
         self.last_uncertain[where] = 0
         self.slowdown[where] = np.nan
+        self.last_deviation[(slice(None),) + where] = np.nan
 
 
 @dataclass
@@ -411,40 +417,56 @@ def _sums_by_bin(bins: np.ndarray, *weights: np.ndarray) -> tuple[np.ndarray, li
 
 
 def _compare(entries: np.ndarray, segment: np.ndarray, median: np.ndarray, tokens: np.ndarray,
-             floor_ms: np.ndarray, config: DetectorConfig, noise_var: np.ndarray) -> _Comparison:
+             floor_ms: np.ndarray, config: DetectorConfig, noise_var: np.ndarray, pair: np.ndarray,
+             last_deviation: np.ndarray) -> _Comparison:
     references = peer_references(segment, median, tokens, config.reference_quantile, config.work_tolerance)
     reference = references.reference
     slowdown = np.where(reference > 0, median / reference, np.where(median > 0, np.inf, 1.0))
     gap = median - reference
     usable = (references.peer_count + 1 >= config.min_cohort_size) & np.isfinite(reference) & ~np.isnan(slowdown)
     over = usable & (slowdown > 1.0 + config.rel_threshold)
-    beyond_noise = _beyond_noise(segment, median, slowdown, usable, config, noise_var)
+    beyond_noise = _beyond_noise(segment, median, slowdown, usable, config, noise_var, pair, last_deviation)
     return _Comparison(median, references, entries, usable, slowdown, over, over & (gap > floor_ms),
                        over & (gap > floor_ms) & beyond_noise)
 
 
 def _beyond_noise(segment: np.ndarray, median: np.ndarray, slowdown: np.ndarray, usable: np.ndarray,
-                  config: DetectorConfig, noise_var: np.ndarray) -> np.ndarray:
-    """Per entry: its deviation from its reference (slowdown - 1) exceeds z * sigma of its stage.
+                  config: DetectorConfig, noise_var: np.ndarray, pair: np.ndarray,
+                  last_deviation: np.ndarray) -> np.ndarray:
+    """Per entry: its deviation from its reference, log(slowdown), exceeds z * sigma of its stage.
 
-    sigma: the robust spread of the faster half of the stage's ranks (docs/detection.md,
-    Thresholds), smoothed over windows in `noise_var` (one value per code, updated here).
+    sigma (docs/detection.md, Thresholds), per stage, the larger of two robust spreads of the
+    ranks' log durations, smoothed over windows in `noise_var` (one value per code, updated here):
+    - across ranks: the faster half's log window medians around their own median, so that slow
+      ranks, up to half of them, do not widen it;
+    - over time: the ranks' changes of deviation since their previous window (`last_deviation`,
+      per pair, updated here), over sqrt(2). Contention is one-sided (a rank cannot run faster than
+      its uncontended speed), so when it moves from rank to rank (more processes than cores, a
+      noisy neighbour) the faster ranks bunch at that speed and say little of how far a healthy
+      rank is slowed, while each rank's deviation jumps from window to window; a rank slow for a
+      reason stays slow and hardly changes.
+    Logs: the slowdown is a ratio, and a short stage's durations have a long right tail (a few ms of
+    scheduling delay on a 1 ms stage) that the log scale shortens.
     z: the normal quantile 1 - false_alarm_rate / n for the n comparisons of the window
     (Bonferroni): a healthy rank of any stage crosses it in about false_alarm_rate of the windows,
     before persist_windows asks for more."""
     result = np.zeros(slowdown.size, dtype=bool)
-    judged = np.flatnonzero(usable & np.isfinite(slowdown) & (median > 0))
+    judged = np.flatnonzero(usable & np.isfinite(slowdown) & (slowdown > 0) & (median > 0))
     if judged.size == 0:
         return result
-    deviation = slowdown[judged] - 1.0
+    deviation = np.log(slowdown[judged])
     segments, by_segment = dense_groups(segment[judged])
-    # the spread of the faster half of the stage's ranks around their own median, relative to the
-    # stage's median: slow ranks, up to half of them, do not widen it (ratios to the leave-one-out
-    # references would also spread a straggler's excess onto its peers)
-    values = median[judged]
-    _, stage_median = grouped_medians_signed(by_segment, values)
-    scale = stage_median[by_segment]
-    sigma = _half_spread(segments, by_segment, values, values < scale, scale, noise_var)
+    log_median = np.log(median[judged])
+    _, stage_median = grouped_medians_signed(by_segment, log_median)
+    across = _half_spread(segments, by_segment, log_median, log_median < stage_median[by_segment],
+                          np.ones(judged.size), None)
+    previous = last_deviation[pair[judged]]
+    moved = np.isfinite(previous)
+    over_time = np.zeros(segments.size)
+    moved_segments, change = grouped_medians_signed(by_segment[moved], np.abs(deviation[moved] - previous[moved]))
+    over_time[moved_segments] = change / (NORMAL_MAD * math.sqrt(2.0))
+    last_deviation[pair[judged]] = deviation
+    sigma = _smoothed(segments, np.fmax(across, over_time), noise_var)
     result[judged] = deviation > _noise_z(judged.size, config.false_alarm_rate) * sigma[by_segment]
     return result
 
@@ -469,10 +491,11 @@ def _late_beyond_noise(code: np.ndarray, wait_ms: np.ndarray, lateness: np.ndarr
 
 
 def _half_spread(segments: np.ndarray, by_segment: np.ndarray, values: np.ndarray, healthy: np.ndarray,
-                 scale: np.ndarray, smoothed_var: np.ndarray) -> np.ndarray:
+                 scale: np.ndarray, smoothed_var: Optional[np.ndarray]) -> np.ndarray:
     """sigma per segment: the spread of the `healthy` half of its values (the faster ranks, or the
     earlier arrivals) around their own median, each distance over its `scale`, as a half-normal
-    median absolute deviation; smoothed over windows in `smoothed_var` (by segment id, updated)."""
+    median absolute deviation; smoothed over windows in `smoothed_var` (by segment id, updated)
+    unless that is None."""
     centre = np.zeros(segments.size)
     half_segments, half_centre = grouped_medians_signed(by_segment[healthy], values[healthy])
     centre[half_segments] = half_centre
@@ -480,6 +503,11 @@ def _half_spread(segments: np.ndarray, by_segment: np.ndarray, values: np.ndarra
     spread = np.zeros(segments.size)
     half_segments, half_spread = grouped_medians_signed(by_segment[healthy], distance)
     spread[half_segments] = half_spread / HALF_NORMAL_MAD
+    return spread if smoothed_var is None else _smoothed(segments, spread, smoothed_var)
+
+
+def _smoothed(segments: np.ndarray, spread: np.ndarray, smoothed_var: np.ndarray) -> np.ndarray:
+    """sqrt of the variance smoothed over windows (weight NOISE_SMOOTHING) in `smoothed_var`, updated."""
     previous = smoothed_var[segments]
     variance = spread ** 2
     smoothed_var[segments] = np.where(np.isnan(previous), variance, previous + NOISE_SMOOTHING * (variance - previous))
@@ -522,10 +550,13 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
     step_compute_ms[entries.slot[whole_step]] = entries.host[whole_step]
     floor_ms = np.where(collective, np.fmax(config.min_gap_ms, config.rel_threshold * step_compute_ms[entries.slot]),
                         config.min_gap_ms)
-    host = _compare(everyone, entries.code, entries.host, entries.tokens, floor_ms, config, state.noise_var[0])
+    flat = entries.code * state.alert.shape[1] + entries.slot
+    host = _compare(everyone, entries.code, entries.host, entries.tokens, floor_ms, config, state.noise_var[0],
+                    flat, state.last_deviation[0].reshape(-1))
     with_device = np.flatnonzero(~np.isnan(entries.device))
     device = _compare(with_device, entries.code[with_device], entries.device[with_device],
-                      entries.tokens[with_device], floor_ms[with_device], config, state.noise_var[1])
+                      entries.tokens[with_device], floor_ms[with_device], config, state.noise_var[1],
+                      flat[with_device], state.last_deviation[1].reshape(-1))
 
     # device comparisons scattered onto all entries
     device_usable = np.zeros(count, dtype=bool)
@@ -562,7 +593,6 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
         late[entry] = _consistently_late(int(entries.late_steps[entry]), int(entries.arrival_steps[entry]),
                                          comparisons, config)
 
-    flat = entries.code * state.alert.shape[1] + entries.slot
     state.slowdown.reshape(-1)[flat] = slowdown  # gauges update every window, warmup included
     judged = state.windows_seen[entries.slot] >= config.warmup_windows
     compute = judged & ~collective

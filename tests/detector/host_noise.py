@@ -17,9 +17,13 @@ Each interval's duration is the stage's base time times
 - `busy_host`: optionally, a noisy neighbour: the ranks of one host (`ranks_per_host` consecutive
   ranks) all slower together, each by a factor drawn in `slowdown`, for steps
   [first_step, last_step], then back.
+- `contention`: optionally, contention that moves from rank to rank (more rank processes than
+  cores): in each block of `contention_steps` steps a random `contention_share` of the ranks is
+  slower, each by a factor drawn in `contention`, the others at their own speed. One-sided, as real
+  contention is: no rank ever runs faster than its uncontended speed.
 
-Its draws come from generators seeded by the job's seed (the busy host's from one of its own, so
-adding an episode leaves the drift and jitter as they were): a job with this noise is as
+Its draws come from generators seeded by the job's seed (the busy host's and the contention's from
+ones of their own, so adding them leaves the drift and jitter as they were): a job with this noise is as
 deterministic as one without.
 """
 from __future__ import annotations
@@ -49,6 +53,9 @@ class HostNoise:
     spike_rate: float = 0.005
     spike_factor: float = 3.0
     busy_host: Optional[BusyHost] = None
+    contention_share: float = 0.0
+    contention_steps: int = 5
+    contention: tuple[float, float] = (1.1, 1.4)
 
     @property
     def drift_phi(self) -> float:
@@ -57,9 +64,10 @@ class HostNoise:
 
     def step_factors(self, ranks: int, stages: int, seed: int, first_step: int = 0) -> Iterator[np.ndarray]:
         """Multiplicative factors of shape (ranks, stages), one array per step from `first_step` on."""
-        # the episode has a generator of its own: with or without it, the drift and jitter are the same
-        streams = np.random.SeedSequence([seed, 0x5E1F]).spawn(2)
-        rng, episode_rng = np.random.default_rng(streams[0]), np.random.default_rng(streams[1])
+        # the episode and the contention have generators of their own: with or without them, the drift
+        # and jitter are the same
+        streams = np.random.SeedSequence([seed, 0x5E1F]).spawn(3)
+        rng, episode_rng, contention_rng = (np.random.default_rng(stream) for stream in streams)
         phi = self.drift_phi
         innovation = math.sqrt(1.0 - phi * phi) * self.drift_std
         drift = rng.normal(0.0, self.drift_std, size=ranks)
@@ -69,13 +77,18 @@ class HostNoise:
             first = episode.host * episode.ranks_per_host
             busy[first:first + episode.ranks_per_host] = episode_rng.uniform(*episode.slowdown,
                                                                              size=episode.ranks_per_host)
+        contended = np.ones(ranks)
         step = first_step
         while True:
+            if self.contention_share > 0 and (step - first_step) % self.contention_steps == 0:
+                contended = np.ones(ranks)
+                chosen = contention_rng.permutation(ranks)[:round(self.contention_share * ranks)]
+                contended[chosen] = contention_rng.uniform(*self.contention, size=chosen.size)
             jitter = self.jitter_scale * rng.standard_t(self.jitter_df, size=(ranks, stages))
             spikes = np.where(rng.random((ranks, stages)) < self.spike_rate, self.spike_factor, 1.0)
             factors = np.exp(drift[:, None] + jitter) * spikes
             if episode is not None and episode.first_step <= step <= episode.last_step:
                 factors *= busy[:, None]
-            yield factors
+            yield factors * contended[:, None]
             drift = phi * drift + innovation * rng.normal(0.0, 1.0, size=ranks)
             step += 1

@@ -766,6 +766,28 @@ def test_slow_needs_a_deviation_beyond_the_cohorts_own_noise(monkeypatch):
     assert stragglers(run(healthy, 400)[0])
 
 
+
+def test_contention_that_moves_from_rank_to_rank_is_noise_a_slow_rank_is_not(monkeypatch):
+    """4 ranks on 2 cores: in every step a random half of the ranks is 20-50% slower, the others at
+    their own speed. The faster half then bunches at that speed and its spread says little; each
+    healthy rank's deviation jumps from window to window, while a rank 50% slower in one stage stays
+    slow. The spread over time (the ranks' changes of deviation) keeps the healthy ranks quiet."""
+    from tests.detector.host_noise import HostNoise
+
+    noise = HostNoise(drift_std=0.01, contention_share=0.5, contention_steps=1, contention=(1.2, 1.5))
+    seeds = range(40, 46)
+
+    def healthy_alerts() -> list[set[int]]:
+        return [stragglers(run(SyntheticJob(ranks=4, seed=seed, noise=noise), 300)[0]) for seed in seeds]
+
+    assert healthy_alerts() == [set()] * len(seeds)
+    for seed in seeds:
+        slow = SyntheticJob(ranks=4, seed=seed, noise=noise).slow(1, 1.5, stages=["forward-compute"])
+        assert stragglers(run(slow, 300)[0]) == {1}
+    # control: with the spread across ranks alone, healthy ranks are convicted in some of these jobs
+    monkeypatch.setattr(judge, "NORMAL_MAD", math.inf)
+    assert any(healthy_alerts())
+
 def test_a_stage_that_ends_at_a_synchronization_point_is_judged_as_a_collective():
     """DDP's all-reduce inside backward: the stage is not marked collective, but its end is the
     all-reduce's, the same instant on every rank. The ranks that wait for a slow data loader have

@@ -1,6 +1,7 @@
 """The busy-host noise model (host_noise.py) has the properties its docstring claims, as the
 detector sees them: window medians that drift and stay off their peers for windows in a row,
-heavy-tailed per-step jitter, rare spikes, and a busy host's ranks slowed together, then back."""
+heavy-tailed per-step jitter, rare spikes, a busy host's ranks slowed together, then back, and
+contention that moves from rank to rank."""
 from functools import lru_cache
 
 import numpy as np
@@ -68,6 +69,16 @@ def test_a_busy_host_slows_its_ranks_together_then_recovers():
     assert np.all((slower[20:28, host] >= 1.05) & (slower[20:28, host] <= 1.15))
     assert np.allclose(slower[20:28, others], 1.0)
     assert np.allclose(slower[:20], 1.0) and np.allclose(slower[28:], 1.0)
+
+
+def test_contention_slows_a_share_of_the_ranks_one_sided_and_moves():
+    contended = HostNoise(contention_share=0.25, contention_steps=2, contention=(1.2, 1.5))
+    # the same seed gives the same drift and jitter, with the contention on top
+    slower = durations(contended) / durations(HostNoise())
+    assert np.all(slower >= 1.0 - 1e-9) and np.all(slower <= 1.5)
+    assert np.all(np.sum(slower > 1.0 + 1e-9, axis=1) == RANKS // 4)  # 8 of the 32 ranks, every step
+    assert np.allclose(slower[0::2], slower[1::2])  # the same for each block of 2 steps
+    assert 0.15 < np.mean(~np.isclose(slower[1:], slower[:-1])) < 0.6  # and moving: the ranks change from block to block
 
 
 def test_it_is_deterministic():

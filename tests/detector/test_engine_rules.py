@@ -766,7 +766,6 @@ def test_slow_needs_a_deviation_beyond_the_cohorts_own_noise(monkeypatch):
     assert stragglers(run(healthy, 400)[0])
 
 
-
 def test_contention_that_moves_from_rank_to_rank_is_noise_a_slow_rank_is_not(monkeypatch):
     """4 ranks on 2 cores: in every step a random half of the ranks is 20-50% slower, the others at
     their own speed. The faster half then bunches at that speed and its spread says little; each

@@ -85,8 +85,12 @@ class RankState(NamedTuple):
 class Engine:
     """Not thread-safe: one thread calls everything (or the caller holds a lock around each call)."""
 
-    def __init__(self, config: DetectorConfig) -> None:
+    def __init__(self, config: DetectorConfig, patient_start: bool = False) -> None:
+        """patient_start: every cohort's first windows wait `max_export_lag_s` for ranks not seen yet,
+        as a restarted incarnation's do (replay: its clock is recorded times, which precede a line's
+        arrival by up to the export delay, and offline the wait costs nothing)."""
         self._config = config
+        self._patient_start = patient_start
         self._layout = RowLayout(config.window_steps, config.max_ranks)
         self._dedup_horizon = 1 << max(0, (config.dedup_horizon - 1).bit_length())
         self._grace_ns = int(config.window_grace_s * 1e9)
@@ -223,7 +227,8 @@ class Engine:
     def _make_cohort(self, job_id: str, epoch: int, name: str, restart: int) -> Cohort:
         config = self._config
         cohort = Cohort(job_id, epoch, name, self._layout, config.max_ranks, config.max_stages,
-                        config.max_open_windows, self._counts, self._now, config.max_export_lag_s, restart)
+                        config.max_open_windows, self._counts, self._now, config.max_export_lag_s, restart,
+                        self._patient_start)
         self._cohorts[(job_id, epoch, name)] = cohort
         return cohort
 

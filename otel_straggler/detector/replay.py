@@ -5,7 +5,9 @@ ExportTraceServiceRequest-shaped JSON object per line, optionally gzip-compresse
 by content). Lines holding metrics or logs instead of spans are skipped and counted. Lines are
 decoded and ingested in file order by the same decode and engine code as the live service; the
 clock given to the engine is the latest span end time seen so far (heartbeats included), so windows
-close and hangs are declared as they would have been live, and everything still open is judged at the end (drain). Verdicts and status go to the
+close and hangs are declared as they would have been live, and everything still open is judged at the end (drain).
+A cohort's first windows wait max_export_lag_s for ranks not seen yet (Engine's patient_start): a
+line's recorded times precede its arrival by up to the rank's export delay. Verdicts and status go to the
 same evidence files as `detect` writes (verdicts.jsonl is appended to, never rewritten).
 """
 from __future__ import annotations
@@ -54,7 +56,7 @@ def replay(
             raise OSError(f"{path}: no such file")
     if engine is None:
         from otel_straggler.detector.engine import Engine
-        engine = Engine(config)
+        engine = Engine(config, patient_start=True)
     counters = IntakeCounters()
     telemetry: Optional[DetectorTelemetry] = None
     # driver and emitter are assigned below, before anything can call these closures

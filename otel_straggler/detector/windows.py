@@ -119,7 +119,7 @@ class Cohort:
 
     def __init__(self, job_id: str, epoch: int, name: str, layout: RowLayout, max_ranks: int,
                  max_stages: int, max_open_windows: int, counts: Counter, now_unix_nano: int,
-                 max_export_lag_s: float = 15.0, restart: int = 0) -> None:
+                 max_export_lag_s: float = 15.0, restart: int = 0, patient_start: bool = False) -> None:
         self.job_id = job_id
         self.epoch = epoch
         self.name = name
@@ -147,8 +147,9 @@ class Cohort:
         self._last_advance_unix_nano = 0
         self._max_lag_ns = int(max_export_lag_s * 1e9)
         # a new incarnation (restart > 0) waits as long as any rank may lag: its ranks are known to be
-        # coming back, and restarted processes start seconds apart
-        self._startup_hold_ns = self._max_lag_ns if restart else min(STARTUP_HOLD_NS, self._max_lag_ns)
+        # coming back, and restarted processes start seconds apart; so does a patient start (replay)
+        patient = restart or patient_start
+        self._startup_hold_ns = self._max_lag_ns if patient else min(STARTUP_HOLD_NS, self._max_lag_ns)
         # closing rule: how many reporting (not silent) ranks have each latest window
         self._ranks_by_latest_window: Counter = Counter()
         self._reporting_ranks = 0

@@ -14,8 +14,9 @@ from opentelemetry.sdk.trace.export import SpanExportResult
 from otel_straggler import contract
 from otel_straggler.detector.replay import replay
 
-from .otlp_spans import (eventful_observations, json_line, otlp_json, per_step_requests, running_service,
-                         service_config, slow_rank_observations, verdict_records, without_time)
+from .otlp_spans import (eventful_observations, export_batches, heartbeat_span, json_line, otlp_json,
+                         per_step_requests, running_service, service_config, slow_rank_observations,
+                         verdict_records, without_time)
 from .test_receiver import post
 
 RANKS = 8
@@ -65,6 +66,34 @@ def test_replay_skips_lines_that_are_not_trace_requests_and_counts_them(tmp_path
     records = verdict_records(Path(service_config(tmp_path).evidence_dir) / "verdicts.jsonl")
     assert {record["rank"] for record in records if record["verdict"] == contract.VERDICT_STRAGGLER} == {3}
 
+
+
+def test_a_replay_waits_at_the_start_for_ranks_whose_first_lines_come_later(tmp_path):
+    """Each rank's SDK sends a burst of steps every few seconds, with a heartbeat stamped when the
+    burst went out, after its last span. The first line's recorded times then precede its arrival,
+    and the next lines' heartbeats move the clock past a live detector's 1 s wait for ranks not seen
+    yet, which would close the first windows without them. Offline, where waiting costs nothing, a
+    cohort's first windows wait the longest export lag instead: no span is late, and the verdicts are
+    those of the same lines without heartbeats (whose clock never jumps)."""
+    observations = slow_rank_observations(ranks=RANKS, steps=40)
+    with_beats, without_beats = [], []
+    for first_step in (0, 15, 30):
+        for rank in range(RANKS):
+            burst = [o for o in observations if o.rank == rank and first_step <= o.step < first_step + 15]
+            (spans,) = export_batches(burst)
+            sent = burst[-1].end_unix_nano + 2_000_000_000
+            beat = [heartbeat_span(rank, sent, open_stages=(("forward-compute", sent - 1_000),),
+                                   step=burst[-1].step + 1)]
+            with_beats.append(spans + (beat if (first_step, rank) != (0, 0) else []))
+            without_beats.append(spans)
+    summaries, verdicts = [], []
+    for name, requests in (("with", with_beats), ("without", without_beats)):
+        config = service_config(tmp_path / name)
+        summaries.append(replay([str(write_lines(tmp_path / f"{name}.jsonl", requests))], config))
+        verdicts.append(verdict_records(Path(config.evidence_dir) / "verdicts.jsonl"))
+    assert [summary.status["spans"]["late"] for summary in summaries] == [0, 0]
+    assert {(v["verdict"], v["rank"]) for v in verdicts[1]} >= {("straggler", 3)}
+    assert without_time(verdicts[0]) == without_time(verdicts[1])
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     import os

@@ -13,6 +13,10 @@ slower inside DDP's backward (the same work in autograd's backward); rank 1's da
 - windows and seconds from the onset to the slow rank's first alert (median over the runs that
   alerted; windows counted from the window holding the onset step);
 - late: the share of spans the detector received after their window was judged.
+`--record DIR` puts the OTel Collector (otelcol-straggler from the build cache, or
+$OTELCOL_STRAGGLER_BIN) between the ranks and the detector and has it also write each run's spans to
+DIR/<scenario>-<run>.jsonl (its `file` exporter), so that `otel-straggler replay` can judge the same
+streams again under other settings or code.
 Exit status 1 when a target (docs/detection.md) is missed, so the CI-sized run can assert it.
 """
 from __future__ import annotations
@@ -21,6 +25,7 @@ import argparse
 import contextlib
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -73,18 +78,82 @@ def cpu_hog(on: bool) -> Iterator[None]:
             hog.wait()
 
 
+def collector_binary() -> Path:
+    cache = Path(os.environ.get("OTEL_STRAGGLER_CACHE") or Path.home() / ".cache" / "otel-straggler")
+    return Path(os.environ.get("OTELCOL_STRAGGLER_BIN") or cache / "bin" / "otelcol-straggler")
+
+
+@contextlib.contextmanager
+def recording_collector(detector_endpoint: str, path: Path, scratch: str) -> Iterator[str]:
+    """The collector forwarding OTLP/gRPC to the detector and writing every request to `path` as
+    JSON lines; yields its endpoint. On exit it shuts down, which sends what it still holds."""
+    port = free_port()
+    config = Path(scratch) / "collector.yaml"
+    config.write_text(f"""receivers:
+  otlp:
+    protocols:
+      grpc:
+        endpoint: 127.0.0.1:{port}
+exporters:
+  otlp:
+    endpoint: {detector_endpoint}
+    tls:
+      insecure: true
+  file:
+    path: {path}
+    format: json
+service:
+  telemetry:
+    metrics:
+      level: none
+  pipelines:
+    traces:
+      receivers: [otlp]
+      exporters: [otlp, file]
+""")
+    log = open(Path(scratch) / "collector.log", "wb")
+    process = subprocess.Popen([str(collector_binary()), "--config", str(config)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    log.close()
+                    raise RuntimeError("the recording collector did not start:\n"
+                                       + (Path(scratch) / "collector.log").read_text()[-2000:])
+                time.sleep(0.1)
+        yield f"127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+
+
 def run_once(scenario: str, run: int, steps: int, from_step: int, extra_ms: float, keep: Optional[Path],
-             ddp_hook: bool = True) -> RunResult:
+             ddp_hook: bool = True, record: Optional[Path] = None) -> RunResult:
     kind = _kind(scenario)
-    with tempfile.TemporaryDirectory(prefix="field-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="field-") as scratch, contextlib.ExitStack() as stack:
         evidence = Path(scratch) / "evidence"
         evidence.mkdir()
         detector = DetectorProcess(str(evidence))
+        stack.callback(detector.stop)  # after the collector's shutdown, which sends what it holds
+        endpoint = detector.endpoint
+        if record is not None:
+            record.mkdir(parents=True, exist_ok=True)
+            endpoint = stack.enter_context(recording_collector(detector.endpoint, record / f"{scenario}-{run}.jsonl",
+                                                               scratch))
         try:
             env = {name: value for name, value in os.environ.items() if not name.startswith("OTEL_")}
             env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(WORLD_SIZE),
                         "LOCAL_WORLD_SIZE": str(WORLD_SIZE), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{detector.endpoint}",
+                        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{endpoint}",
                         "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_STRAGGLER_EXPORT_METRICS": "false",
                         "OTEL_STRAGGLER_JOB_ID": f"field-{scenario}-{run}"})
             command = [sys.executable, str(JOB), "--steps", str(steps), "--slow", kind, "--slow-rank", str(SLOW_RANK),
@@ -109,7 +178,7 @@ def run_once(scenario: str, run: int, steps: int, from_step: int, extra_ms: floa
                 raise RuntimeError(f"{scenario} run {run}: rank {failed[0]} exited {ranks[failed[0]].returncode}:\n"
                                    + outputs[failed[0]][-3000:])
         finally:
-            detector.stop()
+            stack.close()  # the collector first, then the detector
         onset_ns = next(int(line.split()[1]) for line in outputs[SLOW_RANK].splitlines() if line.startswith("onset "))
         verdicts = [json.loads(line) for line in (evidence / "verdicts.jsonl").read_text().splitlines() if line.strip()]
         status = json.loads((evidence / "status.json").read_text())
@@ -157,11 +226,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     parser.add_argument("--no-ddp-hook", action="store_true", help="ranks without ots.instrument_ddp")
     parser.add_argument("--keep", type=Path, help="copy each run's evidence and rank logs here")
+    parser.add_argument("--record", type=Path, help="also write each run's spans here, through the collector")
     args = parser.parse_args(argv)
     scenarios = [name.strip() for name in args.scenarios.split(",") if name.strip()]
     unknown = [name for name in scenarios if name not in SCENARIOS]
     if unknown:
         parser.error(f"unknown scenario {unknown[0]!r}; choose from {', '.join(SCENARIOS)}")
+    if args.record is not None and not os.access(collector_binary(), os.X_OK):
+        parser.error(f"--record needs the collector at {collector_binary()} (scripts/services.sh build, or set "
+                     "OTELCOL_STRAGGLER_BIN)")
 
     print(f"{WORLD_SIZE} gloo DDP ranks, {args.steps} steps, onset at step {args.from_step}, "
           f"+{args.extra_ms:g} ms on rank {SLOW_RANK}, {args.runs} runs per scenario, {os.cpu_count()} CPUs")
@@ -172,7 +245,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     missed = []
     for scenario in scenarios:
         kind = _kind(scenario)
-        results = [run_once(scenario, run, args.steps, args.from_step, args.extra_ms, args.keep, not args.no_ddp_hook)
+        results = [run_once(scenario, run, args.steps, args.from_step, args.extra_ms, args.keep, not args.no_ddp_hook,
+                            args.record)
                    for run in range(args.runs)]
         exact_runs = sum(exact(kind, r) for r in results)
         false_rate = 1e4 * sum(r.false_onsets for r in results) / sum(r.rank_windows for r in results)

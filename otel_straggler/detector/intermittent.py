@@ -27,9 +27,11 @@ count. Heavy-tailed jitter that every rank shares gives every rank the peers' ra
 one spike, or one burst of spikes, is not in persist_windows windows. A rank with a lasting rate of
 its own (a slower hardware bin that crosses the threshold now and then, rank 0 doing extra work in
 some steps) is intermittent by this rule: it does delay the job in those steps. The steady rule
-takes precedence: a pair it counts as slow, or holds an alert for, is not tested here, and the
-windows in which its median was slow are its evidence, not this rule's: they record no steps here
-(a rank slow for three windows in a row is not intermittent once it recovers).
+takes precedence: a pair it counts as slow, or holds an alert for, is not tested here. Its slow
+windows are recorded until a streak of them ends in a steady alert: those windows are then that
+alert's evidence, the pair's ring is cleared (judge.py), and nothing is recorded while the alert
+holds (a rank slow for three windows in a row is not intermittent once it recovers). A streak
+that a dip breaks before it alerts stays this rule's evidence, else neither rule would count it.
 """
 from __future__ import annotations
 
@@ -84,7 +86,7 @@ class IntermittentState:
     def record(self, persist_windows: int, code: np.ndarray, slot: np.ndarray, counts: "SlowSteps",
                counted: np.ndarray) -> None:
         """The window's counts per (code, slot) entry become the ring's newest row; entries not
-        `counted` (the steady rule's slow windows) record nothing."""
+        `counted` (under a steady alert) record nothing."""
         windows = min(HORIZON * persist_windows, MAX_HORIZON_WINDOWS)
         if windows != self.windows:  # the first window (or a changed persist_windows): a fresh ring
             codes, slots = self.alert.shape

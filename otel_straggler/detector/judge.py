@@ -108,7 +108,8 @@ class CohortVerdictState:
         # of the ranks' relative deviations from their references, host and device (nan: none yet)
         self.sync_slope = np.zeros(0)
         self.noise_var = np.zeros((2, 0))
-        self.last_deviation = np.zeros((2, 0, 0))  # per kind (host, device) and (code, slot): its latest log(slowdown)
+        # per kind (host, device) and (code, slot): its latest log median's offset from the stage's median over ranks
+        self.last_offset = np.zeros((2, 0, 0))
         self.late_streak = np.zeros((0, 0), dtype=np.int64)  # per (collective code, slot)
         self.arrival_var = np.zeros(0)  # per collective code: smoothed variance of the ranks' lateness
         self.collective_seen = np.zeros(0, dtype=bool)  # per code: judged as a collective in some window
@@ -148,8 +149,8 @@ class CohortVerdictState:
             new[:old.shape[0], :old.shape[1]] = old
             setattr(self, name, new)
         deviation = np.full((2, codes, slots), np.nan)
-        deviation[:, :self.last_deviation.shape[1], :self.last_deviation.shape[2]] = self.last_deviation
-        self.last_deviation = deviation
+        deviation[:, :self.last_offset.shape[1], :self.last_offset.shape[2]] = self.last_offset
+        self.last_offset = deviation
         self.intermittent.ensure(codes, slots)
 
     def reset_slot(self, slot: int) -> None:
@@ -176,7 +177,7 @@ class CohortVerdictState:
         self.slow_streak[where] = self.floor_streak[where] = self.late_streak[where] = 0
         self.last_uncertain[where] = 0
         self.slowdown[where] = np.nan
-        self.last_deviation[(slice(None),) + where] = np.nan
+        self.last_offset[(slice(None),) + where] = np.nan
 
 
 @dataclass
@@ -418,33 +419,37 @@ def _sums_by_bin(bins: np.ndarray, *weights: np.ndarray) -> tuple[np.ndarray, li
 
 def _compare(entries: np.ndarray, segment: np.ndarray, median: np.ndarray, tokens: np.ndarray,
              floor_ms: np.ndarray, config: DetectorConfig, noise_var: np.ndarray, pair: np.ndarray,
-             last_deviation: np.ndarray) -> _Comparison:
+             last_offset: np.ndarray) -> _Comparison:
     references = peer_references(segment, median, tokens, config.reference_quantile, config.work_tolerance)
     reference = references.reference
     slowdown = np.where(reference > 0, median / reference, np.where(median > 0, np.inf, 1.0))
     gap = median - reference
     usable = (references.peer_count + 1 >= config.min_cohort_size) & np.isfinite(reference) & ~np.isnan(slowdown)
     over = usable & (slowdown > 1.0 + config.rel_threshold)
-    beyond_noise = _beyond_noise(segment, median, slowdown, usable, config, noise_var, pair, last_deviation)
+    beyond_noise = _beyond_noise(segment, median, slowdown, usable, config, noise_var, pair, last_offset)
     return _Comparison(median, references, entries, usable, slowdown, over, over & (gap > floor_ms),
                        over & (gap > floor_ms) & beyond_noise)
 
 
 def _beyond_noise(segment: np.ndarray, median: np.ndarray, slowdown: np.ndarray, usable: np.ndarray,
                   config: DetectorConfig, noise_var: np.ndarray, pair: np.ndarray,
-                  last_deviation: np.ndarray) -> np.ndarray:
+                  last_offset: np.ndarray) -> np.ndarray:
     """Per entry: its deviation from its reference, log(slowdown), exceeds z * sigma of its stage.
 
     sigma (docs/detection.md, Thresholds), per stage, the larger of two robust spreads of the
     ranks' log durations, smoothed over windows in `noise_var` (one value per code, updated here):
     - across ranks: the faster half's log window medians around their own median, so that slow
       ranks, up to half of them, do not widen it;
-    - over time: the ranks' changes of deviation since their previous window (`last_deviation`,
-      per pair, updated here), over sqrt(2). Contention is one-sided (a rank cannot run faster than
-      its uncontended speed), so when it moves from rank to rank (more processes than cores, a
-      noisy neighbour) the faster ranks bunch at that speed and say little of how far a healthy
-      rank is slowed, while each rank's deviation jumps from window to window; a rank slow for a
-      reason stays slow and hardly changes.
+    - over time: the ranks' changes since their previous window of their log median's offset from
+      the stage's median over its ranks (`last_offset`, per pair, updated here), over sqrt(2).
+      Contention is one-sided (a rank cannot run faster than its uncontended speed), so when it
+      moves from rank to rank (more processes than cores, a noisy neighbour) the faster ranks
+      bunch at that speed and say little of how far a healthy rank is slowed, while each rank's
+      offset jumps from window to window; a rank slow for a reason stays slow and hardly changes.
+      The offset, not the deviation from the rank's reference: with 3 ranks a healthy rank's
+      reference is the mean of its two peers, so a straggler's own swings moved every healthy
+      rank's deviation and widened the bound past a 4x straggler; the median over all ranks
+      follows the healthy ones.
     Logs: the slowdown is a ratio, and a short stage's durations have a long right tail (a few ms of
     scheduling delay on a 1 ms stage) that the log scale shortens.
     z: the normal quantile 1 - false_alarm_rate / n for the n comparisons of the window
@@ -460,12 +465,13 @@ def _beyond_noise(segment: np.ndarray, median: np.ndarray, slowdown: np.ndarray,
     _, stage_median = grouped_medians_signed(by_segment, log_median)
     across = _half_spread(segments, by_segment, log_median, log_median < stage_median[by_segment],
                           np.ones(judged.size), None)
-    previous = last_deviation[pair[judged]]
+    offset = log_median - stage_median[by_segment]
+    previous = last_offset[pair[judged]]
     moved = np.isfinite(previous)
     over_time = np.zeros(segments.size)
-    moved_segments, change = grouped_medians_signed(by_segment[moved], np.abs(deviation[moved] - previous[moved]))
+    moved_segments, change = grouped_medians_signed(by_segment[moved], np.abs(offset[moved] - previous[moved]))
     over_time[moved_segments] = change / (NORMAL_MAD * math.sqrt(2.0))
-    last_deviation[pair[judged]] = deviation
+    last_offset[pair[judged]] = offset
     sigma = _smoothed(segments, np.fmax(across, over_time), noise_var)
     result[judged] = deviation > _noise_z(judged.size, config.false_alarm_rate) * sigma[by_segment]
     return result
@@ -552,11 +558,11 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
                         config.min_gap_ms)
     flat = entries.code * state.alert.shape[1] + entries.slot
     host = _compare(everyone, entries.code, entries.host, entries.tokens, floor_ms, config, state.noise_var[0],
-                    flat, state.last_deviation[0].reshape(-1))
+                    flat, state.last_offset[0].reshape(-1))
     with_device = np.flatnonzero(~np.isnan(entries.device))
     device = _compare(with_device, entries.code[with_device], entries.device[with_device],
                       entries.tokens[with_device], floor_ms[with_device], config, state.noise_var[1],
-                      flat[with_device], state.last_deviation[1].reshape(-1))
+                      flat[with_device], state.last_offset[1].reshape(-1))
 
     # device comparisons scattered onto all entries
     device_usable = np.zeros(count, dtype=bool)
@@ -630,14 +636,19 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
     state.late_streak.reshape(-1)[update] = late_streak[judged]
     state.last_uncertain.reshape(-1)[update] = notice[judged]
 
-    # intermittent stragglers (intermittent.py): only pairs the steady rule neither counts as slow
-    # nor holds an alert for; its alert, once it holds one, supersedes theirs
+    # intermittent stragglers (intermittent.py): tested where the steady rule holds no alert; its
+    # alert, once it holds one, supersedes theirs. Slow windows are recorded (a streak broken by a
+    # dip is evidence of neither rule otherwise) until a streak ends in an alert: its windows are
+    # then that alert's evidence, and the pair's ring starts over, so a rank slow for
+    # persist_windows windows in a row is the steady rule's, and not intermittent once it is back
     steady_alert = (alert | onset) & ~recovery
     comparable = compute & usable  # compute: judged (past warmup) and not a collective
+    started = np.flatnonzero(compute & onset)
+    state.intermittent.reset((entries.code[started], entries.slot[started]))
     state.intermittent.record(config.persist_windows, entries.code, entries.slot, entries.slow_steps,
-                              comparable & ~(slow | steady_alert))
+                              comparable & ~steady_alert)
     intermittent = judge_intermittent(state.intermittent, entries.code, entries.slot, comparable,
-                                      comparable & ~steady_alert & (slow_streak == 0),
+                                      comparable & ~steady_alert,
                                       compute & steady_alert, state.alert, config.false_alarm_rate,
                                       config.persist_windows)
 

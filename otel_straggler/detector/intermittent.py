@@ -27,7 +27,7 @@ count. Heavy-tailed jitter that every rank shares gives every rank the peers' ra
 one spike, or one burst of spikes, is not in persist_windows windows. A rank with a lasting rate of
 its own (a slower hardware bin that crosses the threshold now and then, rank 0 doing extra work in
 some steps) is intermittent by this rule: it does delay the job in those steps. The steady rule
-takes precedence: a pair it counts as slow, or holds an alert for, is not tested here. Its slow
+takes precedence: a pair it holds an alert for is not tested here. The pair's slow
 windows are recorded until a streak of them ends in a steady alert: those windows are then that
 alert's evidence, the pair's ring is cleared (judge.py), and nothing is recorded while the alert
 holds (a rank slow for three windows in a row is not intermittent once it recovers). A streak

@@ -148,9 +148,9 @@ class CohortVerdictState:
             new = np.full((codes, slots), fill, dtype=old.dtype)
             new[:old.shape[0], :old.shape[1]] = old
             setattr(self, name, new)
-        deviation = np.full((2, codes, slots), np.nan)
-        deviation[:, :self.last_offset.shape[1], :self.last_offset.shape[2]] = self.last_offset
-        self.last_offset = deviation
+        offset = np.full((2, codes, slots), np.nan)
+        offset[:, :self.last_offset.shape[1], :self.last_offset.shape[2]] = self.last_offset
+        self.last_offset = offset
         self.intermittent.ensure(codes, slots)
 
     def reset_slot(self, slot: int) -> None:

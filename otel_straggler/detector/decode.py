@@ -12,8 +12,9 @@ Resource attributes (CONTRACT §1) may also arrive on the span itself, e.g. from
 flattens resources; the span's value is used only when the resource has none. A missing cohort means
 "every rank plays the same role" (plain data parallelism) and maps to DEFAULT_COHORT; a missing
 topology epoch or restart count is 0. Workload values that are not positive numbers degrade to None
-("not reported"). Where a rank runs (host.name, training.local_rank) is read from the resource only,
-once per resource, as a Placement; a value of the wrong type there is "unknown", not a rejection.
+("not reported"). Where a rank runs (host.name, training.local_rank) and how many ranks its job has
+(training.world_size) are read from the resource only, once per resource, as a Placement; a value of
+the wrong type there is "unknown", not a rejection.
 
 Speed: the protobuf path parses with a *view* of the OTLP schema that keeps only the fields read
 here and declares attributes as `map<string, bytes>` (a map entry has the same wire format as
@@ -42,9 +43,8 @@ from google.protobuf.message import DecodeError
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 from otel_straggler import contract
-from otel_straggler.detector.observation import Heartbeat, Observation, Placement
+from otel_straggler.detector.observation import DEFAULT_COHORT, Heartbeat, Observation, Placement
 
-DEFAULT_COHORT = "default"
 _VALUE_CACHE_ENTRIES = 4096  # distinct AnyValue encodings kept; cleared when full, so always bounded
 # Only raw values up to this size are cached: an entry keeps the raw bytes and the value, so a bound on
 # entries alone would let a few thousand large values (distinct stage names of 1 MiB, say) hold gigabytes.
@@ -172,12 +172,13 @@ def _identity(job_id: Any, epoch: Any, cohort: Any, rank: Any, restart: Any = No
     return job_id, epoch, cohort, rank, restart
 
 
-def _placement(identity: tuple | Rejection, host: Any, local_rank: Any) -> Optional[Placement]:
+def _placement(identity: tuple | Rejection, host: Any, local_rank: Any, world_size: Any = None) -> Optional[Placement]:
     if type(identity) is not tuple:
         return None
-    job_id, epoch, _, rank, restart = identity
+    job_id, epoch, cohort, rank, restart = identity
     return Placement(job_id, epoch, restart, rank, host if type(host) is str and host else None,
-                     local_rank if type(local_rank) is int and local_rank >= 0 else None)
+                     local_rank if type(local_rank) is int and local_rank >= 0 else None,
+                     cohort, world_size if type(world_size) is int and world_size > 0 else None)
 
 
 def _heartbeat(identity: tuple | Rejection, step: Any, open_stages: Any, open_since: Any,
@@ -223,6 +224,7 @@ def _observation(
 
 
 _IDENTITY_KEYS = (contract.JOB_ID, contract.TOPOLOGY_EPOCH, contract.COHORT, contract.RANK, contract.RESTART_COUNT)
+_PLACEMENT_KEYS = (contract.HOST_NAME, contract.LOCAL_RANK, contract.WORLD_SIZE)  # read once per resource
 _new_observation = tuple.__new__  # Observation(...) without its Python-level __new__: decode's hot path
 
 
@@ -400,7 +402,7 @@ class ProtobufDecoder:
         if known is None:
             attributes = _ResourceView.FromString(raw).attributes
             values = [self._value(attributes.get(key)) for key in _IDENTITY_KEYS]
-            where = (self._value(attributes.get(contract.HOST_NAME)), self._value(attributes.get(contract.LOCAL_RANK)))
+            where = tuple(self._value(attributes.get(key)) for key in _PLACEMENT_KEYS)
             known = (values, _placement(_identity(*values), *where), where)
             if len(raw) <= 64 * _VALUE_CACHE_MAX_RAW_BYTES:
                 if len(self._resource_cache) >= _MAX_RESOURCES_CACHED:
@@ -415,7 +417,7 @@ class ProtobufDecoder:
         self._heartbeat_span(batch, _SpanView.FromString(raw_span), values, where)
 
     def _heartbeat_span(self, batch: DecodedBatch, span: Any, resource_values: list, where: tuple) -> None:
-        """`where`: the resource's host.name and training.local_rank (None: absent)."""
+        """`where`: the resource's values of _PLACEMENT_KEYS (None: absent)."""
         get = span.attributes.get
         values = [value if value is not None else self._value(get(key))
                   for key, value in zip(_IDENTITY_KEYS, resource_values)]
@@ -423,13 +425,13 @@ class ProtobufDecoder:
         result = _heartbeat(identity, _int_any_value(get(contract.STEP)),
                             _array_any_value(get(contract.HEARTBEAT_OPEN_STAGES)),
                             _array_any_value(get(contract.HEARTBEAT_OPEN_SINCE)), span.end_time_unix_nano)
-        host, local_rank = (value if value is not None else self._value(get(key))
-                            for value, key in zip(where, (contract.HOST_NAME, contract.LOCAL_RANK)))
+        host, local_rank, world_size = (value if value is not None else self._value(get(key))
+                                        for value, key in zip(where, _PLACEMENT_KEYS))
         if type(result) is Rejection:
             batch.reject(span.name, result, values[0], values[3], host)
             return
         batch.heartbeats.append(result)
-        placement = _placement(identity, host, local_rank)
+        placement = _placement(identity, host, local_rank, world_size)
         if placement is not None:
             batch.placements.append(placement)
 
@@ -456,8 +458,8 @@ class ProtobufDecoder:
             identity = _identity(*resource_identity)
             if type(identity) is tuple:
                 job, epoch, cohort, rank, restart = identity
-            host = value_of(resource.get(contract.HOST_NAME))
-            where = (host, value_of(resource.get(contract.LOCAL_RANK)))
+            where = tuple(value_of(resource.get(key)) for key in _PLACEMENT_KEYS)
+            host = where[0]
             placement = _placement(identity, *where)
             observed = len(batch.observations)
             for scope_spans in resource_spans.scope_spans:
@@ -648,7 +650,7 @@ def decode_json_request(request: Any) -> DecodedBatch:
         resource_spans = _json_object(resource_spans, "resourceSpans[]")
         resource = _json_attributes(_json_object(resource_spans.get("resource", {}), "resource").get("attributes", []))
         placement = _placement(_identity(*(resource.get(key) for key in _IDENTITY_KEYS)),
-                               resource.get(contract.HOST_NAME), resource.get(contract.LOCAL_RANK))
+                               *(resource.get(key) for key in _PLACEMENT_KEYS))
         found = len(batch.observations) + len(batch.heartbeats)
         for scope_spans in _json_list(resource_spans, "scopeSpans"):
             for span in _json_list(_json_object(scope_spans, "scopeSpans[]"), "spans"):

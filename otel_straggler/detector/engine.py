@@ -26,7 +26,8 @@ not `silent`. A rank with a lower count than its cohort's (torchrun restarts the
 that did not fail without counting it) joins the current incarnation.
 
 Liveness and hangs are liveness.py's: the engine hands it heartbeats, placements and each cohort's
-latest interval end, and adds where a rank runs (host, local rank) to every per-rank verdict.
+latest interval end, and adds where a rank runs (host, local rank) to every per-rank verdict. The
+world size that placements carry sizes a job's default cohort, whose first windows wait for it.
 
 Outcomes of `ingest`: `accepted`; `duplicate` (seq seen before, or older than the rank's
 de-duplication horizon); `late` (its window was already judged: counted, never judged again);
@@ -46,7 +47,7 @@ from otel_straggler import contract
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.judge import judge_window, restarted_verdicts
 from otel_straggler.detector.liveness import HangState, Liveness
-from otel_straggler.detector.observation import Heartbeat, Observation, Placement, Verdict
+from otel_straggler.detector.observation import DEFAULT_COHORT, Heartbeat, Observation, Placement, Verdict
 from otel_straggler.detector.windows import Cohort, RankEntry, RowLayout, WindowRows
 
 OUTCOMES = ("accepted", "duplicate", "late", "malformed", "dropped")
@@ -102,6 +103,9 @@ class Engine:
         self._retiring: list[Cohort] = []  # superseded by a new incarnation, judged at the next advance
         self._liveness = Liveness(config, self._counts)
         self._liveness_verdicts: list[Verdict] = []  # made at intake, handed out at the next advance
+        # (job_id, epoch) -> the world size its ranks report: the size of its default cohort, whose
+        # first windows wait for ranks not seen yet (windows.py). At most max_jobs, oldest first out.
+        self._world_sizes: dict[tuple[str, int], int] = {}
 
     # ---- intake ----
     def ingest(self, observation: Observation) -> str:
@@ -183,7 +187,22 @@ class Engine:
         self._liveness_verdicts += self._liveness.note_heartbeats(heartbeats, self._now)
 
     def ingest_placements(self, placements: Iterable[Placement]) -> None:
+        placements = list(placements)
         self._liveness_verdicts += self._liveness.note_placements(placements, self._now)
+        for placement in placements:
+            if placement.world_size is not None and placement.cohort == DEFAULT_COHORT:
+                self._note_world_size(placement.job_id, placement.epoch, placement.world_size)
+
+    def _note_world_size(self, job_id: str, epoch: int, world_size: int) -> None:
+        key = (job_id, epoch)
+        if self._world_sizes.get(key) == world_size:
+            return
+        if key not in self._world_sizes and len(self._world_sizes) >= self._config.max_jobs:
+            del self._world_sizes[next(iter(self._world_sizes))]
+        self._world_sizes[key] = world_size
+        cohort = self._cohorts.get((job_id, epoch, DEFAULT_COHORT))
+        if cohort is not None:
+            cohort.expected_ranks = world_size
 
     def _admit_rank(self, job_id: str, epoch: int, rank: int, cohort_name: str, restart: int = 0) -> Optional[RankEntry]:
         """Registers a rank (or its move to another cohort, or a new incarnation of its cohort),
@@ -229,6 +248,8 @@ class Engine:
         cohort = Cohort(job_id, epoch, name, self._layout, config.max_ranks, config.max_stages,
                         config.max_open_windows, self._counts, self._now, config.max_export_lag_s, restart,
                         self._patient_start)
+        if name == DEFAULT_COHORT:
+            cohort.expected_ranks = self._world_sizes.get((job_id, epoch))
         self._cohorts[(job_id, epoch, name)] = cohort
         return cohort
 

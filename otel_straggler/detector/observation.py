@@ -44,8 +44,12 @@ class Heartbeat(NamedTuple):
     open_since_unix_nano: tuple[int, ...]
 
 
+DEFAULT_COHORT = "default"  # a rank that names no cohort: every rank of its job plays the same role
+
+
 class Placement(NamedTuple):
-    """Where a rank runs, from its resource (CONTRACT §1): what on-call needs to find it."""
+    """Where a rank runs, from its resource (CONTRACT §1): what on-call needs to find it, and how
+    many ranks its job has, which the windows of its cohort wait for at the start."""
 
     job_id: str
     epoch: int
@@ -53,6 +57,8 @@ class Placement(NamedTuple):
     rank: int
     host: Optional[str]
     local_rank: Optional[int]
+    cohort: Optional[str] = None
+    world_size: Optional[int] = None  # None: not reported, or not a positive int
 
 
 @dataclass(frozen=True, slots=True)

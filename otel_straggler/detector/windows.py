@@ -15,6 +15,9 @@ A window closes, at the caller's `advance(now)`, when
 - it received no data for `window_grace_s` by the caller's clock, or
 - the cohort would exceed `max_open_windows` (the oldest is closed early, counted).
 "Reporting" ranks exclude `silent` ones, so a rank that stopped does not hold windows open for long.
+None of the first three closes a window in the cohort's first second after its first data (a rank
+never seen is not waited for otherwise), or, while fewer ranks have reported than the cohort is known
+to have (`expected_ranks`), in its first `max_export_lag_s`.
 """
 from __future__ import annotations
 
@@ -150,6 +153,10 @@ class Cohort:
         # coming back, and restarted processes start seconds apart; so does a patient start (replay)
         patient = restart or patient_start
         self._startup_hold_ns = self._max_lag_ns if patient else min(STARTUP_HOLD_NS, self._max_lag_ns)
+        # how many ranks the cohort has, where its ranks say (the job's world size, for a cohort in
+        # which every rank plays the same role): until that many have reported, its first windows
+        # wait as long as a rank may lag, since the ranks not seen yet are known to be coming
+        self.expected_ranks: Optional[int] = None
         # closing rule: how many reporting (not silent) ranks have each latest window
         self._ranks_by_latest_window: Counter = Counter()
         self._reporting_ranks = 0
@@ -396,7 +403,7 @@ class Cohort:
             due = rows.last_data_unix_nano + grace_ns
             earliest = due if earliest is None else min(earliest, due)
         if self.open_windows and self._first_advance_unix_nano is not None:
-            hold_ends = self._first_advance_unix_nano + self._startup_hold_ns
+            hold_ends = self._first_advance_unix_nano + self._hold_ns()
             if hold_ends > self._last_advance_unix_nano:  # held at the last look: look again when it ends
                 earliest = hold_ends if earliest is None else min(earliest, hold_ends)
         if self.open_windows and self._reporting_ranks:
@@ -441,7 +448,13 @@ class Cohort:
         if self._first_advance_unix_nano is None:
             self._first_advance_unix_nano = now_unix_nano
         self._last_advance_unix_nano = now_unix_nano
-        return now_unix_nano - self._first_advance_unix_nano < self._startup_hold_ns
+        return now_unix_nano - self._first_advance_unix_nano < self._hold_ns()
+
+    def _hold_ns(self) -> int:
+        """How long the first windows wait after the cohort's first data for ranks not seen yet."""
+        if self.expected_ranks is not None and self.rank_count() < self.expected_ranks:
+            return self._max_lag_ns
+        return self._startup_hold_ns
 
     def _patience_ns(self, slots: np.ndarray) -> np.ndarray:
         gap = self._delivery_gap_ns_by_slot[slots]

@@ -29,7 +29,7 @@ def test_heartbeats_are_decoded_with_their_open_stages(decode):
     assert batch.heartbeats == [Heartbeat("job-1", 0, "tp0", 1, 2, 7, T, ("forward-compute", "all-grads-sync"),
                                           (T - 5, T - 2))]
     assert (len(batch.observations), batch.ignored, batch.malformed) == (3, 0, 0)
-    assert Placement("job-1", 0, 2, 1, "node-0", 1) in batch.placements
+    assert Placement("job-1", 0, 2, 1, "node-0", 1, "tp0") in batch.placements
 
 
 def test_heartbeats_with_no_stage_open_and_before_the_first_step(decode):
@@ -69,4 +69,15 @@ def test_a_bad_restart_count_is_rejected(decode):
 
 def test_placements_come_from_the_resource_once_per_request(decode):
     batch = decode(stage_spans(9, 4))
-    assert batch.placements == [Placement("job-1", 0, 0, 9, "node-1", None)]
+    assert batch.placements == [Placement("job-1", 0, 0, 9, "node-1", None, "tp0")]
+
+
+@pytest.mark.parametrize("world_size, read", [(4, 4), (0, None), ("4", None), (True, None)])
+def test_a_placement_carries_the_world_size_its_resource_reports(decode, world_size, read):
+    from opentelemetry.sdk.resources import Resource
+    spans = stage_spans(1, 2)
+    sized = [readable_span(o, spans[0].resource.merge(Resource({contract.WORLD_SIZE: world_size})))
+             for o in ProtobufDecoder().decode_in_python(request_bytes(spans)).observations]
+    batch = decode(sized)
+    assert batch.placements == [Placement("job-1", 0, 0, 1, "node-0", None, "tp0", read)]
+    assert len(batch.observations) == 2 and batch.malformed == 0  # a bad one is unknown, not a rejection

@@ -15,7 +15,7 @@ from otel_straggler import contract
 from otel_straggler.detector import judge
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.engine import Engine
-from otel_straggler.detector.observation import Observation
+from otel_straggler.detector.observation import DEFAULT_COHORT, Observation, Placement
 from otel_straggler.detector.peer_reference import peer_references
 
 from .synthetic import LARGE_MODEL_STAGES, TRAINING_STAGES, Stage, SyntheticJob
@@ -157,6 +157,49 @@ def test_windows_hold_at_the_start_for_ranks_not_seen_yet():
     feed_steps([1], range(0, 25))  # half a second later
     engine.advance(START_NS + SECOND)
     assert engine.stats()["windows_closed"] == 2 and engine.stats()["late"] == 0
+
+
+@pytest.mark.parametrize("world_size", [4, None])
+def test_windows_hold_at_the_start_until_every_rank_of_the_job_has_reported(world_size):
+    """Where ranks report training.world_size, their (default) cohort is known to have that many:
+    its first windows wait up to max_export_lag_s, not 1 s, for the ranks not seen yet, so a rank
+    whose first export comes seconds after its peers' is judged, not late. A cohort of unknown size
+    (the control) closes its first windows after 1 s without that rank."""
+    engine = Engine(DetectorConfig(max_export_lag_s=5.0, window_steps=10))
+    cohort = DEFAULT_COHORT
+    seq = [0] * 4
+
+    def deliver(ranks, steps):
+        engine.ingest_placements([Placement("job", 0, 0, rank, "node-0", rank, cohort, world_size) for rank in ranks])
+        for step in steps:
+            for rank in ranks:
+                engine.ingest(observation(rank, step, seq[rank], cohort=cohort))
+                seq[rank] += 1
+
+    deliver(range(3), range(0, 25))
+    engine.advance(START_NS)
+    engine.advance(START_NS + 3 * SECOND)
+    deliver([3], range(0, 25))  # three seconds later
+    engine.advance(START_NS + 3 * SECOND + 1)
+    stats = engine.stats()
+    if world_size is None:
+        assert stats["late"] == 20 and stats["windows_closed"] == 2
+    else:
+        assert stats["late"] == 0 and stats["windows_closed"] == 2
+
+
+def test_windows_hold_for_a_rank_of_the_job_that_never_reports_at_most_max_export_lag():
+    engine = Engine(DetectorConfig(max_export_lag_s=5.0, window_steps=10))
+    engine.ingest_placements([Placement("job", 0, 0, rank, "node-0", rank, DEFAULT_COHORT, 4) for rank in range(3)])
+    for step in range(25):
+        for rank in range(3):
+            engine.ingest(observation(rank, step, step, cohort=DEFAULT_COHORT))
+    engine.advance(START_NS)
+    assert engine.next_close_unix_nano() == START_NS + 5 * SECOND  # the hold's end, not 1 s
+    engine.advance(START_NS + 5 * SECOND - 1)
+    assert engine.stats()["windows_closed"] == 0
+    engine.advance(START_NS + 5 * SECOND)
+    assert engine.stats()["windows_closed"] == 2
 
 
 def test_windows_wait_for_a_lagging_rank_that_still_delivers():

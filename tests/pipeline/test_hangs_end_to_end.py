@@ -1,7 +1,8 @@
 """Hangs and restarts with real gloo ranks (the demo trainer, or a torchrun-restarted job) sending
 heartbeats and spans over OTLP/gRPC to a detector in this process: one rank blocks before the
 all-reduce, one rank is frozen, every rank pauses together, and torchrun restarts every rank from a
-checkpoint. Every wait has a deadline, and the ranks are stopped whatever happens."""
+checkpoint; and a rank whose first export comes seconds after its peers'. Every wait has a
+deadline, and the ranks are stopped whatever happens."""
 from __future__ import annotations
 
 import os
@@ -89,6 +90,21 @@ def ranks(tmp_path: Path, detector: Detector, steps: int, rank_env=None, trainer
                          trainer_args=("--batch-size", "64", "--hidden", "256", *trainer_args))
 
 
+def pause_every_rank(from_step: int, seconds: float):
+    """rank_env for every rank sitting `seconds` in the optimizer stage at `from_step`."""
+    def pause(rank: int) -> dict:
+        return {"OTEL_STRAGGLER_INJECT_RANK": str(rank), "OTEL_STRAGGLER_INJECT_STAGE": "optimizer",
+                "OTEL_STRAGGLER_INJECT_FROM_STEP": str(from_step), "OTEL_STRAGGLER_INJECT_BLOCK_S": str(seconds)}
+    return pause
+
+
+def run_to_the_end(job: TrainingRanks, detector: Detector, timeout: float) -> tuple[list, float, dict]:
+    """Waits for every rank to exit: their exit codes, the seconds that took, the detector's status."""
+    started = time.monotonic()
+    codes = job.wait(timeout=timeout)
+    return codes, time.monotonic() - started, detector.service.status()
+
+
 def wait_for_hang(detector: Detector, job: TrainingRanks, timeout_s: float) -> list:
     def found():
         return detector.of(contract.VERDICT_HANG)
@@ -156,17 +172,11 @@ def test_a_pause_of_every_rank_shorter_than_the_timeout_is_no_hang(tmp_path, mon
     monkeypatch.setattr(Cohort, "_close", close)
     monkeypatch.setattr(Cohort, "open_window", open_window)
 
-    def pause(rank: int) -> dict:  # every rank sits 20 s in the optimizer stage at step 15, as at a checkpoint
-        return {"OTEL_STRAGGLER_INJECT_RANK": str(rank), "OTEL_STRAGGLER_INJECT_STAGE": "optimizer",
-                "OTEL_STRAGGLER_INJECT_FROM_STEP": "15", "OTEL_STRAGGLER_INJECT_BLOCK_S": "20"}
-
-    # windows wait out the pause (window_grace_s at its default, longer than it)
+    # every rank sits 20 s in the optimizer stage at step 15, as at a checkpoint; windows wait out
+    # the pause (window_grace_s at its default, longer than it)
     with Detector(tmp_path, hang_timeout_s=60.0, window_grace_s=30.0) as detector, \
-            ranks(tmp_path, detector, 40, rank_env=pause) as job:
-        started = time.monotonic()
-        codes = job.wait(timeout=180)
-        took_s = time.monotonic() - started
-        status = detector.service.status()
+            ranks(tmp_path, detector, 40, rank_env=pause_every_rank(15, 20)) as job:
+        codes, took_s, status = run_to_the_end(job, detector, timeout=180)
     assert codes == [0] * RANKS, job.log_tails()
     assert took_s > 20  # the pause happened
     assert status["spans"]["heartbeats"] > 20 * RANKS * 0.5  # and the detector heard the ranks through it
@@ -174,6 +184,27 @@ def test_a_pause_of_every_rank_shorter_than_the_timeout_is_no_hang(tmp_path, mon
     # and the windows around it are judged whole: nothing late, no rank silent
     assert status["engine"]["late"] == 0 and detector.of(contract.VERDICT_SILENT) == [], \
         f"{status['engine']}\n{status['spans']}\nlate for windows {sorted(late_for)}; closes {closes}\n{job.log_tails()}"
+
+
+def test_a_rank_whose_first_export_comes_seconds_after_its_peers_is_judged_not_late(tmp_path):
+    """Rank 0's batch processor waits 8 s where its peers' wait 0.5 s. Every rank runs its first 45
+    steps (windows 0-8) in a second or two and then sits 12 s in the optimizer, so the peers' spans
+    for those windows are in while rank 0's first export is still seconds away. The ranks report
+    their world size, so those windows wait for the fourth rank (up to max_export_lag_s, 15 s as by
+    default) instead of closing without it a second after the first data, its spans then late."""
+    pause = pause_every_rank(45, 12)
+
+    def slow_first_export(rank: int) -> dict:
+        return {**pause(rank), "OTEL_BSP_SCHEDULE_DELAY": "8000"} if rank == 0 else pause(rank)
+
+    with Detector(tmp_path, max_export_lag_s=15.0, window_grace_s=30.0) as detector, \
+            ranks(tmp_path, detector, 60, rank_env=slow_first_export) as job:
+        codes, took_s, status = run_to_the_end(job, detector, timeout=120)
+    assert codes == [0] * RANKS, job.log_tails()
+    assert took_s > 12  # the pause happened, after rank 0's first export was due
+    engine = status["engine"]
+    assert engine["late"] == 0 and detector.of(contract.VERDICT_SILENT) == [], f"{engine}\n{job.log_tails()}"
+    assert engine["windows_closed"] >= 6 and engine["coverage_gaps"] == 0, engine
 
 
 def test_a_torchrun_restart_from_a_checkpoint_is_judged_again(tmp_path):

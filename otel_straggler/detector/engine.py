@@ -103,9 +103,6 @@ class Engine:
         self._retiring: list[Cohort] = []  # superseded by a new incarnation, judged at the next advance
         self._liveness = Liveness(config, self._counts)
         self._liveness_verdicts: list[Verdict] = []  # made at intake, handed out at the next advance
-        # (job_id, epoch) -> the world size its ranks report: the size of its default cohort, whose
-        # first windows wait for ranks not seen yet (windows.py). At most max_jobs, oldest first out.
-        self._world_sizes: dict[tuple[str, int], int] = {}
 
     # ---- intake ----
     def ingest(self, observation: Observation) -> str:
@@ -189,20 +186,10 @@ class Engine:
     def ingest_placements(self, placements: Iterable[Placement]) -> None:
         placements = list(placements)
         self._liveness_verdicts += self._liveness.note_placements(placements, self._now)
-        for placement in placements:
-            if placement.world_size is not None and placement.cohort == DEFAULT_COHORT:
-                self._note_world_size(placement.job_id, placement.epoch, placement.world_size)
-
-    def _note_world_size(self, job_id: str, epoch: int, world_size: int) -> None:
-        key = (job_id, epoch)
-        if self._world_sizes.get(key) == world_size:
-            return
-        if key not in self._world_sizes and len(self._world_sizes) >= self._config.max_jobs:
-            del self._world_sizes[next(iter(self._world_sizes))]
-        self._world_sizes[key] = world_size
-        cohort = self._cohorts.get((job_id, epoch, DEFAULT_COHORT))
-        if cohort is not None:
-            cohort.expected_ranks = world_size
+        for job_id, epoch in {(p.job_id, p.epoch) for p in placements if p.world_size is not None}:
+            cohort = self._cohorts.get((job_id, epoch, DEFAULT_COHORT))
+            if cohort is not None:
+                cohort.expected_ranks = self._liveness.world_size(job_id, epoch)
 
     def _admit_rank(self, job_id: str, epoch: int, rank: int, cohort_name: str, restart: int = 0) -> Optional[RankEntry]:
         """Registers a rank (or its move to another cohort, or a new incarnation of its cohort),
@@ -249,7 +236,7 @@ class Engine:
                         config.max_open_windows, self._counts, self._now, config.max_export_lag_s, restart,
                         self._patient_start)
         if name == DEFAULT_COHORT:
-            cohort.expected_ranks = self._world_sizes.get((job_id, epoch))
+            cohort.expected_ranks = self._liveness.world_size(job_id, epoch)
         self._cohorts[(job_id, epoch, name)] = cohort
         return cohort
 

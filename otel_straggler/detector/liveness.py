@@ -15,8 +15,11 @@ live ranks, those whose innermost open stage is a collective wait; a collective 
 spans mark as one or one the judge found to end at a synchronization point. Then:
 - most live ranks wait: every other live rank is a culprit, `never_entered_collective`, its stage
   the innermost one it has open (`*` when none); every rank whose heartbeats stopped is one too,
-  `rank_lost`, its stage the innermost one its last heartbeat had open. No culprit: one job-level
-  verdict (rank null), `all_ranks_waiting`, the collective most of them wait in;
+  `rank_lost`, its stage the innermost one its last heartbeat had open. No culprit: the ranks the
+  job's world size says it has that were never heard from, `rank_lost` with stage `*` (stuck before
+  their first export, or sending nowhere), where the ranks report it and name no cohort (then one
+  detector holds all of them); with none of those either, one job-level verdict (rank null),
+  `all_ranks_waiting`, the collective most of them wait in;
 - otherwise the ranks whose heartbeats stopped are culprits (`rank_lost`); with none, one job-level
   verdict `all_ranks_stalled`, the stage most live ranks have open (a checkpoint save that outlasts
   the timeout, say);
@@ -37,13 +40,14 @@ from typing import Callable, Iterable, NamedTuple, Optional
 
 from otel_straggler import contract
 from otel_straggler.detector.config import DetectorConfig
-from otel_straggler.detector.observation import Heartbeat, Placement, Verdict
+from otel_straggler.detector.observation import DEFAULT_COHORT, Heartbeat, Placement, Verdict
 
 DEFAULT_HEARTBEAT_GAP_NS = 5_000_000_000  # OTEL_STRAGGLER_HEARTBEAT_INTERVAL_MS's default, until a rank's own is seen
 GAP_DECAY = 0.8  # as windows.py's delivery gap: the largest recent gap, following a rank that sends more often
 RECHECK_NS = 1_000_000_000  # a stalled job is looked at again at most this often
 EVICT_FRACTION = 8  # a full table frees this fraction of its records at once, so eviction scans stay rare
 REASON_ALL_RANKS_STALLED = "all_ranks_stalled"
+MAX_NEVER_HEARD_NAMED = 64  # a job that mostly never reported is a configuration matter, not 1,000 pages
 REASON_NONE = "none"  # the gauge's series of a job whose heartbeats come and that has no hang
 
 
@@ -85,7 +89,7 @@ class _Hang:
 
 class JobLiveness:
     __slots__ = ("job_id", "epoch", "restart", "ranks", "progress_ns", "first_heartbeat_ns", "hang", "resumed",
-                 "next_check_ns", "touched_ns")
+                 "next_check_ns", "touched_ns", "world_size", "names_cohorts", "evicted")
 
     def __init__(self, job_id: str, epoch: int, restart: int, now: int) -> None:
         self.job_id = job_id
@@ -98,6 +102,9 @@ class JobLiveness:
         self.resumed: list[Verdict] = []  # the last hang's verdicts, after it ended: gauge series at 0
         self.next_check_ns = 0
         self.touched_ns = now
+        self.world_size: Optional[int] = None  # as its ranks report it; None: not reported
+        self.names_cohorts = False  # some rank names a cohort: the job's ranks may be split over detectors
+        self.evicted = False  # some rank's record was evicted: a rank without one may have been heard
 
 
 class Liveness:
@@ -120,6 +127,10 @@ class Liveness:
             record = self._record(job, placement.rank, None, now)
             if record is not None:
                 record.host, record.local_rank = placement.host, placement.local_rank
+            if placement.cohort is not None and placement.cohort != DEFAULT_COHORT:
+                job.names_cohorts = True
+            if placement.world_size is not None:
+                job.world_size = placement.world_size
         return verdicts
 
     def note_heartbeats(self, heartbeats: Iterable[Heartbeat], now: int) -> list[Verdict]:
@@ -151,6 +162,11 @@ class Liveness:
         verdicts: list[Verdict] = []
         self._job(job_id, epoch, restart, now, verdicts)
         return verdicts
+
+    def world_size(self, job_id: str, epoch: int) -> Optional[int]:
+        """How many ranks the job has, where every rank of it reported so and named no cohort."""
+        job = self._jobs.get((job_id, epoch))
+        return job.world_size if job is not None and not job.names_cohorts else None
 
     def placement(self, job_id: str, epoch: int, rank: int) -> tuple[Optional[str], Optional[int]]:
         job = self._jobs.get((job_id, epoch))
@@ -196,6 +212,9 @@ class Liveness:
             found += [(rank, record, contract.HANG_NEVER_ENTERED_COLLECTIVE, _innermost(record)) for rank, record in others]
             found += [(rank, record, contract.HANG_RANK_LOST, _innermost(record)) for rank, record in lost]
             if not found:
+                found += [(rank, None, contract.HANG_RANK_LOST, contract.WHOLE_STEP_STAGE)
+                          for rank in self._never_heard(job)]
+            if not found:
                 found.append((None, None, contract.HANG_ALL_RANKS_WAITING, _most_common(waiting)))
         else:
             found += [(rank, record, contract.HANG_RANK_LOST, _innermost(record)) for rank, record in lost]
@@ -237,6 +256,13 @@ class Liveness:
             workload_comparable=None, host=v.host, local_rank=v.local_rank, stalled_s=None,
         ) for v in ended]
 
+    def _never_heard(self, job: JobLiveness) -> list[int]:
+        """Ranks below the job's world size with no record: never heard from (nothing evicted)."""
+        world_size = self.world_size(job.job_id, job.epoch)
+        if world_size is None or job.evicted or len(job.ranks) >= world_size:
+            return []
+        return [rank for rank in range(world_size) if rank not in job.ranks][:MAX_NEVER_HEARD_NAMED]
+
     def _patience_ns(self, record: RankRecord) -> int:
         """How long after its latest heartbeat a rank counts as lost: at most half the hang timeout,
         so a rank that stopped with the job is lost by the time the hang is declared."""
@@ -270,6 +296,7 @@ class Liveness:
             # a new incarnation: every rank's process is new, the gone ones are not lost
             self._records -= len(job.ranks)
             job.ranks.clear()
+            job.evicted = False
             job.restart = restart
             job.first_heartbeat_ns = 0
             job.next_check_ns = 0
@@ -301,6 +328,7 @@ class Liveness:
                          for job in self._jobs.values() for rank, record in job.ranks.items())
         for _, _, job, rank in touched[:max(1, self._max_records // EVICT_FRACTION)]:
             del job.ranks[rank]
+            job.evicted = True
             self._records -= 1
             self._counts["evictions_liveness_ranks"] += 1
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import numpy as np
+import pytest
 
 from otel_straggler import contract
 from otel_straggler.detector import liveness
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.engine import Engine
-from otel_straggler.detector.observation import Heartbeat, Observation, Placement
+from otel_straggler.detector.observation import DEFAULT_COHORT, Heartbeat, Observation, Placement
 
 START = 1_700_000_000_000_000_000
 SECOND = 1_000_000_000
@@ -28,8 +29,11 @@ def in_stage(name: str, since: int) -> OpenStages:
 
 
 class ScriptedJob:
-    def __init__(self, engine: Engine, ranks: int = 4, restart: int = 0, job_id: str = "job", seed: int = 0) -> None:
+    def __init__(self, engine: Engine, ranks: int = 4, restart: int = 0, job_id: str = "job", seed: int = 0,
+                 cohort: str = "c", world_size: Optional[int] = None) -> None:
+        """world_size: what the ranks' placements report (None: nothing), `ranks` of them send."""
         self.engine = engine
+        self.cohort = cohort
         self.ranks = ranks
         self.restart = restart
         self.job_id = job_id
@@ -41,7 +45,7 @@ class ScriptedJob:
         self.heartbeat_s = 5
         self.heartbeats_from = START
         self.rng = np.random.default_rng(seed)
-        engine.ingest_placements([Placement(job_id, 0, restart, rank, f"node-{rank // 2}", rank % 2)
+        engine.ingest_placements([Placement(job_id, 0, restart, rank, f"node-{rank // 2}", rank % 2, cohort, world_size)
                                   for rank in range(ranks)])
 
     def restart_from(self, step: int, restart: int) -> None:
@@ -64,7 +68,7 @@ class ScriptedJob:
                     if rank in self.frozen:
                         continue
                     opened = open_stages(rank, self.now) if open_stages else (("forward-compute", self.now),)
-                    beats.append(Heartbeat(self.job_id, 0, "c", rank, (restart_of or {}).get(rank, self.restart),
+                    beats.append(Heartbeat(self.job_id, 0, self.cohort, rank, (restart_of or {}).get(rank, self.restart),
                                            self.step, self.now, tuple(name for name, _ in opened),
                                            tuple(since for _, since in opened)))
             self.now += SECOND
@@ -83,7 +87,7 @@ class ScriptedJob:
             for name, base_ms, collective in STAGES:
                 host_ms = base_ms * (1 if collective else self.slow.get(rank, 1.0)) * self.rng.uniform(0.98, 1.02)
                 end += int(host_ms * 1e6)
-                observations.append(Observation(self.job_id, 0, "c", rank, name, self.step, self.seq[rank], host_ms,
+                observations.append(Observation(self.job_id, 0, self.cohort, rank, name, self.step, self.seq[rank], host_ms,
                                                 None, collective, None, None, end,
                                                 restart_of.get(rank, self.restart)))
                 self.seq[rank] += 1
@@ -146,6 +150,26 @@ def test_hang_where_every_rank_waits_in_one_collective_is_one_job_level_verdict(
     assert [(v.rank, v.reason, v.stage, v.host) for v in found] == \
         [(None, contract.HANG_ALL_RANKS_WAITING, "all-grads-sync", None)]
     assert found[0].reference_ranks == (0, 1, 2, 3) and found[0].attribution == contract.ATTRIBUTION_WAITING
+
+
+def test_hang_names_a_rank_of_the_world_size_never_heard_from_rank_lost():
+    """Ranks 0-2 report a world size of 4 and wait in the all-reduce; rank 3 never sent anything
+    (stuck before its first export, or its telemetry off): it is the one they wait for."""
+    job = ScriptedJob(Engine(CONFIG), ranks=3, cohort=DEFAULT_COHORT, world_size=4)
+    job.run(30)
+    found = hangs(job.run(75, progress=False, open_stages=in_stage("all-grads-sync", job.now)))
+    assert [(v.rank, v.reason, v.stage, v.host, v.local_rank) for v in found] == \
+        [(3, contract.HANG_RANK_LOST, "*", None, None)]
+    assert found[0].reference_ranks == (0, 1, 2) and found[0].cohort == DEFAULT_COHORT
+
+
+@pytest.mark.parametrize("cohort, world_size", [("c", 4), (DEFAULT_COHORT, None), (DEFAULT_COHORT, 3)],
+                         ids=["named cohort: ranks may be on another detector", "size not reported", "every rank heard"])
+def test_hang_where_every_rank_heard_waits_and_none_is_known_missing_is_job_level(cohort, world_size):
+    job = ScriptedJob(Engine(CONFIG), ranks=3, cohort=cohort, world_size=world_size)
+    job.run(30)
+    found = hangs(job.run(75, progress=False, open_stages=in_stage("all-grads-sync", job.now)))
+    assert [(v.rank, v.reason) for v in found] == [(None, contract.HANG_ALL_RANKS_WAITING)]
 
 
 def test_hang_a_shared_pause_shorter_than_the_timeout_is_no_hang():

@@ -1,7 +1,8 @@
 """Hangs and restarts with real gloo ranks (the demo trainer, or a torchrun-restarted job) sending
 heartbeats and spans over OTLP/gRPC to a detector in this process: one rank blocks before the
-all-reduce, one rank is frozen, every rank pauses together, torchrun restarts every rank from a
-checkpoint, and a rank's first export comes seconds after its peers'. Every wait has a deadline, and the ranks are stopped whatever happens."""
+all-reduce, one blocks there whose telemetry goes nowhere, one rank is frozen, every rank pauses
+together, torchrun restarts every rank from a checkpoint, and a rank's first export comes seconds
+after its peers'. Every wait has a deadline, and the ranks are stopped whatever happens."""
 from __future__ import annotations
 
 import os
@@ -130,6 +131,31 @@ def test_a_rank_that_never_reaches_the_all_reduce_is_named(tmp_path):
     assert sorted(hangs[0].reference_ranks) == [0, 2, 3]
     assert HANG_TIMEOUT_S <= hangs[0].stalled_s and said_after_s < HANG_TIMEOUT_S + 15
     assert detector.of(contract.VERDICT_SILENT) == []
+
+
+def test_a_rank_never_heard_from_is_named_from_the_world_size_its_peers_report(tmp_path):
+    """Rank 1 exports to a port nothing listens on (its telemetry sent elsewhere) and blocks in
+    forward at step 15: the detector knows only ranks 0, 2 and 3, all waiting in the all-reduce,
+    and their world size of 4 names the one they wait for."""
+    nowhere = f"http://{services.LOOPBACK}:{services.free_port()}"
+
+    def rank_env(rank: int) -> dict:
+        if rank != 1:
+            return {}
+        return {"OTEL_EXPORTER_OTLP_ENDPOINT": nowhere, "OTEL_STRAGGLER_INJECT_RANK": "1",
+                "OTEL_STRAGGLER_INJECT_STAGE": "forward-compute", "OTEL_STRAGGLER_INJECT_FROM_STEP": "15",
+                "OTEL_STRAGGLER_INJECT_BLOCK_S": "1e9"}
+
+    with Detector(tmp_path) as detector, ranks(tmp_path, detector, 10_000, rank_env=rank_env,
+                                               trainer_args=("--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S))) as job:
+        job.wait_for_step(14, timeout=120)
+        hangs = wait_for_hang(detector, job, HANG_TIMEOUT_S + 30)
+        known = detector.liveness()
+        time.sleep(2)  # a second verdict, if any, would come now
+        hangs = detector.of(contract.VERDICT_HANG)
+    assert [(v.rank, v.reason, v.stage, v.host) for v in hangs] == [(1, contract.HANG_RANK_LOST, "*", None)], \
+        f"{hangs}\n{known}"
+    assert sorted(hangs[0].reference_ranks) == [0, 2, 3]
 
 
 def test_a_frozen_rank_is_named_as_lost(tmp_path):

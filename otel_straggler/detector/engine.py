@@ -27,7 +27,8 @@ that did not fail without counting it) joins the current incarnation.
 
 Liveness and hangs are liveness.py's: the engine hands it heartbeats, placements and each cohort's
 latest interval end, and adds where a rank runs (host, local rank) to every per-rank verdict. The
-world size that placements carry sizes a job's default cohort, whose first windows wait for it.
+world size that placements carry (liveness keeps it) sizes a job's default cohort, whose first
+windows wait for it.
 
 Outcomes of `ingest`: `accepted`; `duplicate` (seq seen before, or older than the rank's
 de-duplication horizon); `late` (its window was already judged: counted, never judged again);

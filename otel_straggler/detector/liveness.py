@@ -258,10 +258,9 @@ class Liveness:
 
     def _never_heard(self, job: JobLiveness) -> list[int]:
         """Ranks below the job's world size with no record: never heard from (nothing evicted)."""
-        world_size = self.world_size(job.job_id, job.epoch)
-        if world_size is None or job.evicted or len(job.ranks) >= world_size:
+        if job.world_size is None or job.names_cohorts or job.evicted or len(job.ranks) >= job.world_size:
             return []
-        return [rank for rank in range(world_size) if rank not in job.ranks][:MAX_NEVER_HEARD_NAMED]
+        return [rank for rank in range(job.world_size) if rank not in job.ranks][:MAX_NEVER_HEARD_NAMED]
 
     def _patience_ns(self, record: RankRecord) -> int:
         """How long after its latest heartbeat a rank counts as lost: at most half the hang timeout,

@@ -9,7 +9,8 @@ The slowdowns are real work, not the instrumentation's injection knob:
 - backward: extra matrix products inside autograd's backward (a custom Function), so under DDP
   they sit inside `loss.backward()` together with the gradient all-reduce;
 - data: the DataLoader's collate function sleeps `--data-delay-ms` more on the slow rank.
-`--extra-ms` sizes the forward/backward work: calibrated once at start-up, before training.
+`--extra-ms` sizes the forward/backward work in CPU time of the rank's thread, calibrated once at
+start-up, before training (each rank runs torch on one thread).
 Each rank prints `onset <unix ns>` when the slow rank reaches --from-step (the others too, for the
 runner's timing), and `done` at the end.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -46,14 +48,20 @@ class SlowSwitch:
                 product = torch.mm(self.matrix, product).tanh_()
 
     def calibrate(self, extra_ms: float) -> None:
+        """Sizes the work to about `extra_ms` of this thread's CPU time. Not wall time: measured
+        at start-up beside a CPU hog or a peer still starting, wall time counted the waits for a
+        core and sized the work to a fraction of extra_ms; and not the first products, which
+        carry torch's warm-up (3-4x a later product here)."""
         self.products = 8
-        started = time.perf_counter()
         self.on = True
+        self.work()  # warm-up
+        per_product_ms = []
         for _ in range(5):
+            started = time.thread_time()
             self.work()
+            per_product_ms.append((time.thread_time() - started) * 1000 / self.products)
         self.on = False
-        per_product_ms = (time.perf_counter() - started) * 1000 / (5 * self.products)
-        self.products = max(1, round(extra_ms / per_product_ms))
+        self.products = max(1, round(extra_ms / statistics.median(per_product_ms)))
 
 
 class SlowForward(nn.Module):

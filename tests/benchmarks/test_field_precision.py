@@ -4,12 +4,10 @@ its own process at its defaults; 2 runs per scenario, with and without a CPU hog
 
 What is asserted at this size (the full table is `python benchmarks/field_precision.py`, 10 runs
 each): no verdict at all in a healthy run, hog or not; another rank flagged in at most one of the 12
-slow runs; rank 1 alone flagged when its forward or its data loading is +30 ms in at least 5 of
-those 8 runs (measured at ebc26e6: 8 of 8, all within 4 windows); late spans under 1%. The windows
-to the alert are printed, not asserted. Inside DDP's backward the same +30 ms shows on a 2-core
-machine as a third to a half of itself (the waiting ranks give the slow one their cores), often
-within the healthy ranks' noise: those runs count for the false alarms, and whether rank 1 is caught
-is printed, not required (docs/detection.md, Limits).
+slow runs; rank 1 alone flagged when its forward, its backward inside DDP's `loss.backward()` or its
+data loading is +30 ms in at least 9 of those 12 runs, so that one kind of slowdown missed in all
+of its 4 runs fails (measured at 6c883cf, 10 runs each: 60 of 60); late spans under 1%. The
+windows to the alert are printed, not asserted.
 
 `--record` is checked on one run: the collector in the path loses nothing, and its file replays
 with every span and none late."""
@@ -47,12 +45,11 @@ def test_field_runs_meet_the_targets():
               f"{[r.windows_to_alert for r in results]}, late {sum(r.late for r in results)}")
     healthy = [r for s, results in runs.items() if s.startswith("healthy") for r in results]
     slow = [r for s, results in runs.items() if not s.startswith("healthy") for r in results]
-    detectable = [r for s, results in runs.items() if s.startswith(("forward", "data")) for r in results]
     assert all(not r.flagged for r in healthy), [onsets(r) for r in healthy]
     wrong = [onsets(r) for r in slow if r.flagged - {SLOW}]
     assert len(wrong) <= 1, wrong
-    exact = [r for r in detectable if r.flagged == {SLOW}]
-    assert len(exact) >= 5, [(sorted(r.flagged), r.windows_to_alert, onsets(r)) for r in detectable]
+    exact = [r for r in slow if r.flagged == {SLOW}]
+    assert len(exact) >= 9, [(sorted(r.flagged), r.windows_to_alert, onsets(r)) for r in slow]
     received = sum(r.received for r in healthy + slow)
     assert sum(r.late for r in healthy + slow) < 0.01 * received
 

@@ -12,7 +12,9 @@ Arms: `plain` (DDP's own all-reduce), `instrumented` (instrument_ddp), `fp16` / 
 (fp16_compress_hook alone / through instrument_ddp), `accumulate` / `accumulate-instrumented`
 (two micro-batches per step, the first under no_sync), `failing-instrumented` (instrument_ddp
 whose clock raises in every hook), `slow-backward` (instrument_ddp; the slow rank sleeps inside
-one layer's backward).
+one layer's backward), `accumulate-slow` (instrument_ddp, two micro-batches; the slow rank sleeps
+in the backward of the first, under no_sync, only), `fetch-between` (instrument_ddp; the slow rank
+sleeps between forward and backward, as a loop fetching its next batch there would).
 """
 from __future__ import annotations
 
@@ -62,9 +64,12 @@ def run_ranks(arms: list[str], workdir: Path, world_size: int = 2, slow_rank: in
 
 # -- one rank --------------------------------------------------------------------------------------
 
-def build_model(slow: bool):
+def build_model(slow):
+    """`slow`: a bool, or a one-item list whose item says, at each backward, whether it is slow."""
     import torch
     from torch import nn
+
+    slow_now = slow if isinstance(slow, list) else [slow]
 
     class SlowBackward(torch.autograd.Function):
         """The identity, whose backward takes SLOW_BACKWARD_S longer on the slow rank."""
@@ -75,7 +80,7 @@ def build_model(slow: bool):
 
         @staticmethod
         def backward(context, gradient):
-            if slow:
+            if slow_now[0]:
                 time.sleep(SLOW_BACKWARD_S)
             return gradient
 
@@ -97,13 +102,14 @@ def train(arm: str, first_step: int, rank: int, slow_rank: int) -> list:
     import otel_straggler as ots
     from otel_straggler.instrumentation import ddp
 
-    model = DistributedDataParallel(build_model(slow=arm == "slow-backward" and rank == slow_rank),
-                                    bucket_cap_mb=0.01)
+    slow_rank_here = rank == slow_rank
+    slow_backward = [arm == "slow-backward" and slow_rank_here]
+    model = DistributedDataParallel(build_model(slow=slow_backward), bucket_cap_mb=0.01)
     if arm == "fp16":
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif arm == "fp16-instrumented":
         ots.instrument_ddp(model, hook=default_hooks.fp16_compress_hook)
-    elif arm.endswith("instrumented") or arm == "slow-backward":
+    elif arm.endswith("instrumented") or arm in ("slow-backward", "accumulate-slow", "fetch-between"):
         ots.instrument_ddp(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     data = torch.Generator().manual_seed(100 + rank)  # each rank its own shard
@@ -118,11 +124,16 @@ def train(arm: str, first_step: int, rank: int, slow_rank: int) -> list:
             for micro_batch in range(micro_batches):
                 inputs = torch.randn(16, 32, generator=data)
                 targets = torch.randn(16, 8, generator=data)
+                if arm == "accumulate-slow":
+                    slow_backward[0] = slow_rank_here and micro_batch == 0
                 if micro_batch < micro_batches - 1:
                     with model.no_sync():
                         torch.nn.functional.mse_loss(model(inputs), targets).backward()
                 else:
-                    torch.nn.functional.mse_loss(model(inputs), targets).backward()
+                    loss = torch.nn.functional.mse_loss(model(inputs), targets)
+                    if arm == "fetch-between" and slow_rank_here:
+                        time.sleep(SLOW_BACKWARD_S)  # the next batch's fetch, say: no backward in it
+                    loss.backward()
             optimizer.step()
     finally:
         ddp._time_ns = clock

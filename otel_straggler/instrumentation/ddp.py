@@ -2,24 +2,33 @@
 and the wait for its peers.
 
 Under DDP the gradient all-reduce runs inside `loss.backward()`, so a stage around backward is as
-long on the ranks that wait as on the rank they wait for. Two hooks tell them apart, per
-optimizer step, on the host clock:
+long on the ranks that wait as on the rank they wait for. Hooks tell them apart, on the host clock:
 
-- `ddp-grads-ready` (not a collective): from the end of the latest forward to the moment the
-  iteration's last gradient bucket is ready (the communication hook's call for the bucket whose
-  `is_last()` is true): this rank's loss and backward compute, with no waiting in it;
-- `ddp-grads-sync` (a collective): from that moment to the completion of that bucket's
-  all-reduce future: the wait for the slowest rank plus the transfer. The rank whose gradients
-  are ready last waits least.
+- `ddp-grads-ready` (not a collective), once per backward, micro-steps under `no_sync()` included:
+  from the moment the backward reaches the model's output (a hook on the output tensors, set at
+  the end of each training forward) to the moment the backward's last parameter gradient is
+  accumulated (a post-accumulate-grad hook): this rank's own backward compute, with no waiting in
+  it and without code the loop runs between forward and backward (a batch fetch, say);
+- `ddp-grads-sync` (a collective), once per synchronizing backward: from the communication hook's
+  call for the iteration's last bucket (`is_last()`) to the completion of that bucket's all-reduce
+  future: the wait for the slowest rank plus the transfer. The rank whose gradients are ready last
+  waits least.
+
+Which parameter's gradient comes last is learned over the first LEARN_BACKWARDS backwards (hooks on
+every parameter that requires a gradient, each noting when it fired); after that only the
+parameters that came last keep a hook, so a backward costs one or two hook calls, not one per
+parameter. A backward whose end no kept hook saw (unused parameters, a graph that changed) is closed
+at the latest gradient seen when the next forward or the last bucket comes.
 
 The communication hook wraps DDP's own all-reduce (`allreduce_hook`, which DDP documents as
 computing what it computes without a hook) or the hook given, and hands its future on with a
 `then()` that returns the value unchanged. Both intervals are appended to the running recorder's
-queue as the hot path's own records, bound to the step `step()` bound when the last bucket became
-ready; they carry no CUDA events (timing `host_only`, reason `host_clock_only`). With the instrumentation off the hooks cost one global read each.
-Nothing here ever changes a gradient or raises into training: our own failures are counted in
-`status()["ddp"]["hook_errors"]`, a full queue in `lost.queue_full`. The hooks may run on
-autograd's or the process group's threads; deque appends are atomic.
+queue as the hot path's own records, bound to the step `step()` bound when the backward started
+(one optimizer step may hold several backwards: gradient accumulation); they carry no CUDA events
+(timing `host_only`, reason `host_clock_only`). With the instrumentation off the hooks cost one
+global read each. Nothing here ever changes a gradient or raises into training: our own failures
+are counted in `status()["ddp"]["hook_errors"]`, a full queue in `lost.queue_full`. The hooks may
+run on autograd's or the process group's threads; deque appends are atomic.
 
 On CUDA (NCCL) these host times are when the work was launched (NCCL's future may complete once
 the all-reduce is enqueued), not when the device did it.
@@ -48,7 +57,7 @@ def hook_counts() -> dict[str, int]:
 
 
 def instrument_ddp(model: Any, hook: Optional[Callable] = None, state: Any = None) -> Any:
-    """Registers the two hooks on a `DistributedDataParallel` model and returns the model.
+    """Registers the hooks on a `DistributedDataParallel` model and returns the model.
 
     `hook`/`state` are a communication hook of yours and its state, as you would have passed them
     to `model.register_comm_hook(state, hook)`: it runs unchanged, timed. Without them the hook is
@@ -73,7 +82,9 @@ def instrument_ddp(model: Any, hook: Optional[Callable] = None, state: Any = Non
         if "only be called once" not in str(error):
             raise
         raise RuntimeError(_already_hooked(None)) from None
+    model.register_forward_pre_hook(timing.forward_starts)
     model.register_forward_hook(timing.forward_ended)
+    timing.watch_gradients([p for p in model.parameters() if p.requires_grad])
     _counts["models"] += 1
     return model
 
@@ -84,24 +95,121 @@ def _already_hooked(hook: Optional[Callable]) -> str:
             f"through ots.instrument_ddp(model, hook=..., state=...) instead of model.register_comm_hook")
 
 
-class _GradTiming:
-    """The two hooks of one model and what the forward hook noted for the communication hook."""
+LEARN_BACKWARDS = 3  # backwards watched on every parameter before only the last ones keep a hook
+MAX_OUTPUT_HOOKS = 4  # output tensors hooked per forward (the loss and the logits, say)
 
-    __slots__ = ("forward_end",)
+
+class _GradTiming:
+    """The hooks of one model and what they noted of the backward under way.
+
+    The backward under way is `[start ns, binding, latest gradient ns or None]`, replaced whole;
+    None when none is open."""
+
+    __slots__ = ("forward_end", "backward", "_handles", "_fired", "_last_fired", "_kept", "_learned",
+                 "_kept_pending")
 
     def __init__(self) -> None:
-        # (host ns, step bound then) of the latest forward's end, replaced whole (read on another thread)
+        # (host ns, binding then) of the latest training forward's end: a backward's start when no
+        # output hook fired (a loss computed from something else)
         self.forward_end: Optional[tuple] = None
+        self.backward: Optional[list] = None
+        self._handles: dict[int, Any] = {}  # parameter index -> its post-accumulate-grad hook
+        self._fired: list[int] = []  # learning: indices of this backward's gradients, in order
+        self._last_fired: set[int] = set()  # learning: the last index of each backward watched
+        self._kept: frozenset = frozenset()  # after learning: the indices that keep a hook
+        self._learned = 0  # backwards watched so far
+        self._kept_pending: set[int] = set()  # kept indices not fired yet in this backward
+
+    # -- forward --
+    def forward_starts(self, module: Any, inputs: Any) -> None:
+        if api._recorder is None or self.backward is None:
+            return
+        try:
+            self._close_backward(api._recorder, None)  # the last one's end went unseen
+        except Exception:
+            _counts["hook_errors"] += 1
 
     def forward_ended(self, module: Any, inputs: Any, output: Any) -> None:
         recorder = api._recorder
         if recorder is None:
             return
         try:
-            self.forward_end = (_time_ns(), recorder.binding[0])
+            import torch
+
+            if not (module.training and torch.is_grad_enabled()):
+                return
+            self.forward_end = (_time_ns(), recorder.binding)
+            for tensor in _grad_tensors(output, torch.Tensor):
+                tensor.register_hook(self._backward_reached_output)
         except Exception:
             _counts["hook_errors"] += 1
 
+    # -- backward --
+    def _backward_reached_output(self, gradient: Any) -> None:
+        recorder = api._recorder
+        if recorder is None or self.backward is not None:
+            return None  # the first output reached opens the backward; the others are in it
+        try:
+            self.backward = [_time_ns(), recorder.binding, None]
+            self._kept_pending = set(self._kept)
+        except Exception:
+            _counts["hook_errors"] += 1
+        return None
+
+    def watch_gradients(self, parameters: list) -> None:
+        for index, parameter in enumerate(parameters):
+            self._handles[index] = parameter.register_post_accumulate_grad_hook(
+                functools.partial(self._gradient_accumulated, index))
+
+    def _gradient_accumulated(self, index: int, parameter: Any) -> None:
+        recorder = api._recorder
+        if recorder is None:
+            return
+        try:
+            now = _time_ns()
+            backward = self.backward
+            if backward is None:  # no output hook fired: the backward started after the forward ended
+                forward_end = self.forward_end
+                if forward_end is None:
+                    return
+                backward = self.backward = [forward_end[0], forward_end[1], None]
+                self._kept_pending = set(self._kept)
+            backward[2] = now
+            if self._learned < LEARN_BACKWARDS:
+                self._fired.append(index)
+                return
+            self._kept_pending.discard(index)
+            if not self._kept_pending:
+                self._close_backward(recorder, now)
+        except Exception:
+            _counts["hook_errors"] += 1
+
+    def _close_backward(self, recorder: Any, end_ns: Optional[int]) -> None:
+        """Records the backward under way as `ddp-grads-ready`, ending at `end_ns` or else at its
+        latest gradient (nothing when it saw none), and learns from it while learning."""
+        backward, self.backward = self.backward, None
+        self.forward_end = None  # one forward, one backward
+        if self._learned < LEARN_BACKWARDS and self._fired:
+            self._learn(self._fired[-1])
+        self._fired = []
+        end_ns = backward[2] if end_ns is None else end_ns
+        if end_ns is None:
+            return
+        start_ns, binding = backward[0], backward[1]
+        opened = (GRADS_READY, False, None, binding[0], start_ns, None)
+        _append(recorder, (INTERVAL, opened, end_ns, None, binding))
+
+    def _learn(self, last_index: int) -> None:
+        self._last_fired.add(last_index)
+        self._learned += 1
+        if self._learned < LEARN_BACKWARDS:
+            return
+        self._kept = frozenset(self._last_fired)
+        for index in list(self._handles):
+            if index not in self._kept:
+                self._handles.pop(index).remove()
+
+    # -- communication --
     def timed(self, hook: Callable) -> Callable:
         """`hook`, timing the last bucket of each iteration; wraps() keeps its name and signature
         for DDP's checks and logging."""
@@ -125,20 +233,38 @@ class _GradTiming:
         return timed_hook
 
     def _grads_ready(self, recorder: Any, bucket: Any) -> Optional[tuple]:
-        """At the last bucket: records `ddp-grads-ready`; returns (ready ns, binding), else None."""
+        """At the last bucket: closes a backward whose end no kept hook saw; returns (ready ns,
+        binding), else None."""
         try:
             if type(bucket) is tuple or not bucket.is_last():  # a tuple: DDP's Python reducer, per parameter
                 return None
             ready_ns = _time_ns()
-            binding = recorder.binding
-            forward_end, self.forward_end = self.forward_end, None  # one forward, one ready interval
-            if forward_end is not None:
-                opened = (GRADS_READY, False, None, forward_end[1], forward_end[0], None)
-                _append(recorder, (INTERVAL, opened, ready_ns, None, binding))
+            backward = self.backward
+            if backward is not None:
+                self._close_backward(recorder, None)
+                binding = backward[1]
+            else:
+                binding = recorder.binding
             return ready_ns, binding
         except Exception:
             _counts["hook_errors"] += 1
             return None
+
+
+def _grad_tensors(output: Any, tensor_type: type) -> list:
+    """Up to MAX_OUTPUT_HOOKS tensors of a forward's output that backward can reach: the output
+    itself, or the items of a tuple, list or mapping (a Hugging Face ModelOutput is one), one level
+    down."""
+    if isinstance(output, tensor_type):
+        candidates = [output]
+    elif isinstance(output, (tuple, list)):
+        candidates = list(output)
+    elif isinstance(output, dict):
+        candidates = list(output.values())
+    else:
+        return []
+    return [value for value in candidates
+            if isinstance(value, tensor_type) and value.requires_grad][:MAX_OUTPUT_HOOKS]
 
 
 def _grads_synced(recorder: Any, ready: tuple, future: Any) -> Any:

@@ -65,7 +65,8 @@ VERDICT_FIELDS = (
     "slowdown", "gap_ms", "rank_ms", "reference_ms", "reference_ranks", "timing",
     "attribution", "workload_comparable",
     "host", "local_rank", "gpu", "stalled_s",  # v1.1
-    "slow_steps",  # added here: an intermittent straggler's slow steps (docs/detection.md)
+    "slow_steps",  # v1.2: an intermittent straggler's slow steps (docs/detection.md)
+    "also_slow",  # v1.2: the rank's other slow stages that the verdict's stage explains
 )
 
 ATTRIBUTION_GPU = "gpu_stream_stall"

@@ -41,6 +41,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_tracked_ranks", int, 262_144, "bound on ranks whose placement and latest heartbeat are kept, over all jobs (about 300 bytes each)", 1, 100_000_000),
     Setting("max_stages", int, 256, "bound on distinct stage names per cohort", 1, 100_000),
     Setting("max_open_windows", int, 32, "bound on windows open at once per cohort (they wait for the ranks' export bursts)", 1, 1000),
+    Setting("report_below_floor", _bool, False, "also emit `uncertain`/`below_absolute_floor` verdicts (a rank over the relative threshold but under --min-gap-ms for persist_windows windows); off, they are only counted in status.json"),
     Setting("max_window_rows_per_rank", int, 65_536, "spans a window holds per reporting rank of its cohort (32 bytes each); one that reaches it closes early and is judged (a step that does not advance, such as a long evaluation)", 256, 1 << 24),
     # service: intake
     Setting("listen_address", str, "127.0.0.1", "address the OTLP receivers bind"),
@@ -59,6 +60,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("evidence_dir", str, "straggler-evidence", "folder for verdicts.jsonl and status.json"),
     Setting("flush_interval_s", float, 1.0, "evidence is flushed at least this often", 0.05, 60.0),
     Setting("max_evidence_bytes", int, 1 << 30, "verdicts.jsonl stops growing at this size; later verdicts are counted, not written", 1024, 1 << 40),
+    Setting("console_verdicts", _bool, True, "print one line per alert, recovery, hang, job slowdown and silent rank on the console (stderr)"),
+    Setting("console_status_interval_s", float, 60.0, "print a one-line status (jobs, ranks, spans/s, late, rejected) this often (0: never)", 0.0, 86_400.0),
+    Setting("record_windows", _bool, True, "write each judged window's per-rank stage medians to windows.jsonl in the evidence directory (the report's heat map and timelines)"),
+    Setting("max_window_record_bytes", int, 256 * 1024 * 1024, "windows.jsonl stops growing at this size; later windows are counted, not written", 1024, 1 << 40),
     Setting("prometheus_port", int, -1, "also serve metrics for scraping on this port (-1: off)", -1, 65535),
     Setting("export_metrics", _bool, True, "export verdict metrics and events over OTLP (OTEL_EXPORTER_OTLP_*)"),
     Setting("metric_export_interval_s", float, 5.0, "OTLP metric export period", 0.1, 3600.0),
@@ -93,6 +98,7 @@ class DetectorConfig:
     max_tracked_ranks: int = 262_144
     max_stages: int = 256
     max_open_windows: int = 32
+    report_below_floor: bool = False
     max_window_rows_per_rank: int = 65_536
     listen_address: str = "127.0.0.1"
     grpc_port: int = 4317
@@ -109,6 +115,10 @@ class DetectorConfig:
     evidence_dir: str = "straggler-evidence"
     flush_interval_s: float = 1.0
     max_evidence_bytes: int = 1 << 30
+    console_verdicts: bool = True
+    console_status_interval_s: float = 60.0
+    record_windows: bool = True
+    max_window_record_bytes: int = 256 * 1024 * 1024
     prometheus_port: int = -1
     export_metrics: bool = True
     metric_export_interval_s: float = 5.0

@@ -364,6 +364,7 @@ class Engine:
                 self._counts["windows_closed"] += 1
                 self._counts["coverage_gaps"] += judgement.coverage_gaps
                 self._counts["invalid_device_durations"] += judgement.invalid_device_rows
+                self._counts["below_floor_quiet"] += judgement.quiet_below_floor
                 self._counts["verdicts"] += len(judgement.verdicts)
                 verdicts.extend(self._placed(judgement.verdicts, cohort.epoch))
         return verdicts
@@ -375,7 +376,7 @@ class Engine:
                     "evictions_jobs", "evictions_cohorts", "evictions_ranks", "evictions_stages",
                     "evictions_windows", "windows_dropped", "windows_closed_full", "seq_restarts", "invalid_device_durations",
                     "verdicts", "heartbeats", "incarnations", "evictions_liveness_jobs", "evictions_liveness_ranks",
-                    "detector_stalls")
+                    "detector_stalls", "below_floor_quiet")
         stats = {name: int(self._counts[name]) for name in counters}
         stats["duplicates"] = int(self._counts["duplicate"])
         stats["jobs"] = len(self._cohorts_by_job)
@@ -390,6 +391,10 @@ class Engine:
         return [JobSlowdownState(cohort.job_id, cohort.name, job.ratio, job.active)
                 for cohort in self._cohorts.values()
                 for job in (cohort.verdict_state.job,) if job.ratio is not None and math.isfinite(job.ratio)]
+
+    def jobs_without_stages(self, now_unix_nano: int, limit: int) -> tuple[int, list[tuple[str, int, float]]]:
+        """Jobs that send heartbeats and no stage span (liveness.py): how many, and up to `limit`."""
+        return self._liveness.jobs_without_stages(now_unix_nano, limit)
 
     def rank_state(self) -> list[RankState]:
         """Latest slowdown and alert per (job, epoch, cohort, stage, rank) that has been compared."""

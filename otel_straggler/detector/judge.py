@@ -113,6 +113,7 @@ class CohortVerdictState:
         self.late_streak = np.zeros((0, 0), dtype=np.int64)  # per (collective code, slot)
         self.arrival_var = np.zeros(0)  # per collective code: smoothed variance of the ranks' lateness
         self.collective_seen = np.zeros(0, dtype=bool)  # per code: judged as a collective in some window
+        self.full_window_steps = 0  # the most distinct steps a judged window of the cohort had
         self.job = JobBaseline()  # the cohort's pace against its own baseline (job_baseline.py)
         self.intermittent = IntermittentState()  # slow steps per (code, slot), recent windows
 
@@ -187,6 +188,7 @@ class WindowJudgement:
     fell_silent: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     came_back: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     invalid_device_rows: int = 0
+    quiet_below_floor: int = 0  # `below_absolute_floor` notices not emitted (config.report_below_floor off)
 
 
 @dataclass
@@ -236,6 +238,19 @@ class _Entries:
     late_steps: np.ndarray = None
     arrival_steps: np.ndarray = None
     slow_steps: SlowSteps = None  # per entry (compute stages and the whole step): its slow steps
+    steps: int = 0  # distinct steps in the window
+    rows: "_Rows" = None  # the window's rows, for the few questions asked of single ranks (_lead)
+
+
+@dataclass
+class _Rows:
+    """The window's rows as judged: stage code (collective bit as judged), slot, step offset, host
+    ms and end time."""
+    code: np.ndarray
+    slot: np.ndarray
+    step: np.ndarray
+    host: np.ndarray
+    end_unix_nano: np.ndarray
 
 
 def _entries(rows, layout, slot_count: int, state: CohortVerdictState,
@@ -245,14 +260,20 @@ def _entries(rows, layout, slot_count: int, state: CohortVerdictState,
     device = np.frombuffer(rows.device_ms, dtype=np.float64)
     tokens = np.frombuffer(rows.tokens, dtype=np.float64)
     end_unix_nano = np.frombuffer(rows.end_unix_nano, dtype=np.int64)
-    group, code, slot, step_offset = layout.unpack(keys)
+    _, code, slot, step_offset = layout.unpack(keys)
     code = _mark_synchronization_points(state, keys, code, host, end_unix_nano, layout)
-    group = code * layout.slot_stride + slot
     has_device = np.isfinite(device) & (device >= 0)
     invalid_device_rows = int(np.count_nonzero(~np.isnan(device) & ~has_device))
 
-    stage_groups, stage_host = grouped_medians(group, host)
-    device_groups, device_medians = grouped_medians(group[has_device], device[has_device])
+    # per (stage, rank, step): the stage's intervals summed (micro-batches, gradient accumulation),
+    # device only where every interval has one; then per (stage, rank) the median over steps
+    cell_keys = code * layout.code_stride + slot * layout.window_steps + step_offset
+    cells, (cell_host, cell_device, cell_device_missing) = _sums_by_bin(
+        cell_keys, host, np.where(has_device, device, 0.0), (~has_device).astype(np.float64))
+    cell_groups = cells // layout.window_steps
+    stage_groups, stage_host = grouped_medians(cell_groups, cell_host)
+    complete_cells = cell_device_missing == 0
+    device_groups, device_medians = grouped_medians(cell_groups[complete_cells], cell_device[complete_cells])
     stage_device = np.full(stage_groups.size, np.nan)
     stage_device[np.searchsorted(stage_groups, device_groups)] = device_medians
 
@@ -287,10 +308,10 @@ def _entries(rows, layout, slot_count: int, state: CohortVerdictState,
     entry_codes = np.concatenate((np.zeros(whole_slots.size, dtype=np.int64), stage_code))
     late_steps, arrival_steps = _late_steps(code, slot, step_offset, host, layout, entry_codes, all_slots)
     # per (stage, rank, step) time of the compute stages, and the whole step's sums, for intermittent.py
-    stage_rows = compute & (code > 0)
-    stage_cells, (stage_cell_ms,) = _sums_by_bin(code[stage_rows] * layout.code_stride + slot[stage_rows]
-                                                 * layout.window_steps + step_offset[stage_rows], host[stage_rows])
-    _, cell_code, cell_slot, cell_step = layout.unpack(stage_cells)
+    _, cell_code, cell_slot, cell_step = layout.unpack(cells)
+    compute_cells = ((cell_code & 1) == 0) & (cell_code > 0)
+    cell_code, cell_slot, cell_step = cell_code[compute_cells], cell_slot[compute_cells], cell_step[compute_cells]
+    stage_cell_ms = cell_host[compute_cells]
     slow_steps = count_slow_steps(
         np.concatenate((np.zeros(bins.size, dtype=np.int64), cell_code)),
         np.concatenate((bins // layout.window_steps, cell_slot)),
@@ -307,6 +328,8 @@ def _entries(rows, layout, slot_count: int, state: CohortVerdictState,
         tokens=tokens_by_slot[all_slots],
         present=present,
         last_end_unix_nano=last_end,
+        steps=int(np.unique(step_offset).size),
+        rows=_Rows(code, slot, step_offset, host, end_unix_nano),
     ), invalid_device_rows
 
 
@@ -600,7 +623,11 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
                                          comparisons, config)
 
     state.slowdown.reshape(-1)[flat] = slowdown  # gauges update every window, warmup included
-    judged = state.windows_seen[entries.slot] >= config.warmup_windows
+    # a window with under half the steps of the cohort's full ones (the job's last, say) is too
+    # thin to start, end or break anything: it is not judged, and holds every streak and alert
+    partial = 2 * entries.steps < state.full_window_steps
+    state.full_window_steps = max(state.full_window_steps, entries.steps)
+    judged = (state.windows_seen[entries.slot] >= config.warmup_windows) & (not partial)
     compute = judged & ~collective
     waiting = judged & collective
 
@@ -618,13 +645,22 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
     recovery = compute & alert & within
     uncertain_notice = (uncertain_reason != 0) & (uncertain_reason != last_notice)
     floor_notice = (floor_reason != 0) & (floor_reason != last_notice)
+    if not config.report_below_floor:  # noise under the floor: counted, not said
+        judgement.quiet_below_floor = int(np.count_nonzero(floor_notice))
+        floor_notice = np.zeros_like(floor_notice)
     waiting_notice = waiting & slow & (slow_streak == config.persist_windows)
     # the arrival rule keeps its own streak; its alert lives in the collective code's alert state
     late_streak = np.where(late, state.late_streak.reshape(-1)[flat] + 1, 0)
     late_onset = waiting & late & ~alert & (late_streak >= config.persist_windows)
-    late_recovery = waiting & alert & usable & (lateness <= floor_ms)
+    # back in time at the collective, over enough steps to tell (a wait that turned longer in one
+    # step says nothing)
+    late_recovery = waiting & alert & usable & (lateness <= floor_ms) & (entries.arrival_steps >= SYNC_MIN_STEPS)
     onset = onset | late_onset
     recovery = recovery | late_recovery
+    # several stages of one rank slow at once: the onset goes to the stage that explains the others
+    onset, also_slow = _lead(cohort.stage_names, entries, onset, compute & slow, waiting & late,
+                             alert, entries.host - host.references.reference)
+    late_onset &= onset
     # an uncertain reason is noted once per pair, until its next straggler or recovered verdict
     notice = np.where(uncertain_reason != 0, uncertain_reason, np.where(floor_reason != 0, floor_reason, last_notice))
     notice = np.where(onset | recovery, 0, notice)
@@ -661,7 +697,8 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
                                      contract.ATTRIBUTION_UNKNOWN, timing_host=True)
             # slowdown: its time to the collective over its whole-step compute, as its peers see it
             step_ms = step_compute_ms[int(entries.slot[entry])]
-            judgement.verdicts.append(dataclasses.replace(record, slowdown=_number(1.0 + lateness[entry] / step_ms)))
+            judgement.verdicts.append(dataclasses.replace(record, slowdown=_number(1.0 + lateness[entry] / step_ms),
+                                                          also_slow=also_slow.get(entry, ())))
             continue
         if onset[entry]:
             verdict, reason = contract.VERDICT_STRAGGLER, REASON_SLOW_VS_PEERS
@@ -673,7 +710,10 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
             notice_code = uncertain_reason[entry] or floor_reason[entry]
             verdict, reason = contract.VERDICT_UNCERTAIN, _UNCERTAIN_REASONS[notice_code]
         attribution = _attribution(reason, host_flag[entry], device_flag[entry], device_usable[entry])
-        judgement.verdicts.append(context.verdict(entry, verdict, reason, attribution))
+        record = context.verdict(entry, verdict, reason, attribution)
+        if entry in also_slow and onset[entry]:
+            record = dataclasses.replace(record, also_slow=also_slow[entry])
+        judgement.verdicts.append(record)
     for entry in np.flatnonzero(intermittent.onset | intermittent.recovery).tolist():
         started = bool(intermittent.onset[entry])
         record = context.verdict(entry, contract.VERDICT_STRAGGLER if started else contract.VERDICT_RECOVERED,
@@ -681,6 +721,70 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
                                  contract.ATTRIBUTION_UNKNOWN, timing_host=True)
         judgement.verdicts.append(dataclasses.replace(record, **_intermittent_evidence(intermittent, entry)))
     return judgement
+
+
+CONTAINED_SHARE = 0.8  # of a stage's intervals inside another's, for the other to contain it
+CONTAINED_SLACK_NS = 20_000  # clock reads a few µs apart at nested starts and stops
+
+
+def _lead(stage_names: list, entries: _Entries, onset: np.ndarray, slow_compute: np.ndarray, late: np.ndarray,
+          alert: np.ndarray, gap_ms: np.ndarray) -> tuple[np.ndarray, dict[int, tuple[str, ...]]]:
+    """(onsets moved to the leading stages, per leading entry the stages it explains).
+
+    Of a rank's stages slow in one window, one explains another when the other contains its time
+    (the whole step `*` contains every stage; a stage whose intervals hold the first's, nested
+    timers) or follows from it (a collective the rank is last to reach). The leading stages are the
+    slow ones that no other slow stage explains: the innermost slow stage; `*` when there is none
+    or several unrelated ones are slow (a slowdown spread over the step: `*` names them all); else
+    the collectives it is late to (time that no stage covers). An onset of a stage that a leading one
+    explains is that leading stage's onset, said once, with the others in `also_slow`; none when
+    the leading stage already holds an alert. Only ranks with an onset in the window are looked at."""
+    also_slow: dict[int, tuple[str, ...]] = {}
+    candidates = slow_compute | late
+    onset = onset.copy()
+    for slot in np.unique(entries.slot[onset]).tolist():
+        slow_here = np.flatnonzero(candidates & (entries.slot == slot))
+        if slow_here.size < 2:
+            continue
+        codes = entries.code[slow_here]
+        named = slow_here[((codes & 1) == 0) & (codes > 0)]
+        whole = slow_here[codes == 0]
+        collectives = slow_here[(codes & 1) == 1]
+        contains = {(outer, inner): _contains(entries.rows, slot, int(entries.code[outer]), int(entries.code[inner]))
+                    for outer in named.tolist() for inner in named.tolist() if outer != inner}
+        leaders = [entry for entry in named.tolist()
+                   if not any(contains[(entry, inner)] for inner in named.tolist() if inner != entry)]
+        if not leaders or (len(leaders) > 1 and whole.size):
+            # none, or several unrelated stages slow at once: a slowdown spread over the step
+            leaders = whole.tolist() or collectives.tolist()
+        for leader in leaders:
+            explained = [entry for entry in slow_here.tolist() if entry != leader and (
+                leader in whole or entry in whole or entry in collectives or contains.get((entry, leader), False))]
+            if not explained:
+                continue
+            explained.sort(key=lambda entry: -gap_ms[entry] if np.isfinite(gap_ms[entry]) else 0.0)
+            if onset[explained].any() and not alert[leader]:
+                onset[leader] = True
+            onset[explained] = False
+            also_slow[leader] = tuple(stage_names[int(entries.code[entry]) // 2] for entry in explained)
+    return onset, also_slow
+
+
+def _contains(rows: _Rows, slot: int, outer_code: int, inner_code: int) -> bool:
+    """Whether, in this window, the rank's `outer_code` intervals hold most of its `inner_code` ones
+    (same step, start no later, end no earlier)."""
+    mine = rows.slot == slot
+    outer = mine & (rows.code == outer_code)
+    inner = mine & (rows.code == inner_code)
+    if not outer.any() or not inner.any():
+        return False
+    outer_end, inner_end = rows.end_unix_nano[outer], rows.end_unix_nano[inner]
+    outer_start = outer_end - (rows.host[outer] * 1e6).astype(np.int64)
+    inner_start = inner_end - (rows.host[inner] * 1e6).astype(np.int64)
+    held = ((rows.step[inner][:, None] == rows.step[outer][None, :])
+            & (outer_start[None, :] <= inner_start[:, None] + CONTAINED_SLACK_NS)
+            & (inner_end[:, None] <= outer_end[None, :] + CONTAINED_SLACK_NS)).any(axis=1)
+    return bool(np.count_nonzero(held) >= CONTAINED_SHARE * held.size)
 
 
 def _intermittent_evidence(judgement, entry: int) -> dict:

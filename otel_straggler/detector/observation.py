@@ -88,8 +88,11 @@ class Verdict:
     stalled_s: Optional[float] = None  # v1.1, hang only: since the job's last completed interval
     # intermittent stragglers only: {"slow", "steps", "share", "peer_share"} over the windows tested
     slow_steps: Optional[dict] = None
+    # v1.2: other stages of the rank slow in the same window that `stage` explains (it leads)
+    also_slow: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
         record = asdict(self)
         record["reference_ranks"] = list(self.reference_ranks)
+        record["also_slow"] = list(self.also_slow)
         return record

@@ -34,7 +34,7 @@ def write_lines(path: Path, requests, extra_lines=()) -> Path:
 def test_the_same_spans_live_and_replayed_give_the_same_verdicts(tmp_path):
     requests = per_step_requests(eventful_observations(ranks=RANKS))
     # rank 5 stops 2.8 s of span time before its peers: reported silent with a shorter export lag
-    live_config = service_config(tmp_path / "live", max_export_lag_s=1.0)
+    live_config = service_config(tmp_path / "live", max_export_lag_s=1.0, report_below_floor=True)
     with running_service(live_config) as service:
         exporter = OTLPSpanExporter(endpoint=f"127.0.0.1:{service.bound_ports[0]}", insecure=True, timeout=10)
         for index, spans in enumerate(requests):
@@ -46,7 +46,7 @@ def test_the_same_spans_live_and_replayed_give_the_same_verdicts(tmp_path):
     live = verdict_records(Path(live_config.evidence_dir) / "verdicts.jsonl")
 
     files = [write_lines(tmp_path / "part-1.jsonl", requests[:20]), write_lines(tmp_path / "part-2.jsonl.gz", requests[20:])]
-    replay_config = service_config(tmp_path / "replayed", max_export_lag_s=1.0)
+    replay_config = service_config(tmp_path / "replayed", max_export_lag_s=1.0, report_below_floor=True)
     summary = replay([str(path) for path in files], replay_config)
     replayed = verdict_records(Path(replay_config.evidence_dir) / "verdicts.jsonl")
 

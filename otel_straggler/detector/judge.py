@@ -349,12 +349,14 @@ def _mark_synchronization_points(state: CohortVerdictState, keys: np.ndarray, co
         return code
     end_ms = (end_unix_nano[stage_rows] - end_unix_nano[stage_rows].min()) / 1e6
     start_ms = end_ms - host[stage_rows]
-    # one cell per (stage, rank, step): the envelope of its intervals (micro-batches)
+    # one cell per (stage, rank, step): its last interval, the one a synchronization point would
+    # end (of several micro-batches, only the one that synchronizes does)
     cells, index = dense_groups(keys[stage_rows])
-    cell_end = np.full(cells.size, -np.inf)
-    np.maximum.at(cell_end, index, end_ms)
-    cell_start = np.full(cells.size, np.inf)
-    np.minimum.at(cell_start, index, start_ms)
+    finite = np.isfinite(end_ms) & np.isfinite(start_ms)
+    order = np.lexsort((np.where(finite, end_ms, -np.inf), index))
+    last = order[np.r_[index[order][1:] != index[order][:-1], True]]  # per cell, its row with the latest end
+    cell_end = np.where(finite[last], end_ms[last], np.inf)
+    cell_start = np.where(finite[last], start_ms[last], np.inf)
     _, cell_code, cell_slot, cell_step = layout.unpack(cells)
     usable = np.isfinite(cell_start) & np.isfinite(cell_end)
     cell_code, cell_slot, cell_step = cell_code[usable], cell_slot[usable], cell_step[usable]
@@ -683,15 +685,20 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
     state.intermittent.reset((entries.code[started], entries.slot[started]))
     state.intermittent.record(config.persist_windows, entries.code, entries.slot, entries.slow_steps,
                               comparable & ~steady_alert)
+    held_intermittent = state.intermittent.alert[entries.code, entries.slot]
     intermittent = judge_intermittent(state.intermittent, entries.code, entries.slot, comparable,
                                       comparable & ~steady_alert,
                                       compute & steady_alert, state.alert, config.false_alarm_rate,
                                       config.persist_windows)
+    intermittent_also_slow = _lead_intermittent(cohort.stage_names, state, entries, intermittent)
 
     context = _VerdictContext(cohort, window, now, entries, host, device, use_device, slowdown)
-    # a steady alert that ends as the intermittent one starts is handed over: one straggler verdict
+    # an alert handed over between the two rules is one straggler verdict: a steady alert that ends
+    # as the intermittent one starts, or an intermittent one the steady rule takes over
     recovery_said = recovery & ~intermittent.onset
-    for entry in np.flatnonzero(onset | recovery_said | uncertain_notice | floor_notice | waiting_notice).tolist():
+    handed_over = onset & held_intermittent & ~late_onset
+    for entry in np.flatnonzero((onset & ~handed_over) | recovery_said | uncertain_notice | floor_notice
+                                | waiting_notice).tolist():
         if late_onset[entry]:
             record = context.verdict(entry, contract.VERDICT_STRAGGLER, REASON_LAST_TO_ARRIVE,
                                      contract.ATTRIBUTION_UNKNOWN, timing_host=True)
@@ -719,8 +726,39 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
         record = context.verdict(entry, contract.VERDICT_STRAGGLER if started else contract.VERDICT_RECOVERED,
                                  REASON_INTERMITTENT if started else REASON_WITHIN_TOLERANCE,
                                  contract.ATTRIBUTION_UNKNOWN, timing_host=True)
-        judgement.verdicts.append(dataclasses.replace(record, **_intermittent_evidence(intermittent, entry)))
+        judgement.verdicts.append(dataclasses.replace(record, **_intermittent_evidence(intermittent, entry),
+                                                      also_slow=intermittent_also_slow.get(entry, ())))
     return judgement
+
+
+def _lead_intermittent(stage_names: list, state: CohortVerdictState, entries: _Entries,
+                       intermittent) -> dict[int, tuple[str, ...]]:
+    """_lead for the intermittent rule's onsets: on a rank whose whole step starts an intermittent
+    alert, several named stages starting one too are a slowdown spread over the step, said once on
+    `*`; one named stage starting one, or any other stage already alerted, explains the whole
+    step's, which is then not said. The alerts not said are not kept. Returns also_slow per entry."""
+    also_slow: dict[int, tuple[str, ...]] = {}
+    whole = np.flatnonzero(intermittent.onset & (entries.code == 0))
+    if whole.size == 0:
+        return also_slow
+    slots = state.alert.shape[1]
+    codes = state.intermittent.alert.shape[0]
+    alerted_before = state.alert[2:, :slots].any(axis=0)
+    for entry in whole.tolist():
+        slot = int(entries.slot[entry])
+        named = np.flatnonzero(intermittent.onset & (entries.slot == slot) & (entries.code >= 2))
+        names = tuple(stage_names[int(entries.code[other]) // 2] for other in named.tolist())
+        other_alert = alerted_before[slot] or state.intermittent.alert[2:codes, slot].sum() > named.size
+        if named.size >= 2 and not other_alert:
+            intermittent.onset[named] = False
+            state.intermittent.alert[entries.code[named], slot] = False
+            also_slow[entry] = names
+        elif named.size or other_alert:
+            intermittent.onset[entry] = False
+            state.intermittent.alert[0, slot] = False
+            for other in named.tolist():
+                also_slow[other] = (contract.WHOLE_STEP_STAGE,)
+    return also_slow
 
 
 CONTAINED_SHARE = 0.8  # of a stage's intervals inside another's, for the other to contain it

@@ -1,21 +1,20 @@
 """The files of an evidence directory and their records.
 
-The detector writes `verdicts.jsonl` (CONTRACT §3a) and `status.json`; the demo adds
-`windows.jsonl` (each rank's median stage duration per window, for the report's pictures) and
-`demo.json` (how the run was set up and how it went). The report needs only `verdicts.jsonl`;
+The detector writes `verdicts.jsonl` (CONTRACT §3a), `status.json` and `windows.jsonl` (each rank's
+median stage duration per window, for the report's pictures: detector/window_record.py); the demo
+adds `demo.json` (how the run was set up and how it went). The report needs only `verdicts.jsonl`;
 every other file adds to what it can show.
 """
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-VERDICTS_FILE = "verdicts.jsonl"
-STATUS_FILE = "status.json"
-WINDOWS_FILE = "windows.jsonl"
+from otel_straggler.detector.evidence import STATUS_FILE, VERDICTS_FILE, WINDOWS_FILE
+from otel_straggler.detector.window_record import WindowMedian
+
 RUN_FILE = "demo.json"
 EVIDENCE_FILES = (VERDICTS_FILE, STATUS_FILE, WINDOWS_FILE, RUN_FILE)
 
@@ -30,20 +29,6 @@ class Injection:
     from_step: int
     slowdown: float
     hang: bool = False
-
-
-@dataclass(frozen=True)
-class WindowMedian:
-    """One line of windows.jsonl: a rank's median duration of one stage over one window."""
-
-    job_id: str
-    cohort: str
-    rank: int
-    stage: str
-    window: int
-    median_ms: float
-    steps: int
-    collective: bool
 
 
 @dataclass
@@ -122,18 +107,6 @@ def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
     return records, unreadable
 
 
-def window_median_from_dict(record: dict[str, Any]) -> Optional[WindowMedian]:
-    try:
-        median = WindowMedian(
-            job_id=str(record["job_id"]), cohort=str(record.get("cohort", "")), rank=int(record["rank"]),
-            stage=str(record["stage"]), window=int(record["window"]), median_ms=float(record["median_ms"]),
-            steps=int(record.get("steps", 0)), collective=bool(record.get("collective", False)),
-        )
-    except (KeyError, TypeError, ValueError):
-        return None
-    return median if math.isfinite(median.median_ms) else None
-
-
 def append_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> None:
     lines = "".join(json.dumps(record, separators=(",", ":")) + "\n" for record in records)
     if lines:
@@ -163,7 +136,7 @@ def load(directory: Path) -> Evidence:
     if (directory / WINDOWS_FILE).is_file():
         window_records, unreadable_windows = read_jsonl(directory / WINDOWS_FILE)
         unreadable += unreadable_windows
-        windows = [median for median in map(window_median_from_dict, window_records) if median is not None]
+        windows = [median for median in map(WindowMedian.from_dict, window_records) if median is not None]
 
     return Evidence(
         directory=directory, verdicts=verdicts, windows=windows,

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from otel_straggler.demo import evidence as evidence_files
 from otel_straggler.demo import figures, report_data
-from otel_straggler.demo.summary import summarize
+from otel_straggler.demo.summary import also_slow, summarize
 from otel_straggler.detector.config import DetectorConfig
 
 REPORT_FILE = "report.html"
@@ -43,7 +43,7 @@ def build(evidence_dir: Path, out_dir: Path) -> Report:
     _copy_evidence(evidence.directory, out_dir / "evidence")
 
     rel_threshold, min_gap_ms = _thresholds(evidence)
-    pictures, notes = _pictures(evidence, rel_threshold, min_gap_ms)
+    pictures, notes = _pictures(evidence, rel_threshold, min_gap_ms, DetectorConfig().persist_windows)
     picture_paths = []
     for picture in pictures:
         path = out_dir / picture.file_name
@@ -57,7 +57,8 @@ def build(evidence_dir: Path, out_dir: Path) -> Report:
 
 
 def _thresholds(evidence: evidence_files.Evidence) -> tuple[float, float]:
-    """The run's own thresholds when the demo recorded them, else the detector's defaults."""
+    """The run's own thresholds when the demo recorded them, else the detector's defaults (the
+    evidence does not say which settings its detector ran with; nor persist_windows, taken as the default)."""
     if evidence.run is not None:
         return evidence.run.rel_threshold, evidence.run.min_gap_ms
     defaults = DetectorConfig()
@@ -73,28 +74,35 @@ def _copy_evidence(source: Path, target: Path) -> None:
             shutil.copyfile(source / name, target / name)
 
 
-def _pictures(evidence: evidence_files.Evidence, rel_threshold: float, min_gap_ms: float) -> tuple[list[Picture], list[str]]:
+def _pictures(evidence: evidence_files.Evidence, rel_threshold: float, min_gap_ms: float,
+              persist_windows: int) -> tuple[list[Picture], list[str]]:
     pictures, notes = [], []
     windows = report_data.largest_job(evidence.windows)
     grids = report_data.stage_grids(windows)
     if grids:
+        shown = f" (job {windows[0].job_id}, cohort {windows[0].cohort})" if _cohort_count(evidence) > 1 else ""
         pictures.append(Picture(
             HEATMAP_FILE, "Stage durations, rank by window",
-            "Each rank's median duration of each stage per window. A slow rank stands out in its own "
-            "compute stage; in the collective stage the other ranks look slow instead, because they wait for it.",
+            f"Each rank's median duration of each stage per window{shown}; `*` is the whole step (its "
+            "non-collective stages summed per step). A slow rank stands out in its own compute stage; in the "
+            "collective stage the other ranks look slow instead, because they wait for it.",
             figures.heatmap(grids)))
     else:
         notes.append(f"No {evidence_files.WINDOWS_FILE} here, so no heat map: it needs every rank's per-window "
-                     "medians, which `otel-straggler demo` records.")
+                     "medians, which the detector records unless its record_windows setting is off.")
 
-    timeline = report_data.timeline(evidence, rel_threshold, min_gap_ms)
-    if timeline is not None:
+    timelines = report_data.timelines(evidence, rel_threshold, min_gap_ms, persist_windows)
+    if timelines:
+        ranks = sorted({timeline.rank for timeline in timelines})
         pictures.append(Picture(
-            TIMELINE_FILE, f"Rank {timeline.rank} against its peers",
-            f"Rank {timeline.rank}'s median {timeline.stage} time per window, its peers' median (the reference) and "
-            f"the threshold: slower than the reference by more than {rel_threshold:.0%} and {min_gap_ms:g} ms. "
-            "An alert needs several slow windows in a row.",
-            figures.rank_timeline(timeline)))
+            TIMELINE_FILE, f"Rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} against the peers",
+            "For each alerted rank and stage: its median time per window (device time where the alert compared "
+            "device time), its peers' median (the reference) and range, and the threshold: slower than the "
+            f"reference by more than {rel_threshold:.0%} and {min_gap_ms:g} ms (and beyond the cohort's own noise). "
+            f"A slow_vs_peers alert needs {persist_windows} slow windows in a row (the detector's default): the "
+            "dotted line marks where they began; an intermittent one, slow steps in a share of its steps well "
+            "beyond its peers', has no such run. The shaded window is the alert.",
+            figures.rank_timelines(timelines)))
     else:
         notes.append("No rank was flagged or slowed on purpose, so there is no single rank to follow.")
 
@@ -108,19 +116,28 @@ def _pictures(evidence: evidence_files.Evidence, rel_threshold: float, min_gap_m
     return pictures, notes
 
 
+def _cohort_count(evidence: evidence_files.Evidence) -> int:
+    return len({(median.job_id, median.cohort) for median in evidence.windows})
+
+
 def _html(evidence: evidence_files.Evidence, summary: str, pictures: list[Picture], notes: list[str],
           rel_threshold: float, min_gap_ms: float) -> str:
     escape = html.escape
     run = evidence.run
     settings = _settings_rows(run, rel_threshold, min_gap_ms)
     counts = report_data.verdict_counts(evidence.verdicts)
+    jobs = report_data.job_ids(evidence)
     parts = [
-        "<!doctype html>", "<html><head><meta charset='utf-8'><title>otel-straggler report</title>",
+        "<!doctype html>", "<html><head><meta charset='utf-8'><title>otel-straggler report"
+        + escape(f": {', '.join(jobs)}" if jobs else "") + "</title>",
         "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}"
         "table{border-collapse:collapse;font-size:0.9em}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}"
         "img{max-width:100%;border:1px solid #eee}figcaption{color:#555;font-size:0.9em;margin-bottom:2em}"
-        ".summary{font-size:1.1em;background:#f5f7fa;padding:0.8em;border-left:4px solid #d62728}</style>",
-        "</head><body>", "<h1>Straggler report</h1>", f"<p class='summary'>{escape(summary)}</p>",
+        ".summary{font-size:1.1em;background:#f5f7fa;padding:0.8em;border-left:4px solid #d62728}"
+        ".jobs{color:#555}</style>",
+        "</head><body>", "<h1>Straggler report</h1>",
+        f"<p class='jobs'>{_about(evidence, jobs)}</p>",
+        f"<p class='summary'>{escape(summary)}</p>",
     ]
     if settings:
         parts.append("<h2>Run</h2><table>" + "".join(
@@ -136,6 +153,7 @@ def _html(evidence: evidence_files.Evidence, summary: str, pictures: list[Pictur
     parts.append(_verdict_table(report_data.notable_verdicts(evidence.verdicts)))
     parts.append("<p>Verdicts by kind: " + escape(", ".join(f"{kind} {count}" for kind, count in sorted(counts.items()))
                                                   or "none") + ".</p>")
+    parts.append(_uncertain_section(report_data.uncertain_counts(evidence.verdicts)))
     if evidence.unreadable_lines:
         parts.append(f"<p><em>{evidence.unreadable_lines} evidence lines could not be read and were skipped.</em></p>")
     parts.append("<h2>Evidence</h2><ul>" + "".join(
@@ -161,16 +179,47 @@ def _settings_rows(run: Optional[evidence_files.RunRecord], rel_threshold: float
     ]
 
 
+def _about(evidence: evidence_files.Evidence, jobs: list[str]) -> str:
+    """The line under the title: which jobs, how many ranks and windows, from where."""
+    escape = html.escape
+    parts = [("Job " if len(jobs) == 1 else "Jobs ") + ", ".join(f"<code>{escape(job)}</code>" for job in jobs)] \
+        if jobs else ["No job named in this evidence"]
+    ranks = {median.rank for median in evidence.windows} | {
+        verdict["rank"] for verdict in evidence.verdicts if verdict.get("rank") is not None}
+    windows = [median.window for median in evidence.windows] + [verdict["window"] for verdict in evidence.verdicts]
+    if ranks:
+        parts.append(f"{len(ranks)} rank{'s' if len(ranks) != 1 else ''}")
+    if windows:
+        parts.append(f"windows {min(windows)} to {max(windows)}")
+    parts.append(f"evidence from <code>{escape(str(evidence.directory))}</code>")
+    return " &middot; ".join(parts)
+
+
+def _uncertain_section(counts: list[tuple[str, str, int]]) -> str:
+    """Uncertain verdicts counted by reason and stage: what the detector could not judge, and where."""
+    if not counts:
+        return ""
+    total = sum(count for _, _, count in counts)
+    rows = "".join(f"<tr><td>{html.escape(reason)}</td><td>{html.escape(stage)}</td><td>{count}</td></tr>"
+                   for reason, stage, count in counts)
+    return (f"<h2>Uncertain verdicts</h2><p>{total} verdict{'s' if total != 1 else ''} where the detector could not "
+            "judge, or a rank was over the relative threshold without being a straggler (below the absolute floor, "
+            "a collective's wait, too few comparable peers). None of them is an alert.</p>"
+            "<table><tr><th>reason</th><th>stage</th><th>verdicts</th></tr>" + rows + "</table>")
+
+
 def _verdict_table(verdicts: list[dict[str, Any]]) -> str:
     if not verdicts:
         return "<p>None.</p>"
-    columns = ("window", "rank", "host", "local_rank", "stage", "verdict", "reason", "slowdown", "gap_ms",
+    columns = ("window", "rank", "host", "local_rank", "stage", "also_slow", "verdict", "reason", "slowdown", "gap_ms",
                "stalled_s", "timing", "attribution")
     rows = []
     for verdict in verdicts:
         cells = []
         for column in columns:
-            value = verdict.get(column)
+            value = also_slow(verdict) if column == "also_slow" else verdict.get(column)
+            if isinstance(value, list):
+                value = ", ".join(map(str, value)) or None
             text = f"{value:.3f}" if isinstance(value, float) else ("" if value is None else str(value))
             cells.append(f"<td>{html.escape(text)}</td>")
         rows.append("<tr>" + "".join(cells) + "</tr>")

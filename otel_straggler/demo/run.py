@@ -3,12 +3,11 @@ one fails. The output folder:
 
     out/
       report.html, *.png         the report, written afterwards (report.py)
-      evidence/                  verdicts.jsonl, status.json (the detector); windows.jsonl, demo.json (the demo)
+      evidence/                  verdicts.jsonl, status.json, windows.jsonl (the detector); demo.json (the demo)
       ranks/rank-N.log           each rank's output
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 import time
@@ -22,9 +21,7 @@ from otel_straggler.demo import evidence as evidence_files
 from otel_straggler.demo.evidence import Injection, RunRecord, WindowMedian
 from otel_straggler.demo.launcher import LaunchPlan, RankFailure, RankGroup
 from otel_straggler.demo.live_view import LiveView
-from otel_straggler.demo.window_tap import TappedEngine, WindowMedians
 from otel_straggler.detector.config import DetectorConfig
-from otel_straggler.detector.engine import Engine
 from otel_straggler.detector.service import DetectorService
 
 # Detection rules of the embedded detector, set here rather than taken from OTEL_STRAGGLER_* so
@@ -113,19 +110,6 @@ def medians_by_rank(medians: list[WindowMedian]) -> dict[int, dict[int, dict[str
     return by_window
 
 
-class _WindowSink:
-    """Complete windows to windows.jsonl and to the live view, in window order."""
-
-    def __init__(self, path: Path, view: LiveView) -> None:
-        self._path = path
-        self._view = view
-
-    def write(self, medians: list[WindowMedian]) -> None:
-        evidence_files.append_jsonl(self._path, (dataclasses.asdict(median) for median in medians))
-        for window, ranks in sorted(medians_by_rank(medians).items()):
-            self._view.on_window(window, ranks)
-
-
 @dataclass
 class RunResult:
     record: RunRecord
@@ -135,9 +119,9 @@ class RunResult:
     failure: Optional[str]  # why the run stopped early; None when it completed
 
 
-def _start_detector(settings: DemoSettings, evidence_dir: Path, medians: WindowMedians) -> tuple[DetectorService, str]:
+def _start_detector(settings: DemoSettings, evidence_dir: Path) -> tuple[DetectorService, str]:
     config = detector_config(settings, evidence_dir)
-    service = DetectorService(config, engine=TappedEngine(Engine(config), medians))
+    service = DetectorService(config)
     try:
         service.start()
     except OSError as error:
@@ -169,15 +153,13 @@ def run(settings: DemoSettings, stream: TextIO) -> RunResult:
                        hang_timeout_s=settings.hang_timeout_s if hang_run else None)
     evidence_files.write_run(evidence_dir, record)
 
-    medians = WindowMedians(settings.window_steps)
     service, endpoint = None, settings.external_endpoint
     if endpoint is None:
-        service, endpoint = _start_detector(settings, evidence_dir, medians)
+        service, endpoint = _start_detector(settings, evidence_dir)
     view = LiveView(stream, settings.steps, settings.window_steps, header(settings, endpoint))
     note = busy_machine_note()
     if note is not None:
         view.message(note)
-    windows = _WindowSink(evidence_dir / evidence_files.WINDOWS_FILE, view)
     hang_declared = threading.Event()
 
     def on_verdict(verdict) -> None:
@@ -185,8 +167,14 @@ def run(settings: DemoSettings, stream: TextIO) -> RunResult:
         if verdict.verdict == contract.VERDICT_HANG:
             hang_declared.set()
 
+    def on_window(medians: list[WindowMedian]) -> None:  # each window the detector judged, as it wrote it
+        for window, ranks in sorted(medians_by_rank(medians).items()):
+            view.on_window(window, ranks)
+
     if service is not None:
         service.add_verdict_listener(on_verdict)
+        if service.window_record is not None:
+            service.window_record.add_listener(on_window)
 
     def on_progress(steps_done: int, loss: Optional[float]) -> None:
         if steps_done > len(record.step_end_unix_nano):
@@ -212,7 +200,6 @@ def run(settings: DemoSettings, stream: TextIO) -> RunResult:
                      f"their output: {plan.log_dir}/rank-N.log")
         declared_at: Optional[float] = None
         while not group.poll():
-            windows.write(medians.take_complete())
             stalled = group.seconds_without_progress()
             view.on_stall(stalled if stalled > STALL_SHOWN_S else None)
             view.refresh()
@@ -231,7 +218,6 @@ def run(settings: DemoSettings, stream: TextIO) -> RunResult:
         group.stop()
         if service is not None:
             service.stop(DETECTOR_STOP_TIMEOUT_S)  # judges the windows still open
-        windows.write(medians.take_complete() + medians.finish())
         view.close()
         record.outcome = failure or ("hang declared" if hang_declared.is_set() else "completed")
         evidence_files.write_run(evidence_dir, record)

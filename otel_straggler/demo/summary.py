@@ -11,6 +11,7 @@ from otel_straggler import contract
 from otel_straggler.demo.evidence import RunRecord
 
 Verdict = dict[str, Any]
+MAX_NAMED_ALERTS = 6
 
 
 @dataclass(frozen=True)
@@ -23,9 +24,35 @@ class Detection:
 
 
 def straggler_alerts(verdicts: Iterable[Verdict]) -> list[Verdict]:
-    """Alert onsets in the order they were made."""
+    """Alert onsets in the order they were made; those of one window by rank, each rank's leading
+    stage first (the one whose `also_slow` explains others) and the whole step last."""
     alerts = [verdict for verdict in verdicts if verdict.get("verdict") == contract.VERDICT_STRAGGLER]
-    return sorted(alerts, key=lambda verdict: (verdict["window"], verdict.get("time_unix_nano") or 0))
+    return sorted(alerts, key=lambda verdict: (verdict["window"], verdict.get("time_unix_nano") or 0,
+                                               verdict["rank"], _stage_order(verdict)))
+
+
+def _stage_order(verdict: Verdict) -> int:
+    if verdict.get("also_slow"):
+        return 0
+    return 2 if verdict["stage"] == contract.WHOLE_STEP_STAGE else 1
+
+
+def leading_alerts(verdicts: Iterable[Verdict]) -> list[Verdict]:
+    """The alerts worth naming: one whose stage another alert of the same rank and window lists in
+    `also_slow` is told as part of that one ("also slow: ...")."""
+    alerts = straggler_alerts(verdicts)
+    explained = {_where(alert, stage) for alert in alerts for stage in alert.get("also_slow") or ()}
+    return [alert for alert in alerts if alert.get("also_slow") or _where(alert, alert["stage"]) not in explained]
+
+
+def _where(alert: Verdict, stage: str) -> tuple:
+    return alert.get("job_id"), alert.get("cohort"), alert["rank"], alert["window"], stage
+
+
+def also_slow(alert: Verdict) -> list[str]:
+    """The stages the alert's stage explains, the whole step last."""
+    stages = [stage for stage in alert.get("also_slow") or () if isinstance(stage, str)]
+    return sorted(stages, key=lambda stage: stage == contract.WHOLE_STEP_STAGE)
 
 
 def find_detection(run: RunRecord, verdicts: Iterable[Verdict]) -> Optional[Detection]:
@@ -43,14 +70,15 @@ def find_detection(run: RunRecord, verdicts: Iterable[Verdict]) -> Optional[Dete
 
 
 def other_alerts(run: Optional[RunRecord], verdicts: Iterable[Verdict]) -> list[Verdict]:
-    """Alerts on any rank but the injected one (all alerts when nothing was injected)."""
+    """Leading alerts on any rank but the injected one (all of them when nothing was injected)."""
     injected_rank = run.injection.rank if run is not None and run.injection is not None else None
-    return [alert for alert in straggler_alerts(verdicts) if alert["rank"] != injected_rank]
+    return [alert for alert in leading_alerts(verdicts) if alert["rank"] != injected_rank]
 
 
 def describe_alert(alert: Verdict) -> str:
     """'rank 2 in forward-compute at window 4 (1.31x its peers, +9.4 ms)'; for an intermittent
-    straggler '(slow in 11 of 60 steps, its peers in 0.0%; those steps 1.50x, +15.1 ms)'."""
+    straggler '(slow in 11 of 60 steps, its peers in 0.0%; those steps 1.50x, +15.1 ms)'; either
+    followed by '; also slow: all-grads-sync, the whole step (*)' when its stage explains others."""
     numbers = []
     slow_steps = alert.get("slow_steps")
     if isinstance(alert.get("slowdown"), (int, float)):
@@ -63,11 +91,24 @@ def describe_alert(alert: Verdict) -> str:
         detail = (f" (slow in {slow_steps['slow']} of {slow_steps['steps']} steps"
                   + (f", its peers in {peers:.1%}" if isinstance(peers, (int, float)) else "")
                   + (f"; those steps {', '.join(numbers)})" if numbers else ")"))
+    explained = also_slow(alert)
+    if explained:
+        also = "also slow: " + ", ".join(
+            "the whole step (*)" if stage == contract.WHOLE_STEP_STAGE else stage for stage in explained)
+        detail = f"{detail[:-1]}; {also})" if detail else f" ({also})"
     return f"rank {alert['rank']} in {stage_phrase(alert['stage'])} at window {alert['window']}{detail}"
 
 
 def _join(phrases: list[str]) -> str:
     return phrases[0] if len(phrases) == 1 else ", ".join(phrases[:-1]) + " and " + phrases[-1]
+
+
+def _alert_list(alerts: list[Verdict]) -> str:
+    """The alerts described, the first MAX_NAMED_ALERTS of them: a large job's would fill a page."""
+    named = [describe_alert(alert) for alert in alerts[:MAX_NAMED_ALERTS]]
+    if len(alerts) > MAX_NAMED_ALERTS:
+        named.append(f"{len(alerts) - MAX_NAMED_ALERTS} more")
+    return _join(named)
 
 
 def hang_verdicts(verdicts: Iterable[Verdict]) -> list[Verdict]:
@@ -107,7 +148,7 @@ def summarize(run: Optional[RunRecord], verdicts: list[Verdict]) -> str:
     if run is not None and run.injection is not None and run.injection.hang:
         sentences += _summarize_hang(run, verdicts)
         if others:
-            sentences.append(f"Straggler alerts: {_join([describe_alert(alert) for alert in others])}.")
+            sentences.append(f"Straggler alerts: {_alert_list(others)}.")
     elif run is not None and run.injection is not None:
         injection = run.injection
         injected = (f"injected slowdown (+{injection.slowdown:.0%} in {injection.stage} on rank {injection.rank} "
@@ -121,26 +162,30 @@ def summarize(run: Optional[RunRecord], verdicts: list[Verdict]) -> str:
                 after += f" and {detection.seconds_after_injection:.1f} s"
             sentences.append(f"Flagged {describe_alert(detection.verdict)}, {after} after the {injected} began.")
         same_rank_elsewhere = [
-            alert for alert in straggler_alerts(verdicts)
+            alert for alert in leading_alerts(verdicts)
             if alert["rank"] == injection.rank and (detection is None or alert is not detection.verdict)
         ]
         if same_rank_elsewhere:
             also = "also " if detection is not None else ""
-            sentences.append(f"Rank {injection.rank} was {also}flagged in "
-                             f"{_join(sorted({stage_phrase(alert['stage']) for alert in same_rank_elsewhere}))}.")
+            stages = [stage_phrase(stage) for stage in _stages_whole_step_last(same_rank_elsewhere)]
+            sentences.append(f"Rank {injection.rank} was {also}flagged in {_join(stages)}.")
         sentences.append("No other rank was flagged." if not others else
-                         f"Other ranks flagged: {_join([describe_alert(alert) for alert in others])}.")
+                         f"Other ranks flagged: {_alert_list(others)}.")
     elif run is not None:
         windows = -(-len(run.step_end_unix_nano) // run.window_steps)
         sentences.append(
             f"No rank was flagged over {len(run.step_end_unix_nano)} healthy steps ({windows} windows)." if not others
-            else f"Flagged with no slowdown injected: {_join([describe_alert(alert) for alert in others])}.")
+            else f"Flagged with no slowdown injected: {_alert_list(others)}.")
     else:
         sentences.append("No straggler alert in this evidence." if not others
-                         else f"Straggler alerts: {_join([describe_alert(alert) for alert in others])}.")
+                         else f"Straggler alerts: {_alert_list(others)}.")
     if run is not None and len(run.losses) >= 2:
         sentences.append(f"Training loss went from {run.losses[0]:.2f} to {run.losses[-1]:.2f}.")
     return " ".join(sentences)
+
+
+def _stages_whole_step_last(alerts: list[Verdict]) -> list[str]:
+    return sorted({alert["stage"] for alert in alerts}, key=lambda stage: (stage == contract.WHOLE_STEP_STAGE, stage))
 
 
 def stage_phrase(stage: str) -> str:

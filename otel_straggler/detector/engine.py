@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from typing import Iterable, NamedTuple, Optional
+from typing import Callable, Iterable, NamedTuple, Optional
 
 import numpy as np
 
@@ -87,11 +87,15 @@ class RankState(NamedTuple):
 class Engine:
     """Not thread-safe: one thread calls everything (or the caller holds a lock around each call)."""
 
-    def __init__(self, config: DetectorConfig, patient_start: bool = False) -> None:
+    def __init__(self, config: DetectorConfig, patient_start: bool = False,
+                 windows_judged: Optional[Callable[[Cohort, list], None]] = None) -> None:
         """patient_start: every cohort's first windows wait `max_export_lag_s` for ranks not seen yet,
         as a restarted incarnation's do (replay: its clock is recorded times, which precede a line's
-        arrival by up to the export delay, and offline the wait costs nothing)."""
+        arrival by up to the export delay, and offline the wait costs nothing).
+        windows_judged(cohort, windows): told of each cohort's closed windows (windows.WindowRows)
+        right before they are judged (window_record.py records their medians); it must not raise."""
         self._config = config
+        self._windows_judged = windows_judged
         self._patient_start = patient_start
         self._layout = RowLayout(config.window_steps, config.max_ranks)
         self._dedup_horizon = 1 << max(0, (config.dedup_horizon - 1).bit_length())
@@ -357,7 +361,10 @@ class Engine:
     def _judge(self, windows_of, now_unix_nano: int) -> list[Verdict]:
         verdicts: list[Verdict] = []
         for cohort in list(self._cohorts.values()):
-            for rows in windows_of(cohort):
+            closed = windows_of(cohort)
+            if closed and self._windows_judged is not None:
+                self._windows_judged(cohort, closed)
+            for rows in closed:
                 judgement = judge_window(cohort, rows, self._config, now_unix_nano)
                 cohort.ranks_fell_silent(judgement.fell_silent)
                 cohort.ranks_came_back(judgement.came_back)

@@ -1,4 +1,5 @@
-"""The evidence directory: `verdicts.jsonl` (CONTRACT §3a) and a `status.json` snapshot.
+"""The evidence directory: `verdicts.jsonl` (CONTRACT §3a), a `status.json` snapshot, and
+`windows.jsonl` (window_record.py). Both JSON-lines files are appended alike (`JsonLinesFile`).
 
 Crash safety comes from how bytes reach the file, not from the caller: lines are appended through an
 O_APPEND descriptor, all pending lines in one os.write, so a SIGKILL leaves either whole lines or,
@@ -18,6 +19,7 @@ from otel_straggler.detector.observation import Verdict
 
 VERDICTS_FILE = "verdicts.jsonl"
 STATUS_FILE = "status.json"
+WINDOWS_FILE = "windows.jsonl"
 _TAIL_PROBE_BYTES = 64 * 1024
 
 
@@ -52,16 +54,13 @@ def _cut_torn_tail(fd: int) -> int:
     return size - keep
 
 
-class EvidenceFiles:
-    """Owns the evidence directory. Not thread-safe: one writer thread calls it."""
+class JsonLinesFile:
+    """One append-only file of whole lines, at most max_bytes. Not thread-safe: one writer thread calls it."""
 
-    def __init__(self, directory: str, max_bytes: int) -> None:
-        self.directory = directory
+    def __init__(self, path: str, max_bytes: int) -> None:
+        self.path = path
         self.max_bytes = max_bytes
-        os.makedirs(directory, exist_ok=True)
-        self.verdicts_path = os.path.join(directory, VERDICTS_FILE)
-        self.status_path = os.path.join(directory, STATUS_FILE)
-        self._fd: Optional[int] = os.open(self.verdicts_path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd: Optional[int] = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         self.torn_bytes_repaired = _cut_torn_tail(self._fd)
         self.size = os.fstat(self._fd).st_size
         self.lines_written = 0
@@ -72,11 +71,11 @@ class EvidenceFiles:
         """Appends whole lines in one write (loops only on a short write); lines that would take the
         file past max_bytes are dropped and counted instead."""
         if self._fd is None:
-            raise ValueError("evidence files are closed")
+            raise ValueError(f"{self.path} is closed")
         if self._torn_from is not None:
             self._repair()
             if self._torn_from is not None:  # still torn: a batch appended now would follow the fragment
-                raise OSError(f"{self.verdicts_path} ends in part of a line that cannot be cut off")
+                raise OSError(f"{self.path} ends in part of a line that cannot be cut off")
         accepted = []
         size = self.size
         for line in lines:
@@ -113,14 +112,25 @@ class EvidenceFiles:
             return
         self.size, self._torn_from = self._torn_from, None
 
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class EvidenceFiles(JsonLinesFile):
+    """Owns verdicts.jsonl and status.json. Not thread-safe: one writer thread calls it."""
+
+    def __init__(self, directory: str, max_bytes: int) -> None:
+        os.makedirs(directory, exist_ok=True)
+        super().__init__(os.path.join(directory, VERDICTS_FILE), max_bytes)
+        self.directory = directory
+        self.verdicts_path = self.path
+        self.status_path = os.path.join(directory, STATUS_FILE)
+
     def write_status(self, status: dict) -> None:
         temporary = self.status_path + ".tmp"
         with open(temporary, "w", encoding="utf-8") as handle:
             json.dump(status, handle, indent=1, sort_keys=True, default=str)
             handle.write("\n")
         os.replace(temporary, self.status_path)
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None

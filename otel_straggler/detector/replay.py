@@ -7,8 +7,9 @@ decoded and ingested in file order by the same decode and engine code as the liv
 clock given to the engine is the latest span end time seen so far (heartbeats included), so windows
 close and hangs are declared as they would have been live, and everything still open is judged at the end (drain).
 A cohort's first windows wait max_export_lag_s for ranks not seen yet (Engine's patient_start): a
-line's recorded times precede its arrival by up to the rank's export delay. Verdicts and status go to the
-same evidence files as `detect` writes (verdicts.jsonl is appended to, never rewritten).
+line's recorded times precede its arrival by up to the rank's export delay. Verdicts, status and window medians
+go to the same evidence files as `detect` writes (verdicts.jsonl and windows.jsonl are appended to,
+never rewritten).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from otel_straggler.detector.evidence import EvidenceFiles
 from otel_straggler.detector.observation import Verdict
 from otel_straggler.detector.pipeline import EngineDriver, IntakeCounters
 from otel_straggler.detector.telemetry import DetectorTelemetry
+from otel_straggler.detector.window_record import WindowRecord, detector_engine
 
 _GZIP_MAGIC = b"\x1f\x8b"
 
@@ -54,9 +56,9 @@ def replay(
     for path in paths:
         if not os.path.isfile(path):
             raise OSError(f"{path}: no such file")
+    windows = WindowRecord.from_config(config) if engine is None else None  # a custom engine records none
     if engine is None:
-        from otel_straggler.detector.engine import Engine
-        engine = Engine(config, patient_start=True)
+        engine = detector_engine(config, windows, patient_start=True)
     counters = IntakeCounters()
     telemetry: Optional[DetectorTelemetry] = None
     # driver and emitter are assigned below, before anything can call these closures
@@ -67,7 +69,8 @@ def replay(
         emitter.submit(verdicts)
 
     def status() -> dict:
-        return {"mode": "replay", "files": list(paths), **status_record(driver, emitter, telemetry)}
+        return {"mode": "replay", "files": list(paths), **status_record(driver, emitter, telemetry),
+                **({"windows": windows.counts()} if windows is not None else {})}
 
     if export_telemetry:
         telemetry = DetectorTelemetry(config, status, lambda: driver.rank_state(), export_otlp=True,
@@ -76,6 +79,8 @@ def replay(
     emitter = VerdictEmitter(EvidenceFiles(config.evidence_dir, config.max_evidence_bytes), config.flush_interval_s,
                              status, telemetry)
     emitter.start()
+    if windows is not None:
+        windows.start()
     clock = 0
     lines = 0
     try:
@@ -110,6 +115,8 @@ def replay(
                 driver.advance(clock)
         driver.drain(clock)
     finally:
+        if windows is not None:  # before the emitter, whose last status.json counts its windows
+            windows.stop(timeout_s=60.0)
         emitter.stop(timeout_s=60.0)
         if telemetry is not None:
             telemetry.shutdown()

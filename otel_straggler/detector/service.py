@@ -8,7 +8,8 @@
 
 Threads: receivers (gRPC workers, one per HTTP connection) decode and queue; one engine thread
 ingests, closes windows by the wall clock and calls the listeners; one emitter thread writes
-verdicts.jsonl, status.json and the OTel metrics and events. See pipeline.py and emit.py.
+verdicts.jsonl, status.json and the OTel metrics and events; one more writes windows.jsonl
+(window_record.py). See pipeline.py and emit.py.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from otel_straggler.detector.receiver_grpc import OtlpGrpcReceiver
 from otel_straggler.detector.receiver_http import OtlpHttpReceiver, server_ssl_context
 from otel_straggler.detector.telemetry import DetectorTelemetry
 from otel_straggler.detector.telemetry_prometheus import PrometheusEndpoint
+from otel_straggler.detector.window_record import WindowRecord, detector_engine
 
 _log = logging.getLogger(__name__)
 VerdictListener = Callable[[Verdict], None]
@@ -54,10 +56,12 @@ def _listening(flag: str, address: str, port: int, make: Callable[[], _Listener]
 
 class DetectorService:
     def __init__(self, config: DetectorConfig, engine=None) -> None:
-        """`engine` defaults to a new Engine(config); pass one only to wrap a custom engine."""
+        """`engine` defaults to a new Engine(config) that records the windows it judges in
+        windows.jsonl (window_record.py); pass one only to wrap a custom engine (it records none)."""
+        self.window_record: Optional[WindowRecord] = None
         if engine is None:
-            from otel_straggler.detector.engine import Engine
-            engine = Engine(config)
+            self.window_record = WindowRecord.from_config(config)
+            engine = detector_engine(config, self.window_record)
         self.config = config
         self._listeners: list[VerdictListener] = []
         self._counters = IntakeCounters()
@@ -128,11 +132,18 @@ class DetectorService:
         }
         if self._emitter is not None:
             record.update(status_record(self._driver, self._emitter, self._telemetry))
+        if self.window_record is not None:
+            record["windows"] = self.window_record.counts()
         return record
 
     def rank_state(self):
         """The engine's rank_state(), read under the engine's lock (safe from any thread)."""
         return self._driver.rank_state()
+
+    def count_error(self, kind: str, count: int = 1) -> None:
+        """Counts an error survived around the service (status.json `errors`), such as a console
+        line that could not be written; safe from any thread."""
+        self._counters.add_error(kind, count)
 
     def __enter__(self) -> "DetectorService":
         self.start()
@@ -171,6 +182,8 @@ class DetectorService:
                 lambda event: intake.counters.add_error(f"prometheus_{event}")))
         self._started_unix_nano = time.time_ns()
         self._emitter.start()
+        if self.window_record is not None:
+            self.window_record.start()
         self._pipeline.start()
         self._grpc.start()
         self._http.start()
@@ -188,6 +201,8 @@ class DetectorService:
         if self._grpc is not None:
             self._grpc.stop(grace_s=min(1.0, left()))
         finished = self._pipeline.stop(left())
+        if self.window_record is not None:  # before the emitter, whose last status.json counts its windows
+            finished = self.window_record.stop(left()) and finished
         if self._emitter is not None:
             finished = self._emitter.stop(left()) and finished
         if self._telemetry is not None:

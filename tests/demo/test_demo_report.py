@@ -48,8 +48,11 @@ def test_full_report_has_three_pictures_embedded_and_as_files(tmp_path):
         assert path.read_bytes() == embedded
         assert_valid_png(embedded)
     assert "rank 2 in forward-compute at window 4" in html and "slow_vs_peers" in html
-    assert "below_absolute_floor" not in html  # uncertain verdicts are counted, not listed
-    assert "uncertain 1" in html
+    alerts, uncertain = html.split("<h2>Uncertain verdicts</h2>")
+    assert "below_absolute_floor" not in alerts  # uncertain verdicts are counted, not listed
+    assert "uncertain 1" in alerts
+    assert "<td>below_absolute_floor</td><td>forward-compute</td><td>1</td>" in uncertain
+    assert "Job <code>job-1</code>" in html
 
 
 def test_report_from_verdicts_alone_copies_the_evidence(tmp_path):

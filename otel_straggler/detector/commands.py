@@ -3,7 +3,8 @@
 Every setting is a flag and an OTEL_STRAGGLER_* env var (config.SETTINGS). A bad value (a listen
 address that does not resolve too), token file, certificate or OTEL_EXPORTER_OTLP_* variable is one
 line on stderr and exit code 2; a port that cannot be bound (named by its flag) or a file that cannot
-be read is one line and exit code 1.
+be read is one line and exit code 1. While it runs, `detect` prints a line per alert, recovery, hang,
+job slowdown and silent rank and a periodic status line on stderr (console.py).
 """
 from __future__ import annotations
 
@@ -20,10 +21,12 @@ from otel_straggler.detector import decode
 from otel_straggler.detector.config import ConfigError, DetectorConfig
 
 SHUTDOWN_TIMEOUT_S = 30.0  # for the engine to judge open windows and the evidence to be flushed
+CONSOLE_STOP_TIMEOUT_S = 5.0  # for the last verdict lines to be written (a stderr that blocks gets no more)
 # Settings that only the live service uses; replay takes every other one (engine rules, evidence).
 _SERVICE_ONLY = {
     "listen_address", "grpc_port", "http_port", "max_request_bytes", "max_pending_requests", "max_pending_spans",
     "receiver_threads", "max_http_connections", "auth_token_file", "auth_token", "tls_cert_file", "tls_key_file", "prometheus_port",
+    "console_verdicts", "console_status_interval_s",
 }
 
 
@@ -51,6 +54,7 @@ def run_detect(args: argparse.Namespace) -> int:
     for signal_number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signal_number, lambda *_: stop_requested.set())
     service = DetectorService(config)
+    console = _console(service, config)
     try:
         service.start()
     except ConfigError as error:
@@ -64,12 +68,31 @@ def run_detect(args: argparse.Namespace) -> int:
     print(f"otel-straggler detect: OTLP/gRPC {config.listen_address}:{grpc_port}, OTLP/HTTP "
           f"{config.listen_address}:{http_port}{prometheus}, evidence in {os.path.abspath(config.evidence_dir)}, "
           f"protobuf decoding: {decoder}", flush=True)
+    if console is not None:
+        console.start()
     while not stop_requested.wait(1.0):
         pass
     finished = service.stop(SHUTDOWN_TIMEOUT_S)
+    if console is not None:
+        console.stop(CONSOLE_STOP_TIMEOUT_S)  # after the drain: the verdicts it made are printed too
     if not finished:
         print(f"otel-straggler detect: shutdown did not finish within {SHUTDOWN_TIMEOUT_S:g}s", file=sys.stderr)
     return 0 if finished else 1
+
+
+def _console(service, config: DetectorConfig):
+    """The console lines `console_verdicts` and `console_status_interval_s` ask for (None: neither)."""
+    from otel_straggler.detector.console import DetectorConsole
+
+    if not config.console_verdicts and config.console_status_interval_s <= 0:
+        return None
+    console = DetectorConsole(
+        sys.stderr, service.status, status_interval_s=config.console_status_interval_s,
+        alerts_active=lambda: sum(1 for state in service.rank_state() if state.alert_active),
+        count_error=service.count_error)
+    if config.console_verdicts:
+        service.add_verdict_listener(console.on_verdict)
+    return console
 
 
 def add_replay_arguments(parser: argparse.ArgumentParser) -> None:

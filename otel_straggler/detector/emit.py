@@ -141,6 +141,7 @@ def status_record(driver: EngineDriver, emitter: VerdictEmitter, telemetry: Opti
         "requests": counts["requests"],
         "errors": dict(errors),
         "engine": driver.stats(),
+        "jobs_without_stages": driver.jobs_without_stages(),
         "verdicts": emitted["verdicts"],
         "verdicts_dropped": emitted["verdicts_dropped"],
         "evidence": emitter.evidence_counts(),

@@ -285,6 +285,17 @@ class Liveness:
     def tracked_ranks(self) -> int:
         return self._records
 
+    def jobs_without_stages(self, now: int, limit: int) -> tuple[int, list[tuple[str, int, float]]]:
+        """Jobs whose ranks send heartbeats and no stage span was accepted from, for longer than a
+        rank's first spans may take to come (max_export_lag_s): instrumented, yet timing nothing (no
+        stage() in the loop, say). How many, and at most `limit` of them, longest first, as (job id,
+        ranks heard from, seconds since the first heartbeat)."""
+        found = [(job.job_id, len(job.ranks), (now - job.first_heartbeat_ns) / 1e9) for job in self._jobs.values()
+                 if job.first_heartbeat_ns and not job.progress_ns
+                 and now - job.first_heartbeat_ns >= self._export_lag_ns]
+        found.sort(key=lambda job: (-job[2], job[0]))
+        return len(found), found[:limit]
+
     # ---- bounded tables ----
     def _job(self, job_id: str, epoch: int, restart: int, now: int, verdicts: list) -> JobLiveness:
         key = (job_id, epoch)

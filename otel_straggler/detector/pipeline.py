@@ -34,6 +34,10 @@ IDLE_WAKE_S = 1.0
 # the engine thread looks at least every IDLE_WAKE_S; a look later than that by more than this is a
 # stall of the detector itself, which the ranks' overdue clocks do not count (Engine.detector_stalled)
 STALL_SLACK_S = 1.0
+# jobs that send heartbeats but no stage spans: looked for at most once a second of the engine's
+# clock (a scan of its jobs), and at most this many named in status.json (the count has them all)
+JOBS_WITHOUT_STAGES_LOOK_NS = 1_000_000_000
+MAX_JOBS_WITHOUT_STAGES_NAMED = 16
 # spans the engine refuses after decoding: their kind, so that rejections add up to spans.malformed
 _ENGINE_REFUSED = RejectedSpan(Rejection(OTHER_KIND, "refused by the engine after decoding (a host duration that "
                                          "is not finite, or a value of the wrong type)"), None, None, None, None)
@@ -94,6 +98,8 @@ class EngineDriver:
         self._logged_late = False
         self._stats: dict[str, int] = dict(engine.stats())
         self._next_close: Optional[int] = self._engine_next_close()
+        self._jobs_without_stages: dict = {"count": 0, "jobs": []}
+        self._next_stageless_look = 0
 
     def count_decoded(self, batch: DecodedBatch) -> None:
         self.counters.add(malformed=batch.malformed, ignored=batch.ignored, heartbeats=len(batch.heartbeats))
@@ -164,6 +170,9 @@ class EngineDriver:
                 verdicts = getattr(self.engine, method)(now_unix_nano)
                 self._stats = dict(self.engine.stats())
                 self._next_close = self._engine_next_close()
+                if method == "drain" or now_unix_nano >= self._next_stageless_look:
+                    self._next_stageless_look = now_unix_nano + JOBS_WITHOUT_STAGES_LOOK_NS
+                    self._look_for_jobs_without_stages(now_unix_nano)
         except Exception:  # noqa: BLE001
             self._engine_failed(method)
             return
@@ -187,6 +196,24 @@ class EngineDriver:
     def stats(self) -> dict[str, int]:
         """The engine's stats() as of the latest advance or drain."""
         return self._stats
+
+    def jobs_without_stages(self) -> dict:
+        """As of the latest look (at most a second old on the engine's clock): the jobs whose ranks
+        send heartbeats but no stage span, `{"count": n, "jobs": [{"job_id", "ranks", "seconds"}]}`,
+        the longest first, at most MAX_JOBS_WITHOUT_STAGES_NAMED of them named."""
+        return self._jobs_without_stages
+
+    def _look_for_jobs_without_stages(self, now_unix_nano: int) -> None:
+        """Under the engine lock; an engine that cannot tell (a custom engine) reports none."""
+        if not hasattr(self.engine, "jobs_without_stages"):
+            return
+        try:
+            count, jobs = self.engine.jobs_without_stages(now_unix_nano, MAX_JOBS_WITHOUT_STAGES_NAMED)
+        except Exception:  # noqa: BLE001 - the verdicts of this advance still go out
+            self._engine_failed("jobs_without_stages")
+            return
+        self._jobs_without_stages = {"count": count, "jobs": [
+            {"job_id": job_id, "ranks": ranks, "seconds": round(seconds, 1)} for job_id, ranks, seconds in jobs]}
 
     def next_close_unix_nano(self) -> Optional[int]:
         """As of the latest advance: when a window could next close with no more data (None: no

@@ -4,7 +4,10 @@
     --> CudaEventSpanProcessor --> CountingBatchSpanProcessor --> CountingSpanExporter (OTLP)
 
 The same thread samples the recorder every heartbeat interval (heartbeat.py) and sends a
-`train.heartbeat` span, on its own schedule, not the build interval's.
+`train.heartbeat` span, on its own schedule, not the build interval's. Once, `no_stage_warning_s`
+after configure(), it also looks whether any stage was timed yet, from the counters the recorder
+and the builder keep anyway, and logs one warning if none was: a rank that times nothing gives
+the detector nothing to judge, and would otherwise say so nowhere.
 
 The TracerProvider and the event pool are made lazily: the provider when there is first
 something to build (so Megatron's parallel state, initialised after its timers, is in the
@@ -14,6 +17,7 @@ the rank may not know its identity yet, and sends none.
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -27,7 +31,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from otel_straggler import contract
 from otel_straggler.instrumentation import heartbeat, identity
 from otel_straggler.instrumentation.exporting import CountingSpanExporter, span_exporter, start_rank_metrics
-from otel_straggler.instrumentation.recorder import IntervalRecorder
+from otel_straggler.instrumentation.recorder import INTERVAL, IntervalRecorder
 from otel_straggler.instrumentation.span_builder import (COUNTER_NAMES, DerivedIdGenerator, ProcessorSpans, SpanBuilder,
                                                         TracerSpans)
 from otel_straggler.otlp_environ import check_exporter_environ, resolve_protocol
@@ -35,6 +39,7 @@ from otel_straggler.processors.cuda_event_span_processor import CudaEventSpanPro
 from otel_straggler.processors.device_events import EventPool, make_backend
 
 _SCOPE = "otel_straggler"
+_log = logging.getLogger("otel_straggler")
 BUILD_BURST_RECORDS = 16  # records built while holding the GIL, 10-15 us each
 BUILD_PAUSE_S = 0.0005  # between bursts: long enough for a thread waiting on the GIL to wake and take it
 _IDENTITY_KEYS_ON_SPANS = (contract.JOB_ID, contract.RANK, contract.COHORT, contract.TOPOLOGY_EPOCH,
@@ -155,6 +160,9 @@ class RankPipeline:
         self._stopping = False
         interval_ms = options["heartbeat_interval_ms"]
         self._heartbeats = heartbeat.HeartbeatSchedule(interval_ms / 1000, time.monotonic()) if interval_ms else None
+        warning_s = options["no_stage_warning_s"]
+        # when to look whether a stage was timed yet; None: not to look (again)
+        self._no_stage_look_at: Optional[float] = time.monotonic() + warning_s if warning_s else None
         self._thread = threading.Thread(target=self._run, name="otel-straggler-span-builder", daemon=True)
         self._thread.start()
 
@@ -250,9 +258,12 @@ class RankPipeline:
         while not self._stopping:
             # Asleep until the next build or the next heartbeat, whichever is first (or a wake-up).
             wake_at = next_build if self._heartbeats is None else min(next_build, self._heartbeats.next_due)
+            if self._no_stage_look_at is not None:
+                wake_at = min(wake_at, self._no_stage_look_at)
             woken = self._wake.wait(max(0.0, wake_at - time.monotonic()))
             self._wake.clear()
             self._heartbeat_if_due()
+            self._warn_if_no_stage_timed()
             if not woken and time.monotonic() < next_build:
                 continue  # up for a heartbeat only
             # A burst of building holds the GIL throughout, and the training thread, back from a
@@ -284,6 +295,35 @@ class RankPipeline:
             self.heartbeat_errors += 1
         finally:
             schedule.sent(time.monotonic())  # a failed one too: not retried at once, in a loop
+
+    def _warn_if_no_stage_timed(self) -> None:
+        """Once, no_stage_warning_s after configure(): one warning if no stage was timed by then
+        (none recorded, lost or still open). Reads counters only; never raises."""
+        look_at = self._no_stage_look_at
+        if look_at is None or self._stopping or time.monotonic() < look_at:
+            return
+        self._no_stage_look_at = None
+        try:
+            with self._build_lock:  # the records still queued are not built meanwhile (a flush())
+                if self._stage_timed():
+                    return
+        except Exception:
+            return  # not knowing, say nothing
+        _log.warning(
+            "otel-straggler: no stage timed in the %g s since configure(), so the detector has nothing of this "
+            "rank to judge. If training has begun, time its loop: ots.step(n) at the start of each step and "
+            "`with ots.stage(name):` around its parts, ots.instrument_ddp(model) for DistributedDataParallel, "
+            "otel_straggler.megatron.install() for Megatron-LM's timers, or these calls in your framework's "
+            "callbacks (docs/instrumentation.md). OTEL_STRAGGLER_NO_STAGE_WARNING_S=0 turns this warning off",
+            self.options["no_stage_warning_s"])
+
+    def _stage_timed(self) -> bool:
+        recorder, builder = self.recorder, self.builder
+        if recorder.open_intervals or recorder.dropped_queue_full or recorder.untracked_open_intervals:
+            return True
+        if builder is not None and (builder.counters["spans_built"] or builder.counters["intervals_failed"]):
+            return True
+        return any(record[0] == INTERVAL for record in tuple(recorder.completed))
 
     def _build(self, close_open_step: bool = False, limit: Optional[int] = None) -> bool:
         """Builds queued records (at most `limit`); says whether any remain."""

@@ -21,6 +21,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("queue_size", int, 65_536, "completed intervals waiting for the span builder; beyond it they are dropped and counted", 16, 1 << 24),
     Setting("build_interval_ms", float, 1000.0, "how often the background thread turns intervals into spans (less often: fewer wake-ups, less CPU)", 1.0, 60_000.0),
     Setting("heartbeat_interval_ms", float, 5000.0, "how often the background thread sends a train.heartbeat span (open stages, step), also while training is blocked", 100.0, 3_600_000.0, off=0.0),
+    Setting("no_stage_warning_s", float, 60.0, "log one warning when the rank has timed no stage this long after configure() (the training loop calls no stage(), say)", 0.1, 86_400.0, off=0.0),
     Setting("max_pending_spans", int, 16_384, "spans held while their CUDA events complete", 16, 1 << 22),
     Setting("export_metrics", parse_bool, True, "export the rank's own straggler.instrumentation.* metrics"),
     # test-only slow-rank injection: inert unless inject_rank and inject_stage are set

@@ -143,3 +143,27 @@ def test_a_port_in_use_is_one_line_and_exit_1(tmp_path):
              "--http-port", str(taken.getsockname()[1]), "--evidence-dir", str(tmp_path)],
             capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and done.stderr.count("\n") == 1 and "Address already in use" in done.stderr
+
+
+def test_the_console_shows_a_line_per_alert_recovery_and_silence_and_a_status_line(tmp_path):
+    evidence = tmp_path / "evidence"
+    requests = per_step_requests(eventful_observations())
+    process, grpc_port = start_detect(evidence, "--console-status-interval-s", "0.3")
+    try:
+        wait_for_status(evidence, send(grpc_port, requests))
+        time.sleep(0.8)  # a status line or two after the spans
+    finally:
+        process.send_signal(signal.SIGTERM)
+    assert process.wait(60) == 0
+    lines = process.stderr.read().splitlines()
+    written = verdict_records(evidence / "verdicts.jsonl")
+    shown = {"straggler": "ALERT: straggler", "recovered": "RECOVERED:", "silent": "SILENT:"}
+    for kind, start in shown.items():
+        expected = [record for record in written if record["verdict"] == kind]
+        printed = [line for line in lines if line.startswith(f"otel-straggler detect: {start}")]
+        assert expected and len(printed) == len(expected), (kind, lines)
+    alert = next(line for line in lines if "ALERT: straggler" in line)
+    assert alert.startswith("otel-straggler detect: ALERT: straggler rank 3 in ")
+    assert "; job job-1, host node-0, reason slow_vs_peers" in alert
+    assert not any("uncertain" in line or "below_absolute_floor" in line for line in lines)
+    assert any(line.startswith("otel-straggler detect: status: 1 job, 8 ranks, ") for line in lines), lines

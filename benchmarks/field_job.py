@@ -11,6 +11,13 @@ The slowdowns are real work, not the instrumentation's injection knob:
 - data: the DataLoader's collate function sleeps `--data-delay-ms` more on the slow rank.
 `--extra-ms` sizes the forward/backward work in CPU time of the rank's thread, calibrated once at
 start-up, before training (each rank runs torch on one thread).
+`--shape` is the loop's shape:
+- plain: the README's loop (a stage around each of fetch, forward, backward and optimizer);
+- accumulate: gradient accumulation over 4 micro-batches of a quarter of the batch, DDP's
+  `no_sync()` on all but the last, no stage around backward (instrument_ddp times each one); a
+  `backward` slowdown is in the first micro-batch's backward only, one that does not synchronize;
+- fetch-between: the next batch is fetched between forward and backward (inside its own
+  `batch-generator` stage), as many real loops do, no stage around backward.
 Each rank prints `onset <unix ns>` when the slow rank reaches --from-step (the others too, for the
 runner's timing), and `done` at the end.
 """
@@ -31,6 +38,8 @@ from torch.utils.data import DataLoader, Dataset
 import otel_straggler as ots
 
 FEATURES, HIDDEN, BATCH = 1024, 1536, 128
+SHAPES = ("plain", "accumulate", "fetch-between")
+MICRO_BATCHES = 4  # per optimizer step, in the accumulate shape
 
 
 class SlowSwitch:
@@ -117,6 +126,7 @@ def main() -> None:
     parser.add_argument("--extra-ms", type=float, default=30.0)
     parser.add_argument("--data-delay-ms", type=float, default=30.0)
     parser.add_argument("--no-ddp-hook", action="store_true", help="leave out ots.instrument_ddp")
+    parser.add_argument("--shape", choices=SHAPES, default="plain", help="the loop's shape (see above)")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -141,29 +151,59 @@ def main() -> None:
                           nn.Linear(HIDDEN, 1))
     model = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    loader = DataLoader(Samples(BATCH * 64), batch_size=BATCH, shuffle=True, collate_fn=collate)
+    micro_batches = MICRO_BATCHES if args.shape == "accumulate" else 1
+    loader = DataLoader(Samples(BATCH * 64), batch_size=BATCH // micro_batches, shuffle=True, collate_fn=collate)
 
-    # the README's loop, as a user would write it
     telemetry = ots.configure()
     if not args.no_ddp_hook:
         ots.instrument_ddp(model)
     batches = iter(loader)
+
+    def next_batch():
+        nonlocal batches
+        try:
+            return next(batches)
+        except StopIteration:
+            batches = iter(loader)
+            return next(batches)
+
+    slowed = False
     for step_number in range(args.steps):
         if step_number == args.from_step:
             print(f"onset {time.time_ns()}", flush=True)
-            forward_switch.on = backward_switch.on = slow_here
+            slowed = slow_here
+            forward_switch.on = backward_switch.on = slowed
             if slow_here and args.slow == "data":
                 data_delay_s[0] = args.data_delay_ms / 1000
         ots.step(step_number, samples=BATCH)
-        with ots.stage("batch-generator"):
-            try:
-                x, y = next(batches)
-            except StopIteration:
-                batches = iter(loader)
-                x, y = next(batches)
-        with ots.stage("forward-compute"):
-            loss = nn.functional.mse_loss(model(x), y)
-        with ots.stage("backward-compute"):
+        if args.shape == "plain":  # the README's loop, as a user would write it
+            with ots.stage("batch-generator"):
+                x, y = next_batch()
+            with ots.stage("forward-compute"):
+                loss = nn.functional.mse_loss(model(x), y)
+            with ots.stage("backward-compute"):
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+        elif args.shape == "accumulate":  # no_sync on all micro-batches but the last
+            optimizer.zero_grad(set_to_none=True)
+            for micro_batch in range(micro_batches):
+                backward_switch.on = slowed and micro_batch == 0
+                with ots.stage("batch-generator"):
+                    x, y = next_batch()
+                with ots.stage("forward-compute"):
+                    loss = nn.functional.mse_loss(model(x), y) / micro_batches
+                if micro_batch < micro_batches - 1:
+                    with model.no_sync():
+                        loss.backward()
+                else:
+                    loss.backward()
+        else:  # fetch-between: the next batch is fetched while the loss waits for its backward
+            if step_number == 0:
+                x, y = next_batch()
+            with ots.stage("forward-compute"):
+                loss = nn.functional.mse_loss(model(x), y)
+            with ots.stage("batch-generator"):
+                x, y = next_batch()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
         with ots.stage("optimizer"):

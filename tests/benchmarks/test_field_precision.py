@@ -39,7 +39,7 @@ def onsets(result) -> list[tuple]:
 
 def test_field_runs_meet_the_targets():
     runs = {scenario: [field_precision.run_once(scenario, run, STEPS, FROM_STEP, 30.0, None) for run in range(RUNS)]
-            for scenario in field_precision.SCENARIOS}
+            for scenario in field_precision.SCENARIOS if ":" not in scenario}
     for scenario, results in runs.items():
         print(f"{scenario}: flagged {[sorted(r.flagged) for r in results]}, windows to alert "
               f"{[r.windows_to_alert for r in results]}, late {sum(r.late for r in results)}")
@@ -52,6 +52,28 @@ def test_field_runs_meet_the_targets():
     assert len(exact) >= 9, [(sorted(r.flagged), r.windows_to_alert, onsets(r)) for r in slow]
     received = sum(r.received for r in healthy + slow)
     assert sum(r.late for r in healthy + slow) < 0.01 * received
+
+
+def test_loop_shapes_of_real_scripts_meet_the_targets():
+    """Gradient accumulation with rank 1 slow in a micro-batch that does not synchronize, and a loop
+    fetching between forward and backward with rank 1's data source slow: exactly rank 1, its alert
+    led by the stage the work was added to, no `recovered` while it stays slow; the healthy shapes
+    say nothing at all."""
+    slow = {scenario: [field_precision.run_once(scenario, run, STEPS, FROM_STEP, 30.0, None) for run in range(RUNS)]
+            for scenario in ("accumulate:backward", "fetch-between:data")}
+    healthy = [field_precision.run_once(scenario, 0, STEPS, FROM_STEP, 30.0, None)
+               for scenario in ("accumulate:healthy", "fetch-between:healthy")]
+    for scenario, results in slow.items():
+        print(f"{scenario}: flagged {[sorted(r.flagged) for r in results]}, led by "
+              f"{[r.leading_stage for r in results]}, windows to alert {[r.windows_to_alert for r in results]}")
+    assert all(not r.verdicts for r in healthy), [r.verdicts for r in healthy]
+    for scenario, results in slow.items():
+        shape, kind = field_precision._shape(scenario), field_precision._kind(scenario)
+        assert all(r.flagged == {SLOW} for r in results), (scenario, [onsets(r) for r in results])
+        assert all(r.leading_stage == field_precision.CAUSE[(shape, kind)] for r in results), (
+            scenario, [onsets(r) for r in results])
+        assert not any(r.recovered_while_slow for r in results), scenario
+        assert sum(r.late for r in results) < 0.01 * sum(r.received for r in results)
 
 
 @pytest.mark.services

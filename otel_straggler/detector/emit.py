@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 from otel_straggler.detector.evidence import EvidenceFiles, verdict_line
 from otel_straggler.detector.observation import Verdict
+from otel_straggler.detector.periodic_writer import PeriodicWriter
 from otel_straggler.detector.pipeline import EngineDriver
 from otel_straggler.detector.telemetry import DetectorTelemetry
 
@@ -22,7 +23,7 @@ _log = logging.getLogger(__name__)
 MAX_PENDING_VERDICTS = 200_000  # about one flush interval of a very large job; beyond it, counted and dropped
 
 
-class VerdictEmitter:
+class VerdictEmitter(PeriodicWriter):
     def __init__(
         self,
         evidence: EvidenceFiles,
@@ -30,14 +31,11 @@ class VerdictEmitter:
         status: Callable[[], dict],
         telemetry: Optional[DetectorTelemetry] = None,
     ) -> None:
+        super().__init__("straggler-emitter", flush_interval_s)
         self._evidence = evidence
-        self._flush_interval_s = flush_interval_s
         self._status = status
         self._telemetry = telemetry
         self._pending: list[Verdict] = []
-        self._wake = threading.Condition()
-        self._stopping = False
-        self._thread: Optional[threading.Thread] = None
         self._counts_lock = threading.Lock()
         self._dropped: Counter[str] = Counter()  # verdicts not written to verdicts.jsonl, by reason
         self._errors: Counter[str] = Counter()
@@ -52,23 +50,9 @@ class VerdictEmitter:
         if len(verdicts) > room:
             self._count(self._dropped, "queue_full", len(verdicts) - max(0, room))
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="straggler-emitter", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout_s: float) -> bool:
-        """Flushes everything submitted so far, writes the last status.json, closes the file."""
-        with self._wake:
-            self._stopping = True
-            self._wake.notify()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                return False
-        else:
-            self.flush()
+    def close(self) -> None:
+        """At stop(), after the last flush (which wrote the last status.json)."""
         self._evidence.close()
-        return True
 
     def counts(self) -> dict:
         with self._counts_lock:
@@ -78,16 +62,6 @@ class VerdictEmitter:
         return {"path": self._evidence.verdicts_path, "bytes": self._evidence.size,
                 "lines_written": self._evidence.lines_written,
                 "torn_bytes_repaired": self._evidence.torn_bytes_repaired}
-
-    def _run(self) -> None:
-        while True:
-            with self._wake:
-                if not self._stopping:
-                    self._wake.wait(self._flush_interval_s)
-                stopping = self._stopping
-            self.flush()
-            if stopping:
-                return
 
     def flush(self) -> None:
         with self._wake:

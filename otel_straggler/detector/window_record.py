@@ -33,6 +33,7 @@ import numpy as np
 
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.engine import Engine
+from otel_straggler.detector.periodic_writer import PeriodicWriter
 from otel_straggler.detector.evidence import WINDOWS_FILE, JsonLinesFile
 from otel_straggler.detector.grouped import grouped_medians
 
@@ -166,19 +167,16 @@ def _medians_where(all_groups: np.ndarray, groups: np.ndarray, values: np.ndarra
 WindowListener = Callable[[list[WindowMedian]], None]
 
 
-class WindowRecord:
+class WindowRecord(PeriodicWriter):
     """Queues judged windows (engine thread) and writes their medians (its own thread)."""
 
     def __init__(self, directory: str, max_bytes: int, flush_interval_s: float) -> None:
+        super().__init__("straggler-windows", flush_interval_s)
         self.path = os.path.join(directory, WINDOWS_FILE)
         self._max_bytes = max_bytes
-        self._flush_interval_s = flush_interval_s
         self._file: Optional[JsonLinesFile] = None
         self._pending: list[JudgedWindow] = []
         self._pending_rows = 0
-        self._wake = threading.Condition()
-        self._stopping = False
-        self._thread: Optional[threading.Thread] = None
         self._listeners: list[WindowListener] = []
         self._counts_lock = threading.Lock()
         self._recorded = 0
@@ -221,24 +219,9 @@ class WindowRecord:
                 self._pending_rows += len(rows)
         self._count(self._dropped, "queue_full", queue_full)
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="straggler-windows", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout_s: float) -> bool:
-        """Writes every window queued so far and closes the file; False if that took too long."""
-        with self._wake:
-            self._stopping = True
-            self._wake.notify()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                return False
-        else:
-            self.flush()
+    def close(self) -> None:
         if self._file is not None:
             self._file.close()
-        return True
 
     def counts(self) -> dict:
         """For status.json."""
@@ -249,16 +232,6 @@ class WindowRecord:
             counts.update(bytes=self._file.size, lines_written=self._file.lines_written,
                           torn_bytes_repaired=self._file.torn_bytes_repaired)
         return counts
-
-    def _run(self) -> None:
-        while True:
-            with self._wake:
-                if not self._stopping:
-                    self._wake.wait(self._flush_interval_s)
-                stopping = self._stopping
-            self.flush()
-            if stopping:
-                return
 
     def flush(self) -> None:
         with self._wake:

@@ -660,9 +660,11 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
     onset = onset | late_onset
     recovery = recovery | late_recovery
     # several stages of one rank slow at once: the onset goes to the stage that explains the others
-    onset, also_slow = _lead(cohort.stage_names, entries, onset, compute & slow, waiting & late,
-                             alert, entries.host - host.references.reference)
-    late_onset &= onset
+    held = alert & ~recovery & (compute | waiting)  # a leading stage holding its alert still explains
+    onset, also_slow, explained = _lead(cohort.stage_names, entries, onset, late_onset, compute & slow,
+                                        waiting & late, held, lateness,
+                                        entries.host - host.references.reference)
+    late_onset = onset & waiting
     # an uncertain reason is noted once per pair, until its next straggler or recovered verdict
     notice = np.where(uncertain_reason != 0, uncertain_reason, np.where(floor_reason != 0, floor_reason, last_notice))
     notice = np.where(onset | recovery, 0, notice)
@@ -679,13 +681,14 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
     # dip is evidence of neither rule otherwise) until a streak ends in an alert: its windows are
     # then that alert's evidence, and the pair's ring starts over, so a rank slow for
     # persist_windows windows in a row is the steady rule's, and not intermittent once it is back
-    steady_alert = (alert | onset) & ~recovery
+    # the stages a leading stage explains count as under its alert: not tested on their own
+    steady_alert = ((alert | onset) & ~recovery) | explained
     comparable = compute & usable  # compute: judged (past warmup) and not a collective
-    started = np.flatnonzero(compute & onset)
+    started = np.flatnonzero(compute & (onset | explained))
     state.intermittent.reset((entries.code[started], entries.slot[started]))
-    state.intermittent.record(config.persist_windows, entries.code, entries.slot, entries.slow_steps,
-                              comparable & ~steady_alert)
-    held_intermittent = state.intermittent.alert[entries.code, entries.slot]
+    if not partial:  # a thin window is no evidence for either rule
+        state.intermittent.record(config.persist_windows, entries.code, entries.slot, entries.slow_steps,
+                                  comparable & ~steady_alert)
     intermittent = judge_intermittent(state.intermittent, entries.code, entries.slot, comparable,
                                       comparable & ~steady_alert,
                                       compute & steady_alert, state.alert, config.false_alarm_rate,
@@ -693,12 +696,9 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
     intermittent_also_slow = _lead_intermittent(cohort.stage_names, state, entries, intermittent)
 
     context = _VerdictContext(cohort, window, now, entries, host, device, use_device, slowdown)
-    # an alert handed over between the two rules is one straggler verdict: a steady alert that ends
-    # as the intermittent one starts, or an intermittent one the steady rule takes over
+    # a steady alert that ends as the intermittent one starts is handed over: one straggler verdict
     recovery_said = recovery & ~intermittent.onset
-    handed_over = onset & held_intermittent & ~late_onset
-    for entry in np.flatnonzero((onset & ~handed_over) | recovery_said | uncertain_notice | floor_notice
-                                | waiting_notice).tolist():
+    for entry in np.flatnonzero(onset | recovery_said | uncertain_notice | floor_notice | waiting_notice).tolist():
         if late_onset[entry]:
             record = context.verdict(entry, contract.VERDICT_STRAGGLER, REASON_LAST_TO_ARRIVE,
                                      contract.ATTRIBUTION_UNKNOWN, timing_host=True)
@@ -738,11 +738,20 @@ def _lead_intermittent(stage_names: list, state: CohortVerdictState, entries: _E
     `*`; one named stage starting one, or any other stage already alerted, explains the whole
     step's, which is then not said. The alerts not said are not kept. Returns also_slow per entry."""
     also_slow: dict[int, tuple[str, ...]] = {}
-    whole = np.flatnonzero(intermittent.onset & (entries.code == 0))
-    if whole.size == 0:
+    if not intermittent.onset.any():
         return also_slow
     slots = state.alert.shape[1]
     codes = state.intermittent.alert.shape[0]
+    # named stages starting one on a rank whose whole step already holds one (spread): said there
+    named_onset = np.flatnonzero(intermittent.onset & (entries.code >= 2))
+    whole_starting = set(entries.slot[intermittent.onset & (entries.code == 0)].tolist())
+    spread = np.array([entry for entry in named_onset.tolist() if state.intermittent.alert[0, entries.slot[entry]]
+                       and int(entries.slot[entry]) not in whole_starting], dtype=np.int64)
+    intermittent.onset[spread] = False
+    state.intermittent.alert[entries.code[spread], entries.slot[spread]] = False
+    whole = np.flatnonzero(intermittent.onset & (entries.code == 0))
+    if whole.size == 0:
+        return also_slow
     alerted_before = state.alert[2:, :slots].any(axis=0)
     for entry in whole.tolist():
         slot = int(entries.slot[entry])
@@ -765,20 +774,24 @@ CONTAINED_SHARE = 0.8  # of a stage's intervals inside another's, for the other 
 CONTAINED_SLACK_NS = 20_000  # clock reads a few µs apart at nested starts and stops
 
 
-def _lead(stage_names: list, entries: _Entries, onset: np.ndarray, slow_compute: np.ndarray, late: np.ndarray,
-          alert: np.ndarray, gap_ms: np.ndarray) -> tuple[np.ndarray, dict[int, tuple[str, ...]]]:
-    """(onsets moved to the leading stages, per leading entry the stages it explains).
+def _lead(stage_names: list, entries: _Entries, onset: np.ndarray, late_onset: np.ndarray,
+          slow_compute: np.ndarray, late: np.ndarray, held: np.ndarray, lateness: np.ndarray,
+          gap_ms: np.ndarray) -> tuple[np.ndarray, dict[int, tuple[str, ...]], np.ndarray]:
+    """(onsets moved to the leading stages, per leading entry the stages it explains, the entries
+    explained by a leading stage).
 
-    Of a rank's stages slow in one window, one explains another when the other contains its time
-    (the whole step `*` contains every stage; a stage whose intervals hold the first's, nested
-    timers) or follows from it (a collective the rank is last to reach). The leading stages are the
-    slow ones that no other slow stage explains: the innermost slow stage; `*` when there is none
-    or several unrelated ones are slow (a slowdown spread over the step: `*` names them all); else
-    the collectives it is late to (time that no stage covers). An onset of a stage that a leading one
-    explains is that leading stage's onset, said once, with the others in `also_slow`; none when
-    the leading stage already holds an alert. Only ranks with an onset in the window are looked at."""
+    Of a rank's stages slow in one window (or holding an alert), one explains another when the
+    other contains its time (the whole step `*` contains every stage; a stage whose intervals hold
+    the first's, nested timers) or follows from it (a collective the rank is last to reach). The
+    leading stages are the ones that no other explains: the innermost slow stage; `*` when there is
+    none or several unrelated ones are slow (a slowdown spread over the step: `*` names them all);
+    else the one collective it is latest to (time that no stage covers). An onset of a stage that a
+    leading one explains is that leading stage's onset, said once, with the others in `also_slow`;
+    none when the leading stage already holds an alert. Only ranks with an onset in the window are
+    looked at."""
     also_slow: dict[int, tuple[str, ...]] = {}
-    candidates = slow_compute | late
+    explained_mask = np.zeros(onset.size, dtype=bool)
+    candidates = slow_compute | late | held
     onset = onset.copy()
     for slot in np.unique(entries.slot[onset]).tolist():
         slow_here = np.flatnonzero(candidates & (entries.slot == slot))
@@ -794,18 +807,21 @@ def _lead(stage_names: list, entries: _Entries, onset: np.ndarray, slow_compute:
                    if not any(contains[(entry, inner)] for inner in named.tolist() if inner != entry)]
         if not leaders or (len(leaders) > 1 and whole.size):
             # none, or several unrelated stages slow at once: a slowdown spread over the step
-            leaders = whole.tolist() or collectives.tolist()
+            leaders = whole.tolist()
+        if not leaders:  # only collectives: the one it is latest to, an onset's first
+            leaders = [max(collectives.tolist(), key=lambda entry: (late_onset[entry], lateness[entry]))]
         for leader in leaders:
             explained = [entry for entry in slow_here.tolist() if entry != leader and (
                 leader in whole or entry in whole or entry in collectives or contains.get((entry, leader), False))]
             if not explained:
                 continue
             explained.sort(key=lambda entry: -gap_ms[entry] if np.isfinite(gap_ms[entry]) else 0.0)
-            if onset[explained].any() and not alert[leader]:
+            if onset[explained].any() and not held[leader]:
                 onset[leader] = True
             onset[explained] = False
+            explained_mask[explained] = True
             also_slow[leader] = tuple(stage_names[int(entries.code[entry]) // 2] for entry in explained)
-    return onset, also_slow
+    return onset, also_slow, explained_mask
 
 
 def _contains(rows: _Rows, slot: int, outer_code: int, inner_code: int) -> bool:

@@ -18,7 +18,10 @@ Which parameter's gradient comes last is learned over the first LEARN_BACKWARDS 
 every parameter that requires a gradient, each noting when it fired); after that only the
 parameters that came last keep a hook, so a backward costs one or two hook calls, not one per
 parameter. A backward whose end no kept hook saw (unused parameters, a graph that changed) is closed
-at the latest gradient seen when the next forward or the last bucket comes.
+at the last bucket's readiness when it synchronizes, else at the latest kept gradient seen when the
+next forward comes, else not recorded. Limits: a `torch.autograd.grad` call on the outputs before
+the backward (a gradient penalty) opens the interval early; with the instrumentation off the
+parameters' hooks still run (one global read each).
 
 The communication hook wraps DDP's own all-reduce (`allreduce_hook`, which DDP documents as
 computing what it computes without a hook) or the hook given, and hands its future on with a
@@ -136,7 +139,7 @@ class _GradTiming:
         try:
             import torch
 
-            if not (module.training and torch.is_grad_enabled()):
+            if not torch.is_grad_enabled():  # an evaluation forward: no backward follows
                 return
             self.forward_end = (_time_ns(), recorder.binding)
             for tensor in _grad_tensors(output, torch.Tensor):
@@ -240,8 +243,8 @@ class _GradTiming:
                 return None
             ready_ns = _time_ns()
             backward = self.backward
-            if backward is not None:
-                self._close_backward(recorder, None)
+            if backward is not None:  # its end went unseen (its last gradient not among those kept)
+                self._close_backward(recorder, ready_ns)
                 binding = backward[1]
             else:
                 binding = recorder.binding
@@ -263,8 +266,9 @@ def _grad_tensors(output: Any, tensor_type: type) -> list:
         candidates = list(output.values())
     else:
         return []
+    # not a leaf (a parameter returned as it is): a hook on it would stay for every later forward
     return [value for value in candidates
-            if isinstance(value, tensor_type) and value.requires_grad][:MAX_OUTPUT_HOOKS]
+            if isinstance(value, tensor_type) and value.requires_grad and value.grad_fn is not None][:MAX_OUTPUT_HOOKS]
 
 
 def _grads_synced(recorder: Any, ready: tuple, future: Any) -> Any:

@@ -11,7 +11,8 @@ Two more loop shapes (field_job.py --shape), healthy and slow, with and without 
 `accumulate:backward` (gradient accumulation, 4 micro-batches, no_sync on all but the last, rank 1's
 first micro-batch backward slow) and `fetch-between:data` (the next batch fetched between forward
 and backward, rank 1's data source slow). Per scenario:
-- exact: runs in which exactly the slow rank got a `straggler` verdict (healthy: no verdict at all);
+- exact: runs in which exactly the slow rank got a `straggler` verdict (healthy: no verdict of any
+  kind at all);
 - false alerts per 10,000 rank-windows: `straggler` onsets on any other rank, over the ranks x
   windows the run had;
 - windows and seconds from the onset to the slow rank's first alert (median over the runs that
@@ -242,7 +243,8 @@ def summarize(verdicts: list[dict], status: dict, kind: str, steps: int, from_st
 
 
 def exact(kind: str, result: RunResult) -> bool:
-    return result.flagged == (set() if kind == "none" else {SLOW_RANK})
+    """The slow rank alone flagged; in a healthy run, no verdict of any kind."""
+    return not result.verdicts if kind == "none" else result.flagged == {SLOW_RANK}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -263,6 +263,25 @@ class Collector(ManagedProcess):
         """host:port of the collector's own metrics."""
         return f"{LOOPBACK}:{self.telemetry_port}"
 
+    def telemetry(self, prefix: str = "otelcol_") -> dict[str, float]:
+        """The collector's own metrics now, `name{labels}` -> value, those whose name starts with
+        `prefix` (empty when the collector does not answer). load_balancing reports what it handed
+        each shard's exporter (otelcol_exporter_sent_spans / send_failed_spans of the
+        load_balancing exporter, otelcol_loadbalancer_backend_outcome); the per-shard exporters'
+        own queue and retry metrics are not exported, their retries and drops are in the log."""
+        status, body = http_get(f"http://{self.telemetry_address}/metrics", timeout=5)
+        if status != 200:
+            return {}
+        series = {}
+        for line in body.decode(errors="replace").splitlines():
+            if line.startswith(prefix) and " " in line:
+                name, _, value = line.rpartition(" ")
+                try:
+                    series[name] = float(value)
+                except ValueError:
+                    pass
+        return series
+
     def validate(self) -> subprocess.CompletedProcess:
         env = dict(os.environ)
         env.update(self.env)

@@ -315,7 +315,88 @@ def test_demo_through_the_gateway_to_jaeger_prometheus_and_dashboards(stack, tmp
 # ---- 2. two detector shards behind load_balancing = one detector over the same spans ------------
 
 TEE_CONFIG = Path(__file__).resolve().parent / "configs" / "gateway-tee.yaml"
+PROMPT_BATCHES_CONFIG = Path(__file__).resolve().parent / "configs" / "gateway-prompt-batches.yaml"
 COHORTS = ("tp0.pp0", "tp1.pp0")  # a TP=2 job: even ranks hold one half of each layer, odd the other
+
+# DELIVERY. The shards' verdicts equal one detector's over the same spans only if no span comes
+# after its window was judged: such a span is counted `late` and never judged (replay, reading a
+# file, has no late spans), and `accepted` then never reaches the number of spans sent. A shard
+# judges a window once every rank of the cohort has moved past it, or once every rank it still
+# waits for is overdue: that rank's latest new window came longer ago than twice its largest recent
+# gap between new windows plus 1 s (docs/detection.md, "When a window closes").
+#
+# With the defaults on the way, a rank's spans travel in ticks: the instrumentation builds them
+# every 1 s, the rank's batch processor sends every 0.5 s (TrainingRanks), the gateway's every 1 s.
+# This job's windows (5 steps of 150-400 ms on two cores not otherwise busy) last about one gateway
+# tick, so a rank's new windows reach a shard 1 or 2 ticks apart, its learned gap falls to 1 s and
+# its patience to 3 s: a rank whose export once misses the gateway's tick (a moment late, as under
+# load) right where its window took 2 ticks delivers its next window just as the shard stops
+# waiting for it, and which comes first is down to milliseconds. Seen beside a CPU hog, 40 steps in
+# 10 s: rank 4's new windows came with the gateway's batches at 1.5 and 2.5 s; the batch at 4.5 s,
+# with its peers' step 15, held none of its spans; at 5.5 s the shard judged window 2 (steps 10-14)
+# without them, then took that batch, with rank 4's last 2 spans of step 14, as late: `accepted`
+# stopped at 598 of 600, while the shard had counted all 726 spans its 3 ranks exported and the
+# gateway logged no failed export. (Those batches replayed into the engine a second apart, each
+# taken in 10-60 ms after its tick, made the same 2 spans late in 19 of 40 tries.) So here the ranks
+# build every 200 ms and send every 100 ms, and the gateway batches for 200 ms: a missed tick costs
+# 0.2 s, not 1 s, and a rank's delivery trails its steps by well under the shard's 1 s margin.
+PROMPT_RANKS = {"OTEL_STRAGGLER_BUILD_INTERVAL_MS": "200", "OTEL_BSP_SCHEDULE_DELAY": "100"}
+# What a span that reached a shard is counted as (status.json `spans`): every span a rank exported
+# ends in exactly one. Not `dropped`: the shard refused those (queue full) and the gateway resends them.
+ARRIVED_OUTCOMES = ("accepted", "duplicate", "late", "malformed", "ignored", "heartbeats")
+
+
+def duration_s(text: str) -> float:
+    """A collector config duration ("10s", "200ms", "1m") in seconds."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m)", str(text).strip())
+    assert match, f"unexpected duration {text!r}"
+    return float(match.group(1)) * {"ms": 0.001, "s": 1.0, "m": 60.0}[match.group(2)]
+
+
+def gateway_delivery_bound_s() -> float:
+    """How long after a span reached the gateway it may still reach a shard (gateway.yaml): its
+    batch's timeout, then the shard's exporter tries until retry_on_failure.max_elapsed_time, each
+    try bounded by its timeout. Past that the gateway has dropped it, and logged so."""
+    import yaml
+
+    config = yaml.safe_load((services.CONFIG_DIR / "gateway.yaml").read_text(encoding="utf-8"))
+    otlp = config["exporters"]["load_balancing/detector"]["protocol"]["otlp"]
+    return (duration_s(config["processors"]["batch"]["timeout"]) + duration_s(otlp["timeout"])
+            + duration_s(otlp["retry_on_failure"]["max_elapsed_time"]))
+
+
+def arrived_spans(shard: services.Detector) -> int:
+    spans = detector_status(shard).get("spans", {})
+    return sum(spans.get(outcome, 0) for outcome in ARRIVED_OUTCOMES)
+
+
+GATEWAY_SERIES = ("otelcol_receiver_accepted_spans", "otelcol_receiver_refused_spans",
+                  "otelcol_processor_memory_limiter_refused_spans", 'otelcol_exporter_sent_spans{exporter="load',
+                  'otelcol_exporter_send_failed_spans{exporter="load', "otelcol_exporter_enqueue_failed_spans",
+                  "otelcol_loadbalancer_backend_outcome")
+GATEWAY_TROUBLE = ("exporting failed", "dropping data", "no more retries", "not retryable", "queue is full")
+
+
+def delivery_report(statuses: list[dict], gateway: services.Collector, shards: list[services.Detector]) -> str:
+    """Where every span is, for a failure message: lost on a rank (its counters), held or dropped
+    by the gateway (its metrics and log), or at a shard, by outcome (`late`: after its window was
+    judged, see DELIVERY)."""
+    lost: Counter = Counter()
+    for status in statuses:
+        lost.update({reason: count for reason, count in status["lost"].items() if count})
+    lines = [f"ranks: {sum(s['exported'] for s in statuses)} spans exported, lost {dict(lost) or 'none'}"]
+    telemetry = gateway.telemetry()
+    lines.append("gateway: " + (", ".join(f"{name} {value:g}" for name, value in sorted(telemetry.items())
+                                          if name.startswith(GATEWAY_SERIES)) or "no telemetry"))
+    trouble = [line for line in gateway.log_text().splitlines()
+               if "grpc_log" not in line and any(word in line.lower() for word in GATEWAY_TROUBLE)]
+    lines.append(f"gateway log: {len(trouble)} lines on failed exports" + "".join(f"\n  {line[:400]}" for line in trouble[-5:]))
+    for shard in shards:
+        status = detector_status(shard)
+        lines.append(f"{shard.name}: spans {status.get('spans')}, requests {status.get('requests')}, "
+                     f"errors {status.get('errors')}, queue {status.get('queue')}, windows closed "
+                     f"{status.get('engine', {}).get('windows_closed')}")
+    return "\n".join(lines)
 
 
 def split_job_id(shard_ports: list[int], workdir: Path, candidates: int = 16) -> str:
@@ -407,9 +488,10 @@ def test_two_shards_own_whole_cohorts_and_agree_with_one_detector(pipeline_binar
     shards = [services.Detector(tmp_path, port, services.free_port(), name=f"shard-{index}",
                                 args=DETECTOR_ARGS + ("--export-metrics=false", f"--prometheus-port={scrape_port}"))
               for index, (port, scrape_port) in enumerate(zip(shard_ports, scrape_ports))]
-    gateway = services.Collector([services.CONFIG_DIR / "gateway.yaml", TEE_CONFIG], tmp_path, name="gateway", env={
-        "DETECTOR_ENDPOINTS": "[" + ", ".join(f"{services.LOOPBACK}:{p}" for p in shard_ports) + "]",
-        "JAEGER_SAMPLING_PERCENTAGE": "0", "OTELCOL_SPANS_PATH": str(spans_path)})
+    gateway = services.Collector(
+        [services.CONFIG_DIR / "gateway.yaml", TEE_CONFIG, PROMPT_BATCHES_CONFIG], tmp_path, name="gateway", env={
+            "DETECTOR_ENDPOINTS": "[" + ", ".join(f"{services.LOOPBACK}:{p}" for p in shard_ports) + "]",
+            "JAEGER_SAMPLING_PERCENTAGE": "0", "OTELCOL_SPANS_PATH": str(spans_path)})
 
     def rank_env(rank: int) -> dict:
         cohort = rank % len(COHORTS)
@@ -426,7 +508,7 @@ def test_two_shards_own_whole_cohorts_and_agree_with_one_detector(pipeline_binar
             shard.start()
         gateway.start()
         with TrainingRanks(tmp_path / "ranks", world_size, gateway.grpc_endpoint, job_id, steps,
-                           rank_env=rank_env) as ranks:
+                           rank_env=rank_env, env=PROMPT_RANKS) as ranks:
             codes = ranks.wait(RUN_TIMEOUT_S)
             assert codes == [0] * world_size, f"exit codes {codes}\n{ranks.log_tails()}"
             statuses = ranks.statuses()
@@ -434,11 +516,23 @@ def test_two_shards_own_whole_cohorts_and_agree_with_one_detector(pipeline_binar
         trained = time.monotonic() - started
         stage_spans = sum(status["spans_built"] for status in statuses)
         assert stage_spans == world_size * steps * 5
+        # Each rank's status says what the gateway took (exported) and what it lost on the way.
+        exported = sum(status["exported"] for status in statuses)
+        assert exported == sum(s["spans_built"] + s["steps_built"] + s["heartbeats"] for s in statuses), (
+            "a rank lost spans before the gateway\n" + delivery_report(statuses, gateway, shards))
 
-        def delivered():
-            return sum(detector_status(shard).get("spans", {}).get("accepted", 0) for shard in shards) >= stage_spans
-
-        services.wait_until(delivered, DEADLINE_S, what="every stage span at the shards")
+        # Every span the gateway took reaches a shard, in one outcome or another, unless the gateway
+        # drops it after its last retry: wait for that, not for a number of seconds.
+        try:
+            services.wait_until(lambda: sum(arrived_spans(shard) for shard in shards) >= exported,
+                                gateway_delivery_bound_s() + 5, what=f"the {exported} exported spans at the shards")
+        except TimeoutError as error:
+            pytest.fail(f"{error}\n{delivery_report(statuses, gateway, shards)}")
+        delivered = time.monotonic() - started - trained
+        outcomes = [detector_status(shard)["spans"] for shard in shards]
+        assert sum(spans["accepted"] for spans in outcomes) == stage_spans, (
+            f"{stage_spans} stage spans sent; `late` ones came after their window was judged (DELIVERY)\n"
+            + delivery_report(statuses, gateway, shards))
         judged = [judged_cohort_ranks(f"http://{services.LOOPBACK}:{port}/metrics") for port in scrape_ports]
     finally:
         gateway.stop()  # flushes the spans file
@@ -474,7 +568,8 @@ def test_two_shards_own_whole_cohorts_and_agree_with_one_detector(pipeline_binar
     assert flagged == {(COHORTS[c], r) for c, r in slow_ranks.items()}, flagged
     for index, shard in enumerate(shards):
         assert {v["cohort"] for v in verdicts_of(shard.evidence_dir, job_id)} <= {c for c, o in owners.items() if o == [index]}
-    print(f"\nshards: {world_size} ranks x {steps} steps trained in {trained:.0f} s; cohort split "
+    print(f"\nshards: {world_size} ranks x {steps} steps trained in {trained:.0f} s, every span at the shards "
+          f"{delivered:.1f} s later; cohort split "
           f"{ {c: f'shard-{o[0]}' for c, o in owners.items()} }; {len(union)} verdicts on the shards = "
           f"{len(alone)} from one detector replaying {sum(sent.values())} spans")
 

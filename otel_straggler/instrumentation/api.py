@@ -43,7 +43,8 @@ class Instrumentation:
 
     def status(self) -> dict:
         """Every counter of the rank side: what was recorded, built, exported and lost (by reason)."""
-        from otel_straggler.instrumentation.ddp import hook_counts  # these import this module
+        from otel_straggler.instrumentation import automatic  # these import this module
+        from otel_straggler.instrumentation.ddp import hook_counts
         from otel_straggler.instrumentation.megatron_timers import misuse_counts
 
         recorder, pipeline = self.recorder, self._pipeline
@@ -51,7 +52,7 @@ class Instrumentation:
             return {"enabled": False, "intervals": 0, "spans_built": 0, "exported": 0, "lost": {}}
         # calls Megatron's timers would assert on, which ours count and let pass
         return {**pipeline.status(recorder), "shut_down": self._shut_down, "timer_misuse": misuse_counts(),
-                "ddp": hook_counts()}
+                "ddp": hook_counts(), "automatic": automatic.counts()}
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Builds everything recorded so far and exports it; False if it did not finish in time."""

@@ -50,6 +50,7 @@ GRADS_SYNC = "ddp-grads-sync"
 
 _time_ns = time.time_ns
 _TIMED_MARK = "_timed_by_otel_straggler"  # on our hook: wraps() gives it the wrapped hook's name
+_TIMING_ATTR = "_otel_straggler_timing"  # on a model: its _GradTiming
 _counts = {"hook_errors": 0, "models": 0}
 
 
@@ -65,31 +66,76 @@ def instrument_ddp(model: Any, hook: Optional[Callable] = None, state: Any = Non
     `hook`/`state` are a communication hook of yours and its state, as you would have passed them
     to `model.register_comm_hook(state, hook)`: it runs unchanged, timed. Without them the hook is
     DDP's default all-reduce on the model's process group. DDP takes one communication hook per
-    model, so a model that already has one is refused.
+    model, so a model that already has one is refused. A model the automatic instrumentation
+    hooked already is returned as it is (with `hook`, that hook replaces DDP's default).
     """
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
+    timing = getattr(model, _TIMING_ATTR, None)
+    if timing is not None and timing.automatic:
+        if hook is not None:
+            timing.use_hook(hook, model.process_group if state is None else state)
+        return model
     registered = getattr(model, "_comm_hooks", None)  # DDP keeps (hook, state) of register_comm_hook here
     if registered:
         if getattr(registered[0][0], _TIMED_MARK, False):
             raise RuntimeError("otel-straggler: this DDP model is already instrumented (instrument_ddp once per model)")
         raise RuntimeError(_already_hooked(registered[0][0]))
-    if hook is None:
-        hook = default_hooks.allreduce_hook
-        state = model.process_group if state is None else state
-    timing = _GradTiming()
+    _register(model, hook, state, automatic=False)
+    return model
+
+
+def instrument_automatically(model: Any) -> bool:
+    """The automatic instrumentation's instrument_ddp: True when it hooked the model, False when the
+    model has a communication hook already (ours or another)."""
+    if getattr(model, _TIMING_ATTR, None) is not None or getattr(model, "_comm_hooks", None):
+        return False
     try:
-        model.register_comm_hook(state, timing.timed(hook))
+        _register(model, None, None, automatic=True)
+    except RuntimeError:
+        return False  # a built-in hook registered in C++ only
+    return True
+
+
+def comm_hook_registration(original: Callable) -> Callable:
+    """DistributedDataParallel.register_comm_hook while the automatic instrumentation is on: on a
+    model it hooked, the script's hook replaces DDP's default inside the timing (the reducer takes
+    one hook per model, ours); anywhere else DDP's own method runs."""
+
+    @functools.wraps(original)
+    def register_comm_hook(self: Any, state: Any, hook: Callable) -> None:
+        timing = getattr(self, _TIMING_ATTR, None)
+        if timing is None or not timing.automatic:
+            return original(self, state, hook)
+        if timing.user_hook:
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        if not callable(hook):
+            raise TypeError(f"communication hook must be callable, got {type(hook).__name__}")
+        timing.use_hook(hook, state)
+        return None
+
+    return register_comm_hook
+
+
+def _register(model: Any, hook: Optional[Callable], state: Any, automatic: bool) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    timing = _GradTiming(automatic)
+    if hook is None:
+        timing.use_hook(default_hooks.allreduce_hook, model.process_group if state is None else state)
+        timing.user_hook = False
+    else:
+        timing.use_hook(hook, state)
+    try:
+        model.register_comm_hook(timing.comm[1], timing.timed())
     except RuntimeError as error:
         # a built-in hook is registered in C++ only, out of _comm_hooks' sight: the reducer refuses ours
         if "only be called once" not in str(error):
             raise
         raise RuntimeError(_already_hooked(None)) from None
+    setattr(model, _TIMING_ATTR, timing)
     model.register_forward_pre_hook(timing.forward_starts)
     model.register_forward_hook(timing.forward_ended)
     timing.watch_gradients([p for p in model.parameters() if p.requires_grad])
     _counts["models"] += 1
-    return model
 
 
 def _already_hooked(hook: Optional[Callable]) -> str:
@@ -109,9 +155,12 @@ class _GradTiming:
     None when none is open."""
 
     __slots__ = ("forward_end", "backward", "_handles", "_fired", "_last_fired", "_kept", "_learned",
-                 "_kept_pending")
+                 "_kept_pending", "automatic", "comm", "user_hook")
 
-    def __init__(self) -> None:
+    def __init__(self, automatic: bool = False) -> None:
+        self.automatic = automatic  # hooked by the automatic instrumentation, not instrument_ddp
+        self.comm: tuple = (None, None)  # (communication hook, its state), replaced whole
+        self.user_hook = False  # the script gave its own hook
         # (host ns, binding then) of the latest training forward's end: a backward's start when no
         # output hook fired (a loss computed from something else)
         self.forward_end: Optional[tuple] = None
@@ -213,12 +262,19 @@ class _GradTiming:
                 self._handles.pop(index).remove()
 
     # -- communication --
-    def timed(self, hook: Callable) -> Callable:
-        """`hook`, timing the last bucket of each iteration; wraps() keeps its name and signature
-        for DDP's checks and logging."""
+    def use_hook(self, hook: Callable, state: Any) -> None:
+        """The communication hook the timed hook runs: DDP's default or the script's."""
+        self.comm = (hook, state)
+        self.user_hook = True
 
-        @functools.wraps(hook)
-        def timed_hook(state: Any, bucket: Any) -> Any:
+    def timed(self) -> Callable:
+        """The hook registered with DDP: runs `comm`'s hook with its state, timing the last bucket
+        of each iteration; wraps() keeps the name and signature of the hook it was made for, for
+        DDP's checks and logging."""
+
+        @functools.wraps(self.comm[0])
+        def timed_hook(_registered_state: Any, bucket: Any) -> Any:
+            hook, state = self.comm
             recorder = api._recorder
             if recorder is None:
                 return hook(state, bucket)

@@ -60,6 +60,10 @@ _EXACT: dict[str, StageKind] = {
     # wait for the slowest rank's gradients and the all-reduce
     "ddp-grads-ready": StageKind("backward", False, host_clock_only=True),
     "ddp-grads-sync": StageKind("communication", True, host_clock_only=True),
+    # torch.distributed's collectives as the automatic instrumentation names them (automatic.py)
+    **{name: StageKind("communication", True) for name in (
+        "all-reduce", "broadcast", "barrier", "reduce", "all-gather", "reduce-scatter", "all-to-all", "gather",
+        "scatter")},
     # pipeline point-to-point: a receive blocks until the peer stage sends
     "forward-recv": StageKind("communication", True),
     "backward-recv": StageKind("communication", True),

@@ -1,10 +1,14 @@
 """`opentelemetry-instrument python train.py` (or `opentelemetry-instrument torchrun ... train.py`)
 switches the instrumentation on from env vars alone: with OTEL_STRAGGLER_ENABLED=true this
-instrumentor times the training loop with no change to the script (automatic.py) and calls
-configure() at its first training stage, so a process of the job that never trains (torchrun's
-agent, a DataLoader worker) stays silent and sends nothing. Registered under the
-`opentelemetry_instrumentor` entry point group, so it sits beside whatever distro and other
-instrumentors the user has."""
+instrumentor calls configure() at interpreter start (so stage()/step() and Megatron timers in the
+script record) and times the training loop with no change to the script (automatic.py).
+
+torchrun's agent and multiprocessing's children (a spawned DataLoader worker, a rank started by
+`mp.spawn`) get the same environment, so the instrumentor runs there too. There it configures
+nothing until the process runs a training stage of its own: the agent and the workers never do
+and stay silent; a spawned rank is configured at its first training forward, with its rank from
+torch.distributed. Registered under the `opentelemetry_instrumentor` entry point group, so it sits
+beside whatever distro and other instrumentors the user has."""
 from __future__ import annotations
 
 import importlib.util
@@ -34,7 +38,10 @@ class StragglerInstrumentor(BaseInstrumentor):
                 return
             from otel_straggler.instrumentation import automatic
 
-            automatic.instrument(steps="optimizer", configure_lazily=True)
+            helper = _launcher_or_child(getattr(sys, "orig_argv", sys.argv))
+            if not helper:
+                api.configure()
+            automatic.instrument(steps="optimizer", configure_lazily=helper)
         except ConfigError as error:
             # A bad env var must not stop training: say what is wrong, once, and stay off.
             print(f"otel-straggler: disabled: {error}", file=sys.stderr)
@@ -51,3 +58,14 @@ class StragglerInstrumentor(BaseInstrumentor):
         handle = api.current()
         if handle is not None:
             handle.shutdown()
+
+
+def _launcher_or_child(argv: list) -> bool:
+    """Whether this interpreter is torchrun's agent (`torchrun ...`, `python -m torch.distributed.run`
+    or `.launch`) or a child multiprocessing started (spawn or forkserver), from its command line."""
+    words = [str(word) for word in argv]
+    if any(word.endswith(("torchrun", "torch/distributed/run.py", "torch/distributed/launch.py")) for word in words):
+        return True
+    if "-m" in words[:-1] and words[words.index("-m") + 1] in ("torch.distributed.run", "torch.distributed.launch"):
+        return True
+    return "--multiprocessing-fork" in words or any("from multiprocessing." in word for word in words)

@@ -313,3 +313,18 @@ def test_opentelemetry_instrument_with_a_bad_setting_says_so_once_and_trains(tmp
     assert "configured False" in result.stdout
     lines = [line for line in result.stderr.splitlines() if "otel-straggler" in line]
     assert len(lines) == 1 and "QUEUE_SIZE" in lines[0], result.stderr
+
+
+@pytest.mark.parametrize("argv, helper", [
+    (["/venv/bin/python", "/venv/bin/torchrun", "--nproc-per-node", "4", "train.py"], True),
+    (["python", "-m", "torch.distributed.run", "--nproc-per-node", "4", "train.py"], True),
+    (["python", "-c", "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5, pipe_handle=7)",
+      "--multiprocessing-fork"], True),
+    (["python", "-c", "from multiprocessing.forkserver import main; main(8, 9, ['__main__'])"], True),
+    (["python", "train.py", "--run", "torchrun"], False),
+    (["python", "-m", "my_package.train"], False),
+])
+def test_torchruns_agent_and_multiprocessing_children_configure_only_when_they_train(argv, helper):
+    from otel_straggler.instrumentation.autoinstrument import _launcher_or_child
+
+    assert _launcher_or_child(argv) is helper

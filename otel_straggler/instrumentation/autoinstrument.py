@@ -64,7 +64,8 @@ def _launcher_or_child(argv: list) -> bool:
     """Whether this interpreter is torchrun's agent (`torchrun ...`, `python -m torch.distributed.run`
     or `.launch`) or a child multiprocessing started (spawn or forkserver), from its command line."""
     words = [str(word) for word in argv]
-    if any(word.endswith(("torchrun", "torch/distributed/run.py", "torch/distributed/launch.py")) for word in words):
+    script = words[1] if len(words) > 1 else ""  # after the interpreter: the script it runs
+    if script.endswith(("torchrun", "torch/distributed/run.py", "torch/distributed/launch.py")):
         return True
     if "-m" in words[:-1] and words[words.index("-m") + 1] in ("torch.distributed.run", "torch.distributed.launch"):
         return True

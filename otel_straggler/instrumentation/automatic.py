@@ -14,7 +14,8 @@ with OTEL_STRAGGLER_ENABLED=true, and what the Hugging Face and Lightning callba
 Steps: with `steps="optimizer"` (zero code) a step begins at the first training stage after an
 optimizer step (a fetch, a training forward, a backward) and ends when the optimizer step does, so
 one optimizer step is one step however many micro-batches it accumulates; numbered from 0. With
-`steps="framework"` a callback binds the framework's own step with begin_step()/end_step().
+`steps="framework"` a callback binds the framework's own step with begin_step()/end_step(), and
+nothing is timed between its steps (the framework's evaluation, checkpointing and logging).
 
 Which call is outermost is learned: until the first optimizer step, global module hooks see every
 module call and note the modules called at depth 0 (at most MAX_ROOTS); then those modules keep
@@ -198,10 +199,13 @@ def _open(name: str, collective: Optional[bool], begins_step: bool) -> Any:
                 or (binding[0] is not None and binding is not state.binding)):
             _defer_to_explicit(state, recorder)
             return None
-        if begins_step and not state.in_step and state.steps == "optimizer":
-            recorder.begin_step(state.step_number)
-            state.binding = recorder.binding
-            state.in_step = True
+        if not state.in_step:
+            if state.steps == "framework":
+                return None  # between the framework's steps: its evaluation, checkpoints, logging
+            if begins_step:
+                recorder.begin_step(state.step_number)
+                state.binding = recorder.binding
+                state.in_step = True
         interval = recorder.start(name, collective)
         if interval is not None:
             ours.append(interval)

@@ -298,7 +298,10 @@ def _forward_starts(module: Any, args: Any) -> None:
     try:
         import torch
 
-        training = torch.is_grad_enabled() and module.training
+        # a wrapper's own mode can be stale (Lightning's validation puts DDP's wrapper in eval mode
+        # and restores only the module inside): the wrapped module's mode is the one training sets
+        wrapped = getattr(module, "module", None)
+        training = torch.is_grad_enabled() and (wrapped if isinstance(wrapped, torch.nn.Module) else module).training
         if training and state.learning:
             state.thread = threading.get_ident()  # the training thread: the first training forward's
         if threading.get_ident() != state.thread:
@@ -354,15 +357,12 @@ def _timed_backward(original: Callable) -> Callable:
         state = _state
         if state is None or state.backward is not None or not state.active:
             return original(*args, **kwargs)
-        interval = state.backward = _open(BACKWARD, None, begins_step=True)
+        state.backward = _open(BACKWARD, None, begins_step=True)
         try:
             return original(*args, **kwargs)
         finally:
-            if interval is not None:
-                state.backward = None
-                _close(interval)
-            elif state.backward is None or state.backward is interval:
-                state.backward = None
+            interval, state.backward = state.backward, None  # a collective in it may have split it
+            _close(interval)
 
     return backward
 
@@ -391,13 +391,44 @@ def _timed_collective(original: Callable, stage: str) -> Callable:
             return original(*args, **kwargs)
         if kwargs.get("async_op"):
             return _timed_async(state, original, stage, args, kwargs)
+        suspended = _suspend(state)
         interval = _open(stage, True, begins_step=False)
         try:
             return original(*args, **kwargs)
         finally:
             _close(interval)
+            _resume(state, suspended)
 
     return collective
+
+
+_SLOTS = ("optimizer", "forward", "backward")  # the _State attributes holding our open compute stages
+
+
+def _suspend(state: _State) -> list:
+    """Ends the automatic stages open around a collective (a metric's all-reduce in a training
+    step, Lightning's `self.log(sync_dist=True)`): resumed after it as new intervals of the same
+    names, a stage's time per step is the rank's own work, and the wait for its peers is the
+    collective's, as if the script had timed them side by side. Returns what to resume, outermost
+    first; nothing when one of ours is open that no slot holds (a fetch: it stays whole)."""
+    if not state.ours or not state.active or threading.get_ident() != state.thread:
+        return []
+    held = {id(getattr(state, slot)): slot for slot in _SLOTS if getattr(state, slot) is not None}
+    if any(id(interval) not in held for interval in state.ours):
+        return []
+    suspended = [(held[id(interval)], interval[0]) for interval in state.ours]
+    for slot, _ in reversed(suspended):
+        interval = getattr(state, slot)
+        setattr(state, slot, None)
+        _close(interval)
+    return suspended
+
+
+def _resume(state: _State, suspended: list) -> None:
+    for slot, name in suspended:
+        if state is not _state or not state.active:
+            return
+        setattr(state, slot, _open(name, None, begins_step=False))
 
 
 def _timed_async(state: _State, original: Callable, stage: str, args: tuple, kwargs: dict) -> Any:

@@ -11,6 +11,7 @@ tests/benchmarks/test_field_zero_code.py.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import subprocess
 import sys
@@ -328,3 +329,63 @@ def test_torchruns_agent_and_multiprocessing_children_configure_only_when_they_t
     from otel_straggler.instrumentation.autoinstrument import _launcher_or_child
 
     assert _launcher_or_child(argv) is helper
+
+
+def test_a_collective_inside_a_training_step_splits_it_so_the_wait_is_the_collectives(auto):
+    """A metric all-reduced inside the training step (Lightning's self.log(sync_dist=True)): the
+    forward's time per step is its own work on both sides of the collective, the wait is not in it."""
+
+    class LogsAMetric(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(8, 1)
+
+        def forward(self, x):
+            out = self.net(x)
+            metric = out.detach().mean().reshape(1)
+            dist.all_reduce(metric)
+            return out * 2
+
+    with one_rank_group():
+        model = LogsAMetric()
+        _, loader, _ = model_and_data()
+        train(model, loader, torch.optim.SGD(model.parameters(), lr=0.01), steps=3)
+    steps = stages_by_step(auto.spans())
+    assert steps[1] == ["batch-generator", "forward-compute", "all-reduce", "forward-compute", "backward-compute",
+                        "optimizer"]
+    spans = [span for span in auto.stage_spans() if span.attributes["training.step"] == 1]
+    forwards = [span for span in spans if span.name == "forward-compute"]
+    collective = next(span for span in spans if span.name == "all-reduce")
+    assert forwards[0].end_time <= collective.start_time <= collective.end_time <= forwards[1].start_time
+    assert automatic.counts()["errors"] == 0
+
+
+def test_a_ddp_wrapper_left_in_eval_mode_still_times_training_forwards(auto):
+    """Lightning's validation puts DDP's wrapper in eval mode and restores only the module inside."""
+    with one_rank_group():
+        model, loader, optimizer = model_and_data()
+        model = DistributedDataParallel(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        model.eval()
+        model.module.train()
+        train(model, loader, optimizer, steps=2)
+    assert stages_by_step(auto.spans())[1].count("forward-compute") == 1
+
+
+def test_micro_batches_under_no_sync_are_timed_and_only_the_last_synchronizes(auto):
+    with one_rank_group():
+        model, loader, _ = model_and_data()
+        model = DistributedDataParallel(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        batches = iter(loader)
+        for _ in range(3):
+            for micro_batch in range(4):
+                x, y = next(batches)
+                with model.no_sync() if micro_batch < 3 else contextlib.nullcontext():
+                    nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for stages in stages_by_step(auto.spans()).values():
+        counts = collections.Counter(stages)
+        assert counts["forward-compute"] == counts["backward-compute"] == counts["ddp-grads-ready"] == 4
+        assert counts["ddp-grads-sync"] == counts["optimizer"] == 1

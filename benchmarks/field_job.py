@@ -24,6 +24,7 @@ runner's timing), and `done` at the end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -190,12 +191,10 @@ def main() -> None:
                 backward_switch.on = slowed and micro_batch == 0
                 with ots.stage("batch-generator"):
                     x, y = next_batch()
-                with ots.stage("forward-compute"):
-                    loss = nn.functional.mse_loss(model(x), y) / micro_batches
-                if micro_batch < micro_batches - 1:
-                    with model.no_sync():
-                        loss.backward()
-                else:
+                # DDP decides at the forward whether the backward synchronizes: both in no_sync()
+                with model.no_sync() if micro_batch < micro_batches - 1 else contextlib.nullcontext():
+                    with ots.stage("forward-compute"):
+                        loss = nn.functional.mse_loss(model(x), y) / micro_batches
                     loss.backward()
         else:  # fetch-between: the next batch is fetched while the loss waits for its backward
             if step_number == 0:

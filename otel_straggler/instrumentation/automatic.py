@@ -20,7 +20,8 @@ nothing is timed between its steps (the framework's evaluation, checkpointing an
 Which call is outermost is learned: until the first optimizer step, global module hooks see every
 module call and note the modules called at depth 0 (at most MAX_ROOTS); then those modules keep
 their own hooks and the global ones go, so a model's submodules cost nothing per call and
-`torch.compile` sees no global hook. A module first called after that is not timed. A forward run
+`torch.compile` sees no global hook. A module first called after that is not timed, unless it is a DistributedDataParallel
+made after that (a second `fit()`). A forward run
 inside a backward (activation checkpointing recomputes) is part of the backward.
 
 Explicit calls win: the first time one of these stages would open inside a stage the script opened
@@ -324,6 +325,12 @@ def _forward_ended(module: Any, args: Any, output: Any) -> None:
         _close(interval)
 
 
+def _hook_root(state: _State, module: Any) -> None:
+    state.handles.append(module.register_forward_pre_hook(_forward_starts))
+    state.handles.append(module.register_forward_hook(_forward_ended, always_call=True))
+    _counts["roots"] += 1
+
+
 def _learn_root(state: _State, module: Any) -> None:
     for root in state.roots:
         if root() is module:
@@ -341,9 +348,7 @@ def _stop_learning(state: _State) -> None:
     if not roots:
         return
     for module in roots:
-        state.handles.append(module.register_forward_pre_hook(_forward_starts))
-        state.handles.append(module.register_forward_hook(_forward_ended, always_call=True))
-    _counts["roots"] = len(roots)
+        _hook_root(state, module)
     for handle in state.global_forward_handles:
         handle.remove()
     state.global_forward_handles = []
@@ -542,8 +547,16 @@ def _timed_ddp_init(original: Callable) -> Callable:
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        if _state is not None and _state.active:
+        state = _state
+        if state is not None and state.active:
             _instrument_ddp_model(self)
+            if not state.learning and len(state.roots) < MAX_ROOTS:
+                # a model made after the outermost modules were learned (a second fit()): one too
+                try:
+                    state.roots.append(weakref.ref(self))
+                    _hook_root(state, self)
+                except Exception:
+                    _error(state)
 
     return __init__
 

@@ -10,8 +10,8 @@ fetch (`batch-generator`), the training forward (`forward-compute`: under DDP th
 `optimizer.step(closure)` are not in it), the `torch.distributed` collectives Lightning calls
 (its barriers, the per-batch `broadcast` of the SIGTERM flag, `self.log(..., sync_dist=True)`'s
 barrier and all-reduce) and DDP's `ddp-grads-ready` / `ddp-grads-sync`. A `self.log(...,
-sync_dist=True)` in `training_step` syncs right there, so its wait for the peers is inside that
-micro-batch's `forward-compute`. The callback adds what only the Trainer knows: who this rank is,
+sync_dist=True)` in `training_step` syncs right there: its collectives split that micro-batch's
+`forward-compute` in two, so the wait for the peers is theirs, not the forward's. The callback adds what only the Trainer knows: who this rank is,
 and which optimizer step is under way.
 
 | hook | what the callback does |

@@ -389,3 +389,34 @@ def test_micro_batches_under_no_sync_are_timed_and_only_the_last_synchronizes(au
         counts = collections.Counter(stages)
         assert counts["forward-compute"] == counts["backward-compute"] == counts["ddp-grads-ready"] == 4
         assert counts["ddp-grads-sync"] == counts["optimizer"] == 1
+
+
+def test_a_ddp_model_made_after_the_first_optimizer_step_is_timed_too(auto):
+    """A second fit() in one process: its DDP model was not among the modules learned as outermost."""
+    with one_rank_group():
+        model, loader, optimizer = model_and_data()
+        train(model, loader, optimizer, steps=2)
+        second, loader, _ = model_and_data()
+        second = DistributedDataParallel(second)
+        train(second, loader, torch.optim.SGD(second.parameters(), lr=0.01), steps=2)
+    steps = stages_by_step(auto.spans())
+    assert steps[3].count("forward-compute") == 1 and "ddp-grads-ready" in steps[3]
+
+
+def test_a_framework_callback_over_zero_code_takes_the_steps_and_nothing_is_doubled(auto):
+    model, loader, optimizer = model_and_data()
+    train(model, loader, optimizer, steps=1)  # zero code: step 0 bound at the optimizer step
+    assert automatic.instrument(steps="framework")  # a callback made now: its steps from here on
+    batches = iter(loader)
+    for global_step in (7, 8):
+        automatic.begin_step(global_step)
+        x, y = next(batches)
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        automatic.end_step()
+    model(x)  # between the framework's steps: not timed
+    steps = stages_by_step(auto.spans())
+    assert sorted(steps) == [0, 7, 8]
+    for step in (7, 8):
+        assert steps[step] == ["batch-generator", "forward-compute", "backward-compute", "optimizer"]
+    assert automatic.counts()["deferred_to_explicit"] == 0

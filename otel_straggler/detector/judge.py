@@ -693,7 +693,8 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
                                       comparable & ~steady_alert,
                                       compute & steady_alert, state.alert, config.false_alarm_rate,
                                       config.persist_windows)
-    intermittent_also_slow = _lead_intermittent(cohort.stage_names, state, entries, intermittent)
+    intermittent_also_slow = _lead_intermittent(cohort.stage_names, state, entries, intermittent,
+                                                compute & slow & (entries.code >= 2))
 
     context = _VerdictContext(cohort, window, now, entries, host, device, use_device, slowdown)
     # a steady alert that ends as the intermittent one starts is handed over: one straggler verdict
@@ -732,11 +733,15 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
 
 
 def _lead_intermittent(stage_names: list, state: CohortVerdictState, entries: _Entries,
-                       intermittent) -> dict[int, tuple[str, ...]]:
+                       intermittent, slow_named: np.ndarray) -> dict[int, tuple[str, ...]]:
     """_lead for the intermittent rule's onsets: on a rank whose whole step starts an intermittent
     alert, several named stages starting one too are a slowdown spread over the step, said once on
     `*`; one named stage starting one, or any other stage already alerted, explains the whole
-    step's, which is then not said. The alerts not said are not kept. Returns also_slow per entry."""
+    step's, which is then not said. Nor is it said when a named stage of the rank is slow in this
+    window by the steady rule (`slow_named`): a slowdown that began in this window or the one
+    before, whose stage the steady rule names once it persists (the whole step's evidence can reach
+    the intermittent test first, a noisy step of an earlier window counting among its recurrences).
+    The alerts not said are not kept; their evidence is. Returns also_slow per entry."""
     also_slow: dict[int, tuple[str, ...]] = {}
     if not intermittent.onset.any():
         return also_slow
@@ -758,7 +763,11 @@ def _lead_intermittent(stage_names: list, state: CohortVerdictState, entries: _E
         named = np.flatnonzero(intermittent.onset & (entries.slot == slot) & (entries.code >= 2))
         names = tuple(stage_names[int(entries.code[other]) // 2] for other in named.tolist())
         other_alert = alerted_before[slot] or state.intermittent.alert[2:codes, slot].sum() > named.size
-        if named.size >= 2 and not other_alert:
+        steady_under_way = not named.size and bool(slow_named[entries.slot == slot].any())
+        if steady_under_way:
+            intermittent.onset[entry] = False
+            state.intermittent.alert[0, slot] = False
+        elif named.size >= 2 and not other_alert:
             intermittent.onset[named] = False
             state.intermittent.alert[entries.code[named], slot] = False
             also_slow[entry] = names

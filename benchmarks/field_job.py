@@ -26,96 +26,25 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import otel_straggler as ots
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "field_jobs"))
+from job_common import Samples  # noqa: E402
+from slowdowns import SlowBackward, SlowForward, SlowSwitch  # noqa: E402
 
 FEATURES, HIDDEN, BATCH = 1024, 1536, 128
 SHAPES = ("plain", "accumulate", "fetch-between")
 MICRO_BATCHES = 4  # per optimizer step, in the accumulate shape
-
-
-class SlowSwitch:
-    """Where the slowdown is on (this rank, from the onset step)."""
-
-    def __init__(self) -> None:
-        self.on = False
-        self.products = 0  # matrix products that add about --extra-ms
-        self.matrix = torch.randn(192, 192)
-
-    def work(self) -> None:
-        if self.on:
-            product = self.matrix
-            for _ in range(self.products):
-                product = torch.mm(self.matrix, product).tanh_()
-
-    def calibrate(self, extra_ms: float) -> None:
-        """Sizes the work to about `extra_ms` of this thread's CPU time. Not wall time: measured
-        at start-up beside a CPU hog or a peer still starting, wall time counted the waits for a
-        core and sized the work to a fraction of extra_ms; and not the first products, which
-        carry torch's warm-up (3-4x a later product here)."""
-        self.products = 8
-        self.on = True
-        self.work()  # warm-up
-        per_product_ms = []
-        for _ in range(5):
-            started = time.thread_time()
-            self.work()
-            per_product_ms.append((time.thread_time() - started) * 1000 / self.products)
-        self.on = False
-        self.products = max(1, round(extra_ms / statistics.median(per_product_ms)))
-
-
-class SlowForward(nn.Module):
-    def __init__(self, switch: SlowSwitch) -> None:
-        super().__init__()
-        self.switch = switch
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.switch.work()
-        return x
-
-
-class _SlowBackwardFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, switch):
-        ctx.switch = switch
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.switch.work()
-        return grad, None
-
-
-class SlowBackward(nn.Module):
-    def __init__(self, switch: SlowSwitch) -> None:
-        super().__init__()
-        self.switch = switch
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _SlowBackwardFunction.apply(x, self.switch)
-
-
-class Samples(Dataset):
-    def __init__(self, count: int) -> None:
-        generator = torch.Generator().manual_seed(1234 + int(os.environ.get("RANK", "0")))
-        self.x = torch.randn(count, FEATURES, generator=generator)
-        self.y = torch.randn(count, 1, generator=generator)
-
-    def __len__(self) -> int:
-        return self.x.shape[0]
-
-    def __getitem__(self, index: int):
-        return self.x[index], self.y[index]
 
 
 def main() -> None:
@@ -153,7 +82,8 @@ def main() -> None:
     model = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     micro_batches = MICRO_BATCHES if args.shape == "accumulate" else 1
-    loader = DataLoader(Samples(BATCH * 64), batch_size=BATCH // micro_batches, shuffle=True, collate_fn=collate)
+    data = Samples(BATCH * 64, FEATURES, seed=1234 + int(os.environ.get("RANK", "0")))
+    loader = DataLoader(data, batch_size=BATCH // micro_batches, shuffle=True, collate_fn=collate)
 
     telemetry = ots.configure()
     if not args.no_ddp_hook:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,20 +39,12 @@ def run_ranks(arms: list[str], workdir: Path, world_size: int = 2, slow_rank: in
     environment = {name: value for name, value in os.environ.items() if not name.startswith("OTEL_")}
     environment["PYTHONPATH"] = os.pathsep.join(
         [str(Path(__file__).resolve().parents[1]), environment.get("PYTHONPATH", "")])
-    ranks = [subprocess.Popen([sys.executable, __file__, *arms, "--rank", str(rank), "--world-size", str(world_size),
-                               "--rendezvous", str(rendezvous), "--out", str(workdir), "--slow-rank", str(slow_rank)],
-                              env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(world_size)]
-    deadline = time.monotonic() + RANK_TIMEOUT_S
-    try:
-        outputs = [process.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for process in ranks]
-    finally:
-        for process in ranks:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    for rank, (process, output) in enumerate(zip(ranks, outputs)):
-        assert process.returncode == 0, f"rank {rank} exited with {process.returncode}:\n{output[-4000:]}"
+    from rank_processes import run_rank_processes
+
+    run_rank_processes(
+        [([sys.executable, __file__, *arms, "--rank", str(rank), "--world-size", str(world_size), "--rendezvous",
+           str(rendezvous), "--out", str(workdir), "--slow-rank", str(slow_rank)], environment)
+         for rank in range(world_size)], RANK_TIMEOUT_S)
     results = []
     for rank in range(world_size):
         record = json.loads((workdir / f"rank-{rank}.json").read_text())

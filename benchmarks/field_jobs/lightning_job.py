@@ -30,25 +30,14 @@ import time
 import lightning.pytorch as L
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
-from slowdowns import SlowBackward, SlowData, SlowForward, SlowSwitch
+from job_common import Samples, job_arguments, say
+from slowdowns import SlowBackward, SlowData, SlowForward, Slowdowns, SlowSwitch
 
 FEATURES, HIDDEN, BATCH = 1024, 1536, 128
 BATCHES_PER_EPOCH = 64  # of the whole data set; each rank gets its share
 
-
-class Samples(Dataset):
-    def __init__(self, count: int, seed: int) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(count, FEATURES, generator=generator)
-        self.y = torch.randn(count, 1, generator=generator)
-
-    def __len__(self) -> int:
-        return self.x.shape[0]
-
-    def __getitem__(self, index: int):
-        return self.x[index], self.y[index]
 
 
 class Regression(L.LightningModule):
@@ -96,21 +85,9 @@ class Onset(L.Callback):
         self.backward_switch.on = self.slowed and self.slow_here and batch_idx % self.args.accumulate == 0
 
 
-def say(line: str) -> None:
-    """One line in one write: torchrun gives every rank the same stdout, and print() writes the
-    line and its newline apart, so two ranks' lines could run together."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=130, help="optimizer steps")
-    parser.add_argument("--slow", choices=("none", "forward", "backward", "data"), default="none")
-    parser.add_argument("--slow-rank", type=int, default=1)
-    parser.add_argument("--from-step", type=int, default=60)
-    parser.add_argument("--extra-ms", type=float, default=30.0, help="forward/backward work, in CPU ms")
-    parser.add_argument("--data-delay-ms", type=float, default=30.0)
+    parser = job_arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--val-every", type=int, default=0, help="optimizer steps between validations (0: none)")
     parser.add_argument("--no-callback", action="store_true", help="leave out StragglerCallback")
@@ -121,24 +98,17 @@ def main() -> None:
     # torchrun's RANK; under Lightning's own launcher (one node) the children's LOCAL_RANK, the parent's 0
     rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
     slow_here = args.slow != "none" and rank == args.slow_rank
-    forward_switch, backward_switch, data_source = SlowSwitch(), SlowSwitch(), SlowData()
-    if slow_here and args.slow == "forward":
-        forward_switch.calibrate(args.extra_ms)
-    if slow_here and args.slow == "backward":
-        backward_switch.calibrate(args.extra_ms)
-
-    def collate(samples):
-        data_source.sleep()
-        return torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples])
+    slowdowns = Slowdowns(args.slow, slow_here, args.extra_ms)
+    forward_switch, backward_switch, data_source = slowdowns.forward, slowdowns.backward, slowdowns.data
 
     micro_batch = BATCH // args.accumulate
-    train_loader = DataLoader(Samples(BATCH * BATCHES_PER_EPOCH, seed=1234), batch_size=micro_batch, shuffle=True,
-                              collate_fn=collate, drop_last=True)
+    train_loader = DataLoader(Samples(BATCH * BATCHES_PER_EPOCH, FEATURES, seed=1234), batch_size=micro_batch, shuffle=True,
+                              collate_fn=slowdowns.collate, drop_last=True)
     validation_settings, validation_data = {}, {}
     if args.val_every:  # val_check_interval counts micro-batches, across epochs
         validation_settings = {"limit_val_batches": 2, "val_check_interval": args.val_every * args.accumulate,
                                "check_val_every_n_epoch": None}
-        validation_data = {"val_dataloaders": DataLoader(Samples(BATCH * 8, seed=4321), batch_size=BATCH)}
+        validation_data = {"val_dataloaders": DataLoader(Samples(BATCH * 8, FEATURES, seed=4321), batch_size=BATCH)}
     callbacks = [Onset(args, rank, forward_switch, backward_switch, data_source)]
     if not args.no_callback:
         from otel_straggler.integrations.lightning import StragglerCallback

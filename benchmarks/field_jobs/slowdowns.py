@@ -92,3 +92,20 @@ class SlowData:
     def sleep(self) -> None:
         if self.delay_s:
             time.sleep(self.delay_s)
+
+
+class Slowdowns:
+    """A job's three slowdowns, the one of `kind` calibrated to `extra_ms` where `here` (the slow
+    rank); all off until the job switches one on at its onset step."""
+
+    def __init__(self, kind: str, here: bool, extra_ms: float) -> None:
+        self.forward, self.backward, self.data = SlowSwitch(), SlowSwitch(), SlowData()
+        if here and kind == "forward":
+            self.forward.calibrate(extra_ms)
+        if here and kind == "backward":
+            self.backward.calibrate(extra_ms)
+
+    def collate(self, samples: list) -> tuple:
+        """A DataLoader's collate_fn for (features, target) samples, with the data delay in it."""
+        self.data.sleep()
+        return torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples])

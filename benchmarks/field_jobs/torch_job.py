@@ -18,8 +18,6 @@ Every rank prints `onset rank=<RANK> <unix ns>` when it starts step --from-step 
 """
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 import time
 
@@ -27,42 +25,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
-from slowdowns import SlowBackward, SlowData, SlowForward, SlowSwitch
+from job_common import Samples, job_arguments, say
+from slowdowns import SlowBackward, SlowForward, Slowdowns
 
 FEATURES, HIDDEN, BATCH = 1024, 1536, 128
 BATCHES_PER_EPOCH = 64
 
 
-class Samples(Dataset):
-    def __init__(self, count: int, seed: int) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(count, FEATURES, generator=generator)
-        self.y = torch.randn(count, 1, generator=generator)
-
-    def __len__(self) -> int:
-        return self.x.shape[0]
-
-    def __getitem__(self, index: int):
-        return self.x[index], self.y[index]
-
-
-def say(line: str) -> None:
-    """One line in one write: torchrun gives every rank the same stdout, and print() writes the
-    line and its newline apart, so two ranks' lines could run together."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=130, help="optimizer steps")
-    parser.add_argument("--slow", choices=("none", "forward", "backward", "data"), default="none")
-    parser.add_argument("--slow-rank", type=int, default=1)
-    parser.add_argument("--from-step", type=int, default=60)
-    parser.add_argument("--extra-ms", type=float, default=30.0, help="forward/backward work, in CPU ms")
-    parser.add_argument("--data-delay-ms", type=float, default=30.0)
+    parser = job_arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     args = parser.parse_args()
 
@@ -71,15 +46,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     slow_here = args.slow != "none" and rank == args.slow_rank
-    forward_switch, backward_switch, data_source = SlowSwitch(), SlowSwitch(), SlowData()
-    if slow_here and args.slow == "forward":
-        forward_switch.calibrate(args.extra_ms)
-    if slow_here and args.slow == "backward":
-        backward_switch.calibrate(args.extra_ms)
-
-    def collate(samples):
-        data_source.sleep()
-        return torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples])
+    slowdowns = Slowdowns(args.slow, slow_here, args.extra_ms)
+    forward_switch, backward_switch, data_source = slowdowns.forward, slowdowns.backward, slowdowns.data
 
     model = nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.ReLU(), SlowForward(forward_switch),
                           nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), SlowBackward(backward_switch),
@@ -87,8 +55,8 @@ def main() -> None:
     model = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     micro_batch = BATCH // args.accumulate
-    loader = DataLoader(Samples(BATCH * BATCHES_PER_EPOCH, seed=1234 + rank), batch_size=micro_batch, shuffle=True,
-                        collate_fn=collate, drop_last=True)
+    loader = DataLoader(Samples(BATCH * BATCHES_PER_EPOCH, FEATURES, seed=1234 + rank), batch_size=micro_batch, shuffle=True,
+                        collate_fn=slowdowns.collate, drop_last=True)
 
     slowed = False
 

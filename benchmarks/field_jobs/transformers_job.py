@@ -19,7 +19,6 @@ median=<ms>` (the median time between optimizer steps) and `done rank=<RANK>` at
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -31,6 +30,7 @@ from torch import nn
 from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
+from job_common import job_arguments, say
 from slowdowns import SlowBackward, SlowData, SlowForward, SlowSwitch
 
 VOCAB, SEQUENCE, BATCH = 1000, 64, 8
@@ -71,20 +71,9 @@ class Onset(TrainerCallback):
         return statistics.median(gaps) * 1000 if gaps else float("nan")
 
 
-def say(line: str) -> None:
-    """One line in one write: torchrun gives every rank the same stdout."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=130, help="optimizer steps")
-    parser.add_argument("--slow", choices=("none", "forward", "backward", "data"), default="none")
-    parser.add_argument("--slow-rank", type=int, default=1)
-    parser.add_argument("--from-step", type=int, default=60)
-    parser.add_argument("--extra-ms", type=float, default=30.0, help="forward/backward work, in CPU ms")
-    parser.add_argument("--data-delay-ms", type=float, default=30.0)
+    parser = job_arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--no-callback", action="store_true", help="train without StragglerCallback")
     args = parser.parse_args()

@@ -51,9 +51,7 @@ where installed, else `pytorch_lightning` (the same hooks; either package's Trai
 """
 from __future__ import annotations
 
-import functools
-import logging
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 try:
     from lightning.pytorch import Callback
@@ -61,26 +59,10 @@ except ImportError:  # only the older package name is installed
     from pytorch_lightning import Callback
 
 from otel_straggler.instrumentation import api, automatic
+from otel_straggler.integrations.fail_open import fails_open
 
 FLUSH_TIMEOUT_S = 5.0
 SHUTDOWN_TIMEOUT_S = 5.0
-_log = logging.getLogger("otel_straggler")
-
-
-def _guarded(hook: Callable) -> Callable:
-    """A hook that never raises into training: its errors are counted and the first one logged."""
-
-    @functools.wraps(hook)
-    def guarded(self: "StragglerCallback", *args: Any, **kwargs: Any) -> None:
-        try:
-            hook(self, *args, **kwargs)
-        except Exception as error:
-            self._errors += 1
-            if self._errors == 1:
-                _log.warning("otel-straggler: StragglerCallback.%s failed (%s: %s); training goes on without it there",
-                             hook.__name__, type(error).__name__, error)
-
-    return guarded
 
 
 class StragglerCallback(Callback):
@@ -108,7 +90,7 @@ class StragglerCallback(Callback):
 
     # -- Lightning's hooks --
 
-    @_guarded
+    @fails_open
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit" or self._handle is not None:
             return
@@ -123,32 +105,32 @@ class StragglerCallback(Callback):
         automatic.instrument(steps="framework")
         self._bind(trainer.global_step)
 
-    @_guarded
+    @fails_open
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         if self._timing():
             automatic.instrument_model(trainer.strategy.model)
 
-    @_guarded
+    @fails_open
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self._timing() and trainer.global_step != self._step:
             self._bind(trainer.global_step)  # restored from a checkpoint after setup
 
-    @_guarded
+    @fails_open
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if not self._timing() or trainer.global_step == self._step:
             return  # a micro-batch that accumulated: the step goes on
         if not _training_ends(trainer):
             self._bind(trainer.global_step)
 
-    @_guarded
+    @fails_open
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._finish()
 
-    @_guarded
+    @fails_open
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._finish()
 
-    @_guarded
+    @fails_open
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._finish()
 

@@ -49,32 +49,16 @@ and logs the first.
 """
 from __future__ import annotations
 
-import functools
-import logging
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from transformers import TrainerCallback
 
 import otel_straggler
 from otel_straggler.instrumentation import automatic
+from otel_straggler.integrations.fail_open import fails_open, note_failure
 
 FLUSH_TIMEOUT_S = 5.0
 SHUTDOWN_TIMEOUT_S = 5.0
-_log = logging.getLogger("otel_straggler")
-
-
-def _fails_open(hook: Callable) -> Callable:
-    """A hook that never raises into training: its failure is counted, the first one logged."""
-
-    @functools.wraps(hook)
-    def guarded(self: "StragglerCallback", *args: Any, **kwargs: Any) -> None:
-        try:
-            hook(self, *args, **kwargs)
-        except Exception as error:
-            self._failed(hook.__name__, error)
-        return None  # the Trainer's control, unchanged
-
-    return guarded
 
 
 class StragglerCallback(TrainerCallback):
@@ -96,7 +80,7 @@ class StragglerCallback(TrainerCallback):
             # now, before the Trainer wraps the model: every DDP model made from here on gets the hooks
             self._instrumented = automatic.instrument(steps="framework")
         except Exception as error:
-            self._failed("__init__", error)
+            note_failure(self, "__init__", error)
 
     def counts(self) -> dict:
         """errors: hooks that failed; steps: steps begun; instrumented: the automatic timing is
@@ -106,13 +90,13 @@ class StragglerCallback(TrainerCallback):
 
     # -- the Trainer's hooks --
 
-    @_fails_open
+    @fails_open
     def on_init_end(self, args, state, control, **kwargs):
         # every rank runs every callback; by now the Trainer's arguments have made the process
         # group, so the rank is known from torch.distributed even where no launcher set RANK
         self._configure()
 
-    @_fails_open
+    @fails_open
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._configure()
         if model is not None:
@@ -123,15 +107,15 @@ class StragglerCallback(TrainerCallback):
         else:
             self._begin(state.global_step)
 
-    @_fails_open
+    @fails_open
     def on_epoch_begin(self, args, state, control, **kwargs):
         self._begin_unless_bound(state.global_step)
 
-    @_fails_open
+    @fails_open
     def on_step_begin(self, args, state, control, **kwargs):
         self._begin_unless_bound(state.global_step)
 
-    @_fails_open
+    @fails_open
     def on_step_end(self, args, state, control, **kwargs):
         self._end()
         if control.should_training_stop:
@@ -144,17 +128,17 @@ class StragglerCallback(TrainerCallback):
         else:
             self._begin(state.global_step)
 
-    @_fails_open
+    @fails_open
     def on_evaluate(self, args, state, control, **kwargs):
         if self._deferred and not control.should_save:
             self._begin(state.global_step)
 
-    @_fails_open
+    @fails_open
     def on_save(self, args, state, control, **kwargs):
         if self._deferred:
             self._begin(state.global_step)
 
-    @_fails_open
+    @fails_open
     def on_train_end(self, args, state, control, **kwargs):
         self._deferred = False
         self._end()
@@ -191,9 +175,3 @@ class StragglerCallback(TrainerCallback):
         if self._step_open:
             automatic.end_step()
             self._step_open = False
-
-    def _failed(self, where: str, error: Exception) -> None:
-        self._errors += 1
-        if self._errors == 1:
-            _log.warning("otel-straggler: StragglerCallback.%s failed (%s: %s); training goes on without it there",
-                         where, type(error).__name__, error)

@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -125,27 +124,9 @@ def one_process_on_pytorch_lightning() -> None:
 # -- the test side --------------------------------------------------------------------------------
 
 def run_ranks(endpoint: str) -> list[dict]:
-    from otel_straggler.demo.ports import free_port
+    from rank_processes import run_script_as_ranks
 
-    environment = {name: value for name, value in os.environ.items() if not name.startswith("OTEL_")}
-    environment.update(WORLD_SIZE=str(WORLD_SIZE), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-                       OTEL_EXPORTER_OTLP_ENDPOINT=f"http://{endpoint}", OMP_NUM_THREADS="1",
-                       PYTHONPATH=os.pathsep.join([str(REPO), environment.get("PYTHONPATH", "")]))
-    ranks = [subprocess.Popen([sys.executable, __file__],
-                              env={**environment, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(WORLD_SIZE)]
-    deadline = time.monotonic() + RANK_TIMEOUT_S
-    try:
-        outputs = [process.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for process in ranks]
-    finally:
-        for process in ranks:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    for rank, (process, output) in enumerate(zip(ranks, outputs)):
-        assert process.returncode == 0, f"rank {rank} exited with {process.returncode}:\n{output[-4000:]}"
-    return [json.loads(output.strip().splitlines()[-1]) for output in outputs]
+    return run_script_as_ranks(__file__, WORLD_SIZE, endpoint, str(REPO), RANK_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

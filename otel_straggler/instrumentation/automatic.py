@@ -75,6 +75,7 @@ class _State:
         self.configure_lazily = configure_lazily  # zero code: configure() at the first training stage
         self.active = True
         self.thread = threading.main_thread().ident
+        self.thread_learned = False  # set by the first training forward
         self.ours: list = []  # our open intervals, innermost last
         self.binding: Any = None  # the recorder's binding our last begin_step() made
         self.in_step = False
@@ -93,6 +94,9 @@ class _State:
 
 _state: Optional[_State] = None
 _lock = threading.Lock()
+# torch's, set by _install (this module imports without torch)
+_grad_enabled: Callable[[], bool] = lambda: True
+_Module: type = type(None)
 _COUNTER_NAMES = ("errors", "deferred_to_explicit", "not_restored", "models_instrumented", "configure_failed", "roots")
 _counts = dict.fromkeys(_COUNTER_NAMES, 0)
 
@@ -297,14 +301,13 @@ def _forward_starts(module: Any, args: Any) -> None:
         state.forward_depth += 1
         return
     try:
-        import torch
-
         # a wrapper's own mode can be stale (Lightning's validation puts DDP's wrapper in eval mode
         # and restores only the module inside): the wrapped module's mode is the one training sets
         wrapped = getattr(module, "module", None)
-        training = torch.is_grad_enabled() and (wrapped if isinstance(wrapped, torch.nn.Module) else module).training
-        if training and state.learning:
+        training = _grad_enabled() and (wrapped if isinstance(wrapped, _Module) else module).training
+        if training and not state.thread_learned:
             state.thread = threading.get_ident()  # the training thread: the first training forward's
+            state.thread_learned = True
         if threading.get_ident() != state.thread:
             return
         if state.learning:
@@ -377,9 +380,7 @@ def _timed_fetch(original: Callable) -> Callable:
     def __next__(self: Any) -> Any:
         if _state is None or not _state.active:
             return original(self)
-        import torch
-
-        interval = _open(FETCH, None, begins_step=True) if torch.is_grad_enabled() else None
+        interval = _open(FETCH, None, begins_step=True) if _grad_enabled() else None
         try:
             return original(self)
         finally:
@@ -573,12 +574,14 @@ def _patch(state: _State, owner: Any, name: str, make: Callable[[Callable], Call
 
 
 def _install(state: _State) -> None:
+    global _grad_enabled, _Module
     import torch
     import torch.distributed as dist
     from torch.nn.modules import module as nn_module
     from torch.optim import optimizer as optim
     from torch.utils.data import dataloader
 
+    _grad_enabled, _Module = torch.is_grad_enabled, torch.nn.Module
     state.global_forward_handles = [
         nn_module.register_module_forward_pre_hook(_forward_starts),
         nn_module.register_module_forward_hook(_forward_ended, always_call=True),

@@ -9,7 +9,7 @@ import atexit
 import logging
 import os
 import threading
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from otel_straggler import contract
 from otel_straggler.instrumentation import hot_path, identity
@@ -22,6 +22,16 @@ from otel_straggler.settings import ConfigError, parse_bool, resolve
 _recorder: Optional[IntervalRecorder] = None
 _instrumentation: Optional["Instrumentation"] = None
 _configure_lock = threading.Lock()
+
+
+# Counters of the modules built on this one (ddp: "ddp", megatron_timers: "timer_misuse",
+# automatic: "automatic"), added to status() under their names. Each registers itself when
+# imported: they import this module, so this one imports none of them.
+_status_sections: dict[str, Callable[[], dict]] = {}
+
+
+def add_status_section(name: str, counts: Callable[[], dict]) -> None:
+    _status_sections[name] = counts
 
 
 # `with stage(name):`, `@stage(name)` and `step(n, ...)` are the hot path's own types (hot_path.py:
@@ -43,16 +53,12 @@ class Instrumentation:
 
     def status(self) -> dict:
         """Every counter of the rank side: what was recorded, built, exported and lost (by reason)."""
-        from otel_straggler.instrumentation import automatic  # these import this module
-        from otel_straggler.instrumentation.ddp import hook_counts
-        from otel_straggler.instrumentation.megatron_timers import misuse_counts
-
         recorder, pipeline = self.recorder, self._pipeline
         if recorder is None or pipeline is None:
             return {"enabled": False, "intervals": 0, "spans_built": 0, "exported": 0, "lost": {}}
         # calls Megatron's timers would assert on, which ours count and let pass
-        return {**pipeline.status(recorder), "shut_down": self._shut_down, "timer_misuse": misuse_counts(),
-                "ddp": hook_counts(), "automatic": automatic.counts()}
+        return {**pipeline.status(recorder), "shut_down": self._shut_down,
+                **{name: counts() for name, counts in _status_sections.items()}}
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Builds everything recorded so far and exports it; False if it did not finish in time."""

@@ -108,6 +108,9 @@ def counts() -> dict:
             "steps": state.steps if state else None}
 
 
+api.add_status_section("automatic", counts)
+
+
 def instrument(*, steps: str = "optimizer", configure_lazily: bool = False) -> bool:
     """Installs the automatic timing (idempotent; a second call may switch `steps`). Returns False
     when torch is not installed. `configure_lazily`: call configure() at the first training stage

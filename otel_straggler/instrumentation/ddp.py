@@ -60,6 +60,9 @@ def hook_counts() -> dict[str, int]:
     return dict(_counts)
 
 
+api.add_status_section("ddp", hook_counts)
+
+
 def instrument_ddp(model: Any, hook: Optional[Callable] = None, state: Any = None) -> Any:
     """Registers the hooks on a `DistributedDataParallel` model and returns the model.
 

@@ -43,6 +43,9 @@ def misuse_counts() -> dict[str, int]:
     return dict(_misuse)
 
 
+api.add_status_section("timer_misuse", misuse_counts)
+
+
 class DummyTimer:
     """What a timer above the configured log level is. Megatron raises on `elapsed()` and
     `active_time()` of it; ours returns 0.0 and counts `dummy_timer_read`."""

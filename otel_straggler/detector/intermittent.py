@@ -3,8 +3,10 @@ not move (a GPU with correctable-error storms, a periodic host job).
 
 Per window, each rank's time per step of each compute stage (its intervals of the stage in that
 step summed) and of the whole step is compared with the median over the ranks of the same step: a
-slow step is over it by more than `intermittent_threshold` and by more than `min_gap_ms`. Steps
-with fewer than `min_cohort_size` ranks do not count. Over the last HORIZON x `persist_windows`
+slow step is over it by more than `intermittent_threshold` and by more than `min_gap_ms`, and the
+rank was not waiting at that step's collectives over `min_gap_ms` longer than the rank the others
+waited for (collective_slack: then its slowness held no one up). Steps with fewer than
+`min_cohort_size` ranks do not count. Over the last HORIZON x `persist_windows`
 windows a rank's k slow steps of its n are tested against its peers' pooled share p over the same
 windows (its own left out, and alerted pairs; floored at 1 / the peers' steps: none among a few
 thousand steps does not make the rate zero):
@@ -26,7 +28,7 @@ Ranks are compared within workload classes (ranks whose tokens per step are with
 count. Heavy-tailed jitter that every rank shares gives every rank the peers' rate and stays quiet;
 one spike, or one burst of spikes, is not in persist_windows windows. A rank with a lasting rate of
 its own (a slower hardware bin that crosses the threshold now and then, rank 0 doing extra work in
-some steps) is intermittent by this rule: it does delay the job in those steps. The steady rule
+some steps) is intermittent by this rule where it does delay the job in those steps. The steady rule
 takes precedence: a pair it holds an alert for is not tested here. The pair's slow
 windows are recorded until a streak of them ends in a steady alert: those windows are then that
 alert's evidence, the pair's ring is cleared (judge.py), and nothing is recorded while the alert
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -129,12 +132,46 @@ def workload_classes(tokens_by_slot: np.ndarray, tolerance: float) -> np.ndarray
     return classes
 
 
+@dataclass
+class CollectiveWaits:
+    """The window's rows of collective stages: slot, step offset and host ms (the wait included)."""
+    slot: np.ndarray
+    step: np.ndarray
+    ms: np.ndarray
+
+
+@dataclass
+class StepSlack:
+    """Per (slot, step) bin, `slot * window_steps + step`, ascending: how much longer the rank
+    waited at the step's collectives than the rank of that step that waited least."""
+    bins: np.ndarray
+    ms: np.ndarray
+
+
+def collective_slack(waits: CollectiveWaits, window_steps: int, min_ranks: int) -> StepSlack:
+    """Each rank's waits at collectives in a step summed, less the least sum among the step's ranks
+    (the rank the others waited for). Steps with fewer than `min_ranks` ranks at a collective have
+    none."""
+    if waits.slot.size == 0:
+        return StepSlack(np.zeros(0, np.int64), np.zeros(0))
+    bins, inverse = np.unique(waits.slot * window_steps + waits.step, return_inverse=True)
+    summed = np.bincount(inverse, weights=waits.ms, minlength=bins.size)
+    steps, by_step = np.unique(bins % window_steps, return_inverse=True)
+    least = np.full(steps.size, np.inf)
+    np.minimum.at(least, by_step, summed)
+    enough = np.bincount(by_step, minlength=steps.size)[by_step] >= min_ranks
+    return StepSlack(bins[enough], (summed - least[by_step])[enough])
+
+
 def count_slow_steps(cell_code: np.ndarray, cell_slot: np.ndarray, cell_step: np.ndarray, cell_ms: np.ndarray,
                      slot_class: np.ndarray, entry_code: np.ndarray, entry_slot: np.ndarray, slot_stride: int,
-                     window_steps: int, threshold: float, min_gap_ms: float, min_ranks: int) -> SlowSteps:
+                     window_steps: int, threshold: float, min_gap_ms: float, min_ranks: int,
+                     collectives: Optional[CollectiveWaits] = None) -> SlowSteps:
     """`cell_*`: one value per (code, slot, step), the rank's time in that step; `slot_class`: each
     slot's workload class (workload_classes); entries: (code, slot) pairs sorted by code then slot.
-    Each cell is compared with the median of its (code, step, class). Returns each entry's counts
+    Each cell is compared with the median of its (code, step, class); a cell over it is not a slow
+    step where the rank waited at that step's `collectives` over `min_gap_ms` longer than the rank
+    the others waited for (collective_slack): its slowness held no one up. Returns each entry's counts
     (0 where it has no cells)."""
     count = entry_code.size
     result = SlowSteps(np.zeros(count, np.int32), np.zeros(count, np.int32), np.zeros(count), np.zeros(count))
@@ -149,6 +186,11 @@ def count_slow_steps(cell_code: np.ndarray, cell_slot: np.ndarray, cell_step: np
     median = step_median[by_step]
     counted = np.bincount(by_step, minlength=steps.size)[by_step] >= min_ranks
     slow = counted & (cell_ms > median * (1.0 + threshold)) & (cell_ms - median > min_gap_ms)
+    if collectives is not None and collectives.slot.size and slow.any():
+        slack = collective_slack(collectives, window_steps, min_ranks)
+        position = _positions(slack.bins, cell_slot * window_steps + cell_step)
+        waited = np.where(position >= 0, slack.ms[np.maximum(position, 0)], 0.0)
+        slow &= ~(waited > min_gap_ms)
     # each cell's entry (every cell of a compute stage has one)
     index = _positions(entry_code * slot_stride + entry_slot, cell_code * slot_stride + cell_slot)
     has_entry = counted & (index >= 0)

@@ -49,8 +49,8 @@ import numpy as np
 from otel_straggler import contract
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.grouped import dense_groups, grouped_medians, grouped_medians_signed
-from otel_straggler.detector.intermittent import (IntermittentState, SlowSteps, count_slow_steps, judge_intermittent,
-                                                  workload_classes)
+from otel_straggler.detector.intermittent import (CollectiveWaits, IntermittentState, SlowSteps, count_slow_steps,
+                                                  judge_intermittent, workload_classes)
 from otel_straggler.detector.job_baseline import JobBaseline, judge_pace, window_pace
 from otel_straggler.detector.observation import Verdict
 from otel_straggler.detector.peer_reference import (WORKLOAD_COMPARABLE, WORKLOAD_NOT_REPORTED,
@@ -318,7 +318,8 @@ def _entries(rows, layout, slot_count: int, state: CohortVerdictState,
         np.concatenate((bins % layout.window_steps, cell_step)),
         np.concatenate((host_sum, stage_cell_ms)), workload_classes(tokens_by_slot, config.work_tolerance),
         entry_codes, all_slots, layout.slot_stride, layout.window_steps,
-        config.intermittent_threshold, config.min_gap_ms, config.min_cohort_size)
+        config.intermittent_threshold, config.min_gap_ms, config.min_cohort_size,
+        CollectiveWaits(slot[~compute], step_offset[~compute], host[~compute]))
     return _Entries(
         late_steps=late_steps, arrival_steps=arrival_steps, slow_steps=slow_steps,
         code=np.concatenate((np.zeros(whole_slots.size, dtype=np.int64), stage_code)),

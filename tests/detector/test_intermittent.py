@@ -10,7 +10,8 @@ import numpy as np
 from otel_straggler import contract
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.engine import Engine
-from otel_straggler.detector.intermittent import EXACT_TAIL_STEPS, HORIZON, MIN_SHARE, binomial_tail, tails_below
+from otel_straggler.detector.intermittent import (EXACT_TAIL_STEPS, HORIZON, MIN_SHARE, binomial_tail,
+                                                  CollectiveWaits, collective_slack, tails_below)
 from otel_straggler.detector.judge import (REASON_INTERMITTENT, REASON_LAST_TO_ARRIVE, REASON_SLOW_VS_PEERS,
                                           REASON_WITHIN_TOLERANCE)
 
@@ -136,6 +137,30 @@ def test_a_steady_straggler_does_not_hide_an_intermittent_one_in_the_peers_rate(
     job = intermittent_job(8, 1).slow(5, 1.5, stages=["forward-compute"], from_step=0)
     flagged = {(v.rank, v.reason) for v in stragglers(run(job, 200)[0]) if v.stage == "forward-compute"}
     assert flagged == {(5, REASON_SLOW_VS_PEERS), (2, REASON_INTERMITTENT)}
+
+
+def test_slow_steps_spent_waiting_for_a_slower_peer_anyway_are_not_intermittent():
+    """Rank 1's data loading is 30 ms slower in every step from the onset; rank 2's forward is
+    15 ms slower in 30% of its steps, and in those it still waits for rank 1 at the all-reduce:
+    rank 2's slowness held no one up, so only rank 1 is a straggler (on 2 oversubscribed cores, a
+    rank squeezed while a peer sleeps in its data loader is this). Control: where rank 1 is only
+    6 ms slower, rank 2 arrives last in its slow steps and is intermittent, as alone (the first test)."""
+    job = intermittent_job(16, 1).slow(1, 8.5, stages=["data-load"], from_step=ONSET_STEP)
+    assert {(v.rank, v.stage, v.reason) for v in stragglers(run(job, 200)[0])} \
+        == {(1, "data-load", REASON_SLOW_VS_PEERS)}
+    control = intermittent_job(16, 1).slow(1, 2.5, stages=["data-load"], from_step=ONSET_STEP)
+    assert {(v.rank, v.stage, v.reason) for v in stragglers(run(control, 200)[0])} \
+        == {(1, "data-load", REASON_SLOW_VS_PEERS), (2, "forward-compute", REASON_INTERMITTENT)}
+
+
+def test_collective_slack_is_each_ranks_wait_beyond_the_least_wait_of_its_step():
+    # slots 0-2, steps 0 and 1 of a window of 10; slot 2 waits in two collectives of step 0
+    slack = collective_slack(CollectiveWaits(np.array([0, 1, 2, 2, 0, 1]), np.array([0, 0, 0, 0, 1, 1]),
+                                             np.array([9.0, 1.0, 3.0, 4.0, 5.0, 2.0])), window_steps=10, min_ranks=3)
+    # step 1 has two ranks at its collectives, under min_ranks: no slack for it
+    assert slack.bins.tolist() == [0, 10, 20] and slack.ms.tolist() == [8.0, 0.0, 6.0]
+    nothing = CollectiveWaits(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))
+    assert collective_slack(nothing, 10, 3).bins.size == 0
 
 
 def test_ranks_with_a_larger_workload_are_compared_within_their_class():

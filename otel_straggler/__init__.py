@@ -16,6 +16,8 @@ Megatron-LM: `otel_straggler.megatron.install()` before `pretrain()`; on megatro
 `config.timers = ots.Timers(log_level, log_option)`, or use `ots.timers`.
 """
 from otel_straggler.instrumentation.api import Instrumentation, configure, current, stage, step
+# imported for its status() section as well: every key of status() is there from the start
+from otel_straggler.instrumentation import automatic as _automatic  # noqa: F401 (imports no torch)
 from otel_straggler.instrumentation.ddp import instrument_ddp
 from otel_straggler.instrumentation.megatron_timers import Timer, Timers
 

@@ -662,8 +662,11 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
     recovery = recovery | late_recovery
     # several stages of one rank slow at once: the onset goes to the stage that explains the others
     held = alert & ~recovery & (compute | waiting)  # a leading stage holding its alert still explains
+    # clearly slower than its peers (over the relative threshold and the floor), whether or not
+    # beyond its own noise: where the whole step is convicted, such a stage can carry its time
+    clearly_over = compute & usable & (host.over_floor | device_over_floor)
     onset, also_slow, explained = _lead(cohort.stage_names, entries, onset, late_onset, compute & slow,
-                                        waiting & late, held, lateness,
+                                        waiting & late, held, clearly_over, lateness,
                                         entries.host - host.references.reference)
     late_onset = onset & waiting
     # an uncertain reason is noted once per pair, until its next straggler or recovered verdict
@@ -782,11 +785,12 @@ def _lead_intermittent(stage_names: list, state: CohortVerdictState, entries: _E
 
 CONTAINED_SHARE = 0.8  # of a stage's intervals inside another's, for the other to contain it
 CONTAINED_SLACK_NS = 20_000  # clock reads a few µs apart at nested starts and stops
+CARRIED_SHARE = 0.5  # of the whole step's excess, for a stage within its noise to carry it
 
 
 def _lead(stage_names: list, entries: _Entries, onset: np.ndarray, late_onset: np.ndarray,
-          slow_compute: np.ndarray, late: np.ndarray, held: np.ndarray, lateness: np.ndarray,
-          gap_ms: np.ndarray) -> tuple[np.ndarray, dict[int, tuple[str, ...]], np.ndarray]:
+          slow_compute: np.ndarray, late: np.ndarray, held: np.ndarray, clearly_over: np.ndarray,
+          lateness: np.ndarray, gap_ms: np.ndarray) -> tuple[np.ndarray, dict[int, tuple[str, ...]], np.ndarray]:
     """(onsets moved to the leading stages, per leading entry the stages it explains, the entries
     explained by a leading stage).
 
@@ -795,15 +799,23 @@ def _lead(stage_names: list, entries: _Entries, onset: np.ndarray, late_onset: n
     the first's, nested timers) or follows from it (a collective the rank is last to reach). The
     leading stages are the ones that no other explains: the innermost slow stage; `*` when there is
     none or several unrelated ones are slow (a slowdown spread over the step: `*` names them all);
-    else the one collective it is latest to (time that no stage covers). An onset of a stage that a
-    leading one explains is that leading stage's onset, said once, with the others in `also_slow`;
-    none when the leading stage already holds an alert. Only ranks with an onset in the window are
-    looked at."""
+    else the one collective it is latest to (time that no stage covers). Where `*` is slow and no
+    named stage is, a named stage that is `clearly_over` (slower than its peers by the relative
+    threshold and the floor, though within its own noise, which a noisy stage widens for windows)
+    carries the step's time when it is the only innermost one and holds CARRIED_SHARE of the whole
+    step's excess: the whole step's conviction says the rank is slow, the stages' excess says where.
+    An onset of a stage that a leading one explains is that leading stage's onset, said once, with
+    the others in `also_slow`; none when the leading stage already holds an alert. Only ranks with
+    an onset in the window are looked at."""
     also_slow: dict[int, tuple[str, ...]] = {}
     explained_mask = np.zeros(onset.size, dtype=bool)
     candidates = slow_compute | late | held
     onset = onset.copy()
     for slot in np.unique(entries.slot[onset]).tolist():
+        carrier = _carrier(entries, slot, candidates, clearly_over, gap_ms)
+        if carrier is not None:
+            candidates = candidates.copy()
+            candidates[carrier] = True
         slow_here = np.flatnonzero(candidates & (entries.slot == slot))
         if slow_here.size < 2:
             continue
@@ -832,6 +844,24 @@ def _lead(stage_names: list, entries: _Entries, onset: np.ndarray, late_onset: n
             explained_mask[explained] = True
             also_slow[leader] = tuple(stage_names[int(entries.code[entry]) // 2] for entry in explained)
     return onset, also_slow, explained_mask
+
+
+def _carrier(entries: _Entries, slot: int, candidates: np.ndarray, clearly_over: np.ndarray,
+             gap_ms: np.ndarray) -> Optional[int]:
+    """The named stage that carries the rank's slow whole step when no named stage is slow (see
+    _lead), or None."""
+    mine = entries.slot == slot
+    codes = entries.code
+    whole = np.flatnonzero(mine & candidates & (codes == 0))
+    if whole.size == 0 or (mine & candidates & ((codes & 1) == 0) & (codes > 0)).any():
+        return None
+    over = np.flatnonzero(mine & clearly_over & ((codes & 1) == 0) & (codes > 0)).tolist()
+    innermost = [entry for entry in over if not any(
+        _contains(entries.rows, slot, int(codes[entry]), int(codes[inner])) for inner in over if inner != entry)]
+    if len(innermost) != 1:
+        return None
+    whole_gap, gap = float(gap_ms[whole[0]]), float(gap_ms[innermost[0]])
+    return innermost[0] if np.isfinite(whole_gap) and gap >= CARRIED_SHARE * whole_gap else None
 
 
 def _contains(rows: _Rows, slot: int, outer_code: int, inner_code: int) -> bool:

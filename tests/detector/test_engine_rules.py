@@ -535,6 +535,23 @@ def test_whole_step_compute_catches_a_slowdown_spread_over_stages():
     assert onsets[0].gap_ms > 5.0 and onsets[0].slowdown > 1.05
 
 
+def test_a_stage_within_its_own_noise_carries_the_whole_steps_slowdown(monkeypatch):
+    """A stage whose window medians scatter widely across ranks (the gradient-ready wait under
+    accumulation) is 1.5x slower on rank 3: clearly over the threshold and the floor, within its
+    own noise, while the whole step, steadier, is convicted. The onset names the stage that holds
+    the excess, with `*` explained."""
+    stages = TRAINING_STAGES[:3] + (Stage("grads-ready", 40.0),) + TRAINING_STAGES[3:]
+    job = SyntheticJob(ranks=8, stages=stages, seed=2).stage_jitter("grads-ready", 0.3).slow(
+        3, 1.5, stages=["grads-ready"], from_step=40)
+    onsets = select(run(job, 150)[0], contract.VERDICT_STRAGGLER)
+    assert [(v.rank, v.stage, v.reason) for v in onsets] == [(3, "grads-ready", judge.REASON_SLOW_VS_PEERS)]
+    assert "*" in onsets[0].also_slow and onsets[0].window == 6
+    # control: without it the whole step is said first, the stage a window later
+    monkeypatch.setattr(judge, "CARRIED_SHARE", math.inf)
+    onsets = select(run(job, 150)[0], contract.VERDICT_STRAGGLER)
+    assert [(v.stage, v.window) for v in onsets] == [("*", 6), ("grads-ready", 7)]
+
+
 # ---------------------------------------------------------------- attribution
 
 def test_attribution_device_host_and_unknown():

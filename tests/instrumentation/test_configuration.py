@@ -126,3 +126,22 @@ def test_a_bad_value_under_opentelemetry_instrument_says_so_once_and_training_go
     complaints = [line for line in finished.stderr.splitlines() if "otel-straggler" in line]
     (variable,) = bad
     assert len(complaints) == 1 and variable in complaints[0], finished.stderr
+
+
+def test_status_has_every_section_from_the_start(unreachable_endpoint):
+    """A script reads status()["automatic"] or ["timer_misuse"] without having used automatic
+    timing or Megatron's timers: a fresh process has every section, with zeros."""
+    code = textwrap.dedent(f"""
+        import json, otel_straggler
+        handle = otel_straggler.configure(job_id="sections", rank=0, endpoint="{unreachable_endpoint}")
+        status = handle.status()
+        print(json.dumps({{name: status[name] for name in ("ddp", "timer_misuse", "automatic")}}))
+        handle.shutdown(timeout_s=0.5)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "OTEL_SDK_DISABLED": "false"})
+    assert done.returncode == 0, done.stderr
+    sections = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sections["ddp"] == {"hook_errors": 0, "models": 0}
+    assert sections["timer_misuse"] == {}
+    assert sections["automatic"]["instrumented"] is False and sections["automatic"]["errors"] == 0

@@ -35,8 +35,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_export_lag_s", float, 15.0, "longest a window waits for a rank that has not reached past it; less once the rank's own delivery gap is known (twice it, plus 1 s)", 0.1, 3600.0),
     Setting("hang_timeout_s", float, 120.0, "`hang` when no interval of a job ended for this long while its heartbeats show ranks alive; longer than the longest pause every rank takes together (a checkpoint save)", 1.0, 86_400.0),
     Setting("dedup_horizon", int, 512, "recent sequence numbers remembered per rank for de-duplication (8 bytes each; rounded up to a power of two)", 16, 1 << 20),
-    Setting("max_jobs", int, 64, "bound on jobs tracked at once (oldest evicted, counted)", 1, 100_000),
-    Setting("max_cohorts", int, 4096, "bound on cohorts tracked at once", 1, 1_000_000),
+    Setting("max_jobs", int, 64, "bound on jobs tracked at once: a new job takes the place of one never judged, else of one idle for --idle-evict-s, else it is shed (counted)", 1, 100_000),
+    Setting("idle_evict_s", float, 600.0, "a job or cohort judged before gives its place to a new one only once it sent nothing for this long", 1.0, 86_400.0 * 30),
+    Setting("max_cohorts", int, 4096, "bound on cohorts tracked at once: taken as --max-jobs are", 1, 1_000_000),
     Setting("max_ranks", int, 65_536, "bound on ranks tracked per cohort", 1, 10_000_000),
     Setting("max_tracked_ranks", int, 262_144, "bound on ranks whose placement and latest heartbeat are kept, over all jobs (about 300 bytes each)", 1, 100_000_000),
     Setting("max_stages", int, 256, "bound on distinct stage names per cohort", 1, 100_000),
@@ -50,8 +51,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_request_bytes", int, 16 * 1024 * 1024, "largest OTLP request accepted (after decompression)", 1024, 1 << 31),
     Setting("max_pending_requests", int, 256, "requests queued for the engine before intake answers 'retry later'", 1, 1_000_000),
     Setting("max_pending_spans", int, 1_000_000, "spans queued for the engine before intake answers 'retry later'", 1, 100_000_000),
-    Setting("receiver_threads", int, 4, "OTLP/gRPC worker threads; calls beyond 4x this many at once are refused (RESOURCE_EXHAUSTED)", 1, 256),
-    Setting("max_http_connections", int, 256, "OTLP/HTTP connections served at once (a thread each); one more gets 503 at once", 1, 10_000),
+    Setting("receiver_threads", int, 4, "threads that decompress, decode and queue OTLP requests (connections and calls wait on one event loop, not on these)", 1, 256),
+    Setting("max_http_connections", int, 256, "OTLP/HTTP connections at once; one more takes the place of the one that waited longest for its next request, or gets 503 when all are busy", 1, 100_000),
+    Setting("max_grpc_calls", int, 256, "OTLP/gRPC calls at once; one more takes the place of the one that waited longest for its message, or gets RESOURCE_EXHAUSTED when all are busy", 1, 100_000),
     Setting("auth_token_file", str, "", "file holding the bearer token clients must send (empty: no auth)"),
     Setting("auth_token", str, "", "bearer token clients must send (prefer --auth-token-file)"),
     Setting("tls_cert_file", str, "", "PEM certificate; with --tls-key-file serves TLS on both ports"),
@@ -93,6 +95,7 @@ class DetectorConfig:
     hang_timeout_s: float = 120.0
     dedup_horizon: int = 512
     max_jobs: int = 64
+    idle_evict_s: float = 600.0
     max_cohorts: int = 4096
     max_ranks: int = 65_536
     max_tracked_ranks: int = 262_144
@@ -108,6 +111,7 @@ class DetectorConfig:
     max_pending_spans: int = 1_000_000
     receiver_threads: int = 4
     max_http_connections: int = 256
+    max_grpc_calls: int = 256
     auth_token_file: str = ""
     auth_token: str = ""
     tls_cert_file: str = ""

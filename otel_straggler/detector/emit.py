@@ -13,7 +13,7 @@ import threading
 from collections import Counter
 from typing import Callable, Optional
 
-from otel_straggler.detector.evidence import EvidenceFiles, verdict_line
+from otel_straggler.detector.evidence import CARRIED_SECTIONS, EvidenceFiles, verdict_line
 from otel_straggler.detector.observation import Verdict
 from otel_straggler.detector.periodic_writer import PeriodicWriter
 from otel_straggler.detector.pipeline import EngineDriver
@@ -68,34 +68,39 @@ class VerdictEmitter(PeriodicWriter):
             verdicts, self._pending = self._pending, []
         if verdicts:
             before = self._evidence.lines_dropped_file_full
+            failure: Optional[OSError] = None
             try:
                 self._evidence.append(verdict_line(verdict) for verdict in verdicts)
-                failed = False
-            except OSError:
-                failed = True
+            except OSError as error:
+                failure = error
             full = self._evidence.lines_dropped_file_full - before  # left out before the write: not failed too
             self._count(self._dropped, "file_full", full)
-            if failed:
-                self._failed("write_failed", len(verdicts) - full, "cannot append to verdicts.jsonl")
+            if failure is not None:
+                self._failed("write_failed", len(verdicts) - full, "cannot append to verdicts.jsonl", failure)
             if self._telemetry is not None:
                 try:
                     self._telemetry.record_verdicts(verdicts)
-                except Exception:  # noqa: BLE001 - telemetry must not stop the evidence file
-                    self._failed("telemetry", 1, "recording verdict telemetry failed")
+                except Exception as error:  # noqa: BLE001 - telemetry must not stop the evidence file
+                    self._failed("telemetry", 1, "recording verdict telemetry failed", error)
             # counted once written and recorded, so a reader who sees the count in status.json
             # finds the verdicts in the evidence file and in the metrics too
             with self._counts_lock:
                 self._verdicts.update(verdict.verdict for verdict in verdicts)
         try:
             self._evidence.write_status(self._status())
-        except Exception:  # noqa: BLE001
-            self._failed("status_file", 1, "cannot write status.json")
+        except Exception as error:  # noqa: BLE001
+            self._failed("status_file", 1, "cannot write status.json (it keeps its last contents; the "
+                         "Prometheus endpoint and OTLP metrics have the current counters)", error)
 
-    def _failed(self, reason: str, count: int, message: str) -> None:
+    def _failed(self, reason: str, count: int, message: str, error: BaseException) -> None:
         self._count(self._dropped if reason == "write_failed" else self._errors, reason, count)
         if reason not in self._logged:  # once per reason: a full disk would otherwise flood the log
             self._logged.add(reason)
-            _log.exception("%s (counted, logged once)", message)
+            # an OSError says which (ENOSPC: the disk is full); anything else is a bug: its traceback
+            if isinstance(error, OSError):
+                _log.error("%s: %s (counted as %s, logged once)", message, error, reason)
+            else:
+                _log.error("%s (counted as %s, logged once)", message, reason, exc_info=error)
 
     def _count(self, counter: Counter, key: str, amount: int) -> None:
         if amount > 0:
@@ -103,13 +108,15 @@ class VerdictEmitter(PeriodicWriter):
                 counter[key] += amount
 
 
-def status_record(driver: EngineDriver, emitter: VerdictEmitter, telemetry: Optional[DetectorTelemetry]) -> dict:
-    """The counters part of status.json, shared by the live service and replay."""
+def status_record(driver: EngineDriver, emitter: VerdictEmitter, telemetry: Optional[DetectorTelemetry],
+                  carried: Optional[dict] = None) -> dict:
+    """The counters part of status.json, shared by the live service and replay. `carried`: what
+    earlier processes counted in the same evidence directory (evidence.carried_counters), added in."""
     counts = driver.counters.snapshot()
     emitted = emitter.counts()
     errors = Counter(counts["errors"])
     errors.update(emitted["errors"])
-    return {
+    record = {
         "spans": counts["spans"],
         "rejections": counts["rejections"],
         "requests": counts["requests"],
@@ -121,3 +128,9 @@ def status_record(driver: EngineDriver, emitter: VerdictEmitter, telemetry: Opti
         "evidence": emitter.evidence_counts(),
         "export_failures": dict(telemetry.export_failures) if telemetry is not None else {},
     }
+    if carried:
+        for section in CARRIED_SECTIONS:
+            total = Counter(carried.get(section, {}))
+            total.update(record[section])
+            record[section] = dict(total)
+    return record

@@ -46,6 +46,7 @@ import numpy as np
 
 from otel_straggler import contract
 from otel_straggler.detector.config import DetectorConfig
+from otel_straggler.detector.inherited_alerts import AlertKey, InheritedAlerts
 from otel_straggler.detector.judge import judge_window, restarted_verdicts
 from otel_straggler.detector.liveness import HangState, Liveness
 from otel_straggler.detector.observation import DEFAULT_COHORT, Heartbeat, Observation, Placement, Verdict
@@ -84,6 +85,22 @@ class RankState(NamedTuple):
     local_rank: Optional[int] = None
 
 
+class _JobView(NamedTuple):
+    """A job as _evictable sees it: its cohorts together."""
+    job_id: str
+    cohorts: list
+
+    def established(self) -> bool:
+        return any(cohort.established() for cohort in self.cohorts)
+
+    def rank_count(self) -> int:
+        return sum(cohort.rank_count() for cohort in self.cohorts)
+
+    @property
+    def last_active_unix_nano(self) -> int:
+        return max(cohort.last_active_unix_nano for cohort in self.cohorts)
+
+
 class Engine:
     """Not thread-safe: one thread calls everything (or the caller holds a lock around each call)."""
 
@@ -108,6 +125,12 @@ class Engine:
         self._retiring: list[Cohort] = []  # superseded by a new incarnation, judged at the next advance
         self._liveness = Liveness(config, self._counts)
         self._liveness_verdicts: list[Verdict] = []  # made at intake, handed out at the next advance
+        self._inherited: Optional[InheritedAlerts] = None  # a previous process's open alerts
+
+    def inherit_alerts(self, alerts: dict[AlertKey, str]) -> None:
+        """Alerts a previous detector process left open (inherited_alerts.py): held from the first
+        window judged with their rank and stage, so they end with `recovered`, never start twice."""
+        self._inherited = InheritedAlerts(alerts) if alerts else None
 
     # ---- intake ----
     def ingest(self, observation: Observation) -> str:
@@ -185,8 +208,10 @@ class Engine:
         self._counts["seq_restarts"] += 1
         return True
 
-    def ingest_heartbeats(self, heartbeats: Iterable[Heartbeat]) -> None:
-        self._liveness_verdicts += self._liveness.note_heartbeats(heartbeats, self._now)
+    def ingest_heartbeats(self, heartbeats: Iterable[Heartbeat], now_unix_nano: Optional[int] = None) -> None:
+        """Heartbeats that arrived at `now_unix_nano` (the caller's clock; default: the latest advance)."""
+        now = self._now if now_unix_nano is None else now_unix_nano
+        self._liveness_verdicts += self._liveness.note_heartbeats(heartbeats, now)
 
     def ingest_placements(self, placements: Iterable[Placement]) -> None:
         placements = list(placements)
@@ -227,9 +252,15 @@ class Engine:
         if cohort is not None:
             return cohort
         if job_id not in self._cohorts_by_job and len(self._cohorts_by_job) >= self._config.max_jobs:
-            self._evict_job()
+            if not self._evict_job():
+                self._counts["jobs_shed"] += 1
+                return None
         if len(self._cohorts) >= self._config.max_cohorts:
-            self._evict_cohort(min(self._cohorts.values(), key=lambda c: c.last_active_unix_nano))
+            victim = self._evictable(self._cohorts.values())
+            if victim is None:
+                self._counts["cohorts_shed"] += 1
+                return None
+            self._evict_cohort(victim)
             self._counts["evictions_cohorts"] += 1
         cohort = self._make_cohort(job_id, epoch, name, 0)
         self._cohorts_by_job.setdefault(job_id, []).append(key)
@@ -255,12 +286,31 @@ class Engine:
         self._liveness_verdicts += self._liveness.new_incarnation(old.job_id, old.epoch, restart, self._now)
         return self._make_cohort(old.job_id, old.epoch, old.name, restart)
 
-    def _evict_job(self) -> None:
-        def last_active(job_id: str) -> int:
-            return max(self._cohorts[key].last_active_unix_nano for key in self._cohorts_by_job[job_id])
-        for key in list(self._cohorts_by_job[min(self._cohorts_by_job, key=last_active)]):
-            self._evict_cohort(self._cohorts[key])
+    def _evict_job(self) -> bool:
+        """Makes room for a new job (see _evictable); False when there is none to give."""
+        jobs = [_JobView(job_id, [self._cohorts[key] for key in keys]) for job_id, keys in self._cohorts_by_job.items()]
+        # (a job is established when one of its cohorts is, active when its latest cohort is)
+        victim = self._evictable(jobs)
+        if victim is None:
+            return False
+        for cohort in victim.cohorts:
+            self._evict_cohort(cohort)
         self._counts["evictions_jobs"] += 1
+        return True
+
+    def _evictable(self, candidates):
+        """What a full table gives up for a newcomer: of those not established (never judged, and
+        reporting in one window only), the one with the fewest ranks, then the least recently active
+        (a flood of ids each sent once by one client churns among its own, while a job starting up
+        has its ranks); else the least recently active of those idle for idle_evict_s; None when all
+        are established and active: the newcomer is shed instead (counted), never a job at work."""
+        candidates = list(candidates)
+        newcomers = [c for c in candidates if not c.established()]
+        if newcomers:
+            return min(newcomers, key=lambda c: (c.rank_count(), c.last_active_unix_nano))
+        idle_before = self._now - int(self._config.idle_evict_s * 1e9)
+        oldest = min(candidates, key=lambda c: c.last_active_unix_nano, default=None)
+        return oldest if oldest is not None and oldest.last_active_unix_nano <= idle_before else None
 
     def _retire(self, now_unix_nano: int) -> list[Verdict]:
         """Judges what superseded incarnations still hold, then ends their active alerts."""
@@ -322,7 +372,7 @@ class Engine:
         for cohort in self._cohorts.values():
             if cohort.latest_end_unix_nano:
                 verdicts += self._liveness.note_progress(cohort.job_id, cohort.epoch, cohort.restart,
-                                                         cohort.latest_end_unix_nano)
+                                                         cohort.latest_end_unix_nano, now_unix_nano)
         verdicts += self._liveness.judge(now_unix_nano, self._collective_stages)
         self._counts["verdicts"] += len(verdicts)
         return verdicts
@@ -364,6 +414,8 @@ class Engine:
             closed = windows_of(cohort)
             if closed and self._windows_judged is not None:
                 self._windows_judged(cohort, closed)
+            if closed and self._inherited is not None:
+                self._inherited.take_over(cohort)
             for rows in closed:
                 judgement = judge_window(cohort, rows, self._config, now_unix_nano)
                 cohort.ranks_fell_silent(judgement.fell_silent)
@@ -383,7 +435,7 @@ class Engine:
                     "evictions_jobs", "evictions_cohorts", "evictions_ranks", "evictions_stages",
                     "evictions_windows", "windows_dropped", "windows_closed_full", "seq_restarts", "invalid_device_durations",
                     "verdicts", "heartbeats", "incarnations", "evictions_liveness_jobs", "evictions_liveness_ranks",
-                    "detector_stalls", "below_floor_quiet")
+                    "detector_stalls", "below_floor_quiet", "jobs_shed", "cohorts_shed")
         stats = {name: int(self._counts[name]) for name in counters}
         stats["duplicates"] = int(self._counts["duplicate"])
         stats["jobs"] = len(self._cohorts_by_job)
@@ -391,6 +443,8 @@ class Engine:
         stats["ranks"] = sum(cohort.rank_count() for cohort in self._cohorts.values())
         stats["open_windows"] = sum(cohort.pending_window_count() for cohort in self._cohorts.values())
         stats["tracked_ranks"] = self._liveness.tracked_ranks()
+        inherited = self._inherited.counts() if self._inherited is not None else {"taken_over": 0, "pending": 0}
+        stats["alerts_taken_over"], stats["alerts_pending_takeover"] = inherited["taken_over"], inherited["pending"]
         return stats
 
     def job_slowdown_state(self) -> list[JobSlowdownState]:

@@ -134,3 +134,35 @@ class EvidenceFiles(JsonLinesFile):
             json.dump(status, handle, indent=1, sort_keys=True, default=str)
             handle.write("\n")
         os.replace(temporary, self.status_path)
+
+
+# status.json sections that count since the first start in this evidence directory: a restarted
+# detector carries them on (the rest describes the running process: its engine, queue, ports)
+CARRIED_SECTIONS = ("spans", "rejections", "requests", "errors", "verdicts", "verdicts_dropped")
+
+
+def carried_counters(status_path: str) -> dict:
+    """The counters a previous process left in status.json, to carry on from: CARRIED_SECTIONS (each
+    {name: count}), `processes` (how many ran before) and `counting_since_unix_nano` (the first's
+    start). Empty when there is no readable file; a section that is not counts is left out."""
+    try:
+        with open(status_path, encoding="utf-8") as handle:
+            previous = json.load(handle)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(previous, dict):
+        return {}
+    carried: dict = {}
+    for section in CARRIED_SECTIONS:
+        counts = previous.get(section)
+        if isinstance(counts, dict) and all(isinstance(value, int) and not isinstance(value, bool)
+                                            for value in counts.values()):
+            carried[section] = counts
+    history = previous.get("history") if isinstance(previous.get("history"), dict) else {}
+    processes = history.get("processes", 1)
+    since = history.get("counting_since_unix_nano", previous.get("started_unix_nano"))
+    carried["processes"] = processes if isinstance(processes, int) else 1
+    if isinstance(since, int):
+        carried["counting_since_unix_nano"] = since
+    return carried
+

@@ -1,5 +1,5 @@
-"""A threading HTTP server that its clients cannot exhaust: the OTLP/HTTP receiver's and the
-Prometheus endpoint's.
+"""A threading HTTP server that its clients cannot exhaust: the Prometheus endpoint's (a few
+scrapers; the OTLP/HTTP receiver runs on the intake loop instead, receiver_http.py).
 
 At most `max_connections` connections are served at once, a thread each; one more gets a 503 at
 once rather than a thread. Each read waits IDLE_CONNECTION_TIMEOUT_S at most, and each request,
@@ -15,7 +15,7 @@ import ssl
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
+from typing import Callable, Optional
 
 from otel_straggler.detector.receiver import RETRY_AFTER_S
 
@@ -57,13 +57,21 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     request_queue_size = 128
 
     def __init__(self, address: tuple[str, int], handler: type[BoundedRequestHandler], max_connections: int,
-                 on_event: Callable[[str], None]) -> None:
+                 on_event: Callable[[str], None], ssl_context: Optional[ssl.SSLContext] = None) -> None:
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self._ssl_context = ssl_context
         self._connections = threading.BoundedSemaphore(max_connections)
         self._on_event = on_event
         self._deadlines: dict[socket.socket, float] = {}  # connection -> when its current request must be done
         self._deadlines_lock = threading.Lock()
         super().__init__(address, handler)
+
+    def get_request(self):
+        connection, client = super().get_request()
+        if self._ssl_context is not None:
+            # the handshake runs on the connection's own thread (first read), not on the accept loop
+            connection = self._ssl_context.wrap_socket(connection, server_side=True, do_handshake_on_connect=False)
+        return connection, client
 
     def process_request(self, request, client_address) -> None:
         if not self._connections.acquire(blocking=False):

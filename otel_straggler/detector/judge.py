@@ -211,7 +211,12 @@ def judge_window(cohort, rows, config: DetectorConfig, now_unix_nano: int) -> Wi
     slot_count = len(cohort.slot_entries)
     with np.errstate(all="ignore"):  # inf/nan from hostile values are handled as unusable below
         entries, invalid_device_rows = _entries(rows, layout, slot_count, state, config)
-        judgement = _judge_entries(cohort, rows.window, entries, config, now_unix_nano)
+        # ranks with no rows here that have sent a later window's: alive, their rows of this one lost
+        # on the way (an exporter's full queue while the detector was down); where they outnumber
+        # the ranks present, the window is a backlog too thin to compare anyone in
+        moved_past = np.count_nonzero(~entries.present & (cohort.latest_windows(slot_count) > rows.window))
+        thin = moved_past > np.count_nonzero(entries.present)
+        judgement = _judge_entries(cohort, rows.window, entries, config, now_unix_nano, thin)
     judgement.invalid_device_rows = invalid_device_rows
     _judge_presence(cohort, rows.window, entries, config, now_unix_nano, judgement)
     judgement.verdicts += _judge_pace(cohort, rows, entries, config, now_unix_nano)
@@ -567,7 +572,8 @@ def _noise_z(comparisons: int, false_alarm_rate: float) -> float:
     return statistics.NormalDist().inv_cdf(1.0 - false_alarm_rate / max(1, comparisons))
 
 
-def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfig, now: int) -> WindowJudgement:
+def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfig, now: int,
+                   thin: bool = False) -> WindowJudgement:
     state: CohortVerdictState = cohort.verdict_state
     judgement = WindowJudgement()
     count = entries.code.size
@@ -626,9 +632,10 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
                                          comparisons, config)
 
     state.slowdown.reshape(-1)[flat] = slowdown  # gauges update every window, warmup included
-    # a window with under half the steps of the cohort's full ones (the job's last, say) is too
-    # thin to start, end or break anything: it is not judged, and holds every streak and alert
-    partial = 2 * entries.steps < state.full_window_steps
+    # a window with under half the steps of the cohort's full ones (the job's last, say), or a
+    # backlog's (`thin`), is too thin to start, end or break anything: it is not judged, and holds
+    # every streak and alert
+    partial = 2 * entries.steps < state.full_window_steps or thin
     state.full_window_steps = max(state.full_window_steps, entries.steps)
     judged = (state.windows_seen[entries.slot] >= config.warmup_windows) & (not partial)
     compute = judged & ~collective
@@ -698,7 +705,8 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
                                       compute & steady_alert, state.alert, config.false_alarm_rate,
                                       config.persist_windows)
     intermittent_also_slow = _lead_intermittent(cohort.stage_names, state, entries, intermittent,
-                                                compute & slow & (entries.code >= 2))
+                                                compute & slow & (entries.code >= 2), clearly_over,
+                                                entries.host - host.references.reference)
 
     context = _VerdictContext(cohort, window, now, entries, host, device, use_device, slowdown)
     # a steady alert that ends as the intermittent one starts is handed over: one straggler verdict
@@ -737,7 +745,8 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
 
 
 def _lead_intermittent(stage_names: list, state: CohortVerdictState, entries: _Entries,
-                       intermittent, slow_named: np.ndarray) -> dict[int, tuple[str, ...]]:
+                       intermittent, slow_named: np.ndarray, clearly_over: np.ndarray,
+                       gap_ms: np.ndarray) -> dict[int, tuple[str, ...]]:
     """_lead for the intermittent rule's onsets: on a rank whose whole step starts an intermittent
     alert, several named stages starting one too are a slowdown spread over the step, said once on
     `*`; one named stage starting one, or any other stage already alerted, explains the whole
@@ -745,7 +754,9 @@ def _lead_intermittent(stage_names: list, state: CohortVerdictState, entries: _E
     window by the steady rule (`slow_named`): a slowdown that began in this window or the one
     before, whose stage the steady rule names once it persists (the whole step's evidence can reach
     the intermittent test first, a noisy step of an earlier window counting among its recurrences).
-    The alerts not said are not kept; their evidence is. Returns also_slow per entry."""
+    Where no named stage is slow, one that carries the step's excess (_carrier) takes the whole
+    step's onset, with its own evidence. The alerts not said are not kept; their evidence is.
+    Returns also_slow per entry."""
     also_slow: dict[int, tuple[str, ...]] = {}
     if not intermittent.onset.any():
         return also_slow
@@ -768,9 +779,17 @@ def _lead_intermittent(stage_names: list, state: CohortVerdictState, entries: _E
         names = tuple(stage_names[int(entries.code[other]) // 2] for other in named.tolist())
         other_alert = alerted_before[slot] or state.intermittent.alert[2:codes, slot].sum() > named.size
         steady_under_way = not named.size and bool(slow_named[entries.slot == slot].any())
+        carrier = None if named.size or other_alert or steady_under_way else _carrier(
+            entries, slot, entries.code == 0, clearly_over, gap_ms)
         if steady_under_way:
             intermittent.onset[entry] = False
             state.intermittent.alert[0, slot] = False
+        elif carrier is not None:
+            intermittent.onset[entry] = False
+            state.intermittent.alert[0, slot] = False
+            intermittent.onset[carrier] = True
+            state.intermittent.alert[entries.code[carrier], slot] = True
+            also_slow[carrier] = (contract.WHOLE_STEP_STAGE,)
         elif named.size >= 2 and not other_alert:
             intermittent.onset[named] = False
             state.intermittent.alert[entries.code[named], slot] = False
@@ -966,7 +985,10 @@ def _judge_presence(cohort, window: int, entries: _Entries, config: DetectorConf
 
     A rank that misses silent_windows windows in a row falls silent at once (windows stop waiting
     for it), but its verdict waits until its peers' intervals, in the windows judged, end more than
-    max_export_lag_s after its own last one: only then is the gap longer than any export delay. Ranks that all stop
+    max_export_lag_s after its own last one: only then is the gap longer than any export delay. A
+    rank that has already sent rows of a later window is alive whatever it lacks here (its exporter
+    dropped them, as ranks do while a detector is down and a peer's backlog arrives later): a
+    coverage gap, never a step towards silence. Ranks that all stop
     together, as torchrun stops the survivors of a crash before their last export, never get
     there, and a new incarnation replaces them without a `silent` verdict (CONTRACT §training.restart.count)."""
     state: CohortVerdictState = cohort.verdict_state
@@ -982,7 +1004,7 @@ def _judge_presence(cohort, window: int, entries: _Entries, config: DetectorConf
     gaps = missing & ~silent
     judgement.coverage_gaps = int(np.count_nonzero(gaps))
     missed[missing] += 1
-    missed[present] = 0
+    missed[present | (cohort.latest_windows(slot_count) > window)] = 0
     fell_silent = gaps & (missed >= config.silent_windows)
     came_back = present & silent
     silent[fell_silent] = True

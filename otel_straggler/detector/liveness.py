@@ -8,9 +8,15 @@ end time of an interval the engine accepted.
 
 `judge(now)` declares a hang when no interval of the job ended for `hang_timeout_s` (counted from
 its last progress, or its first heartbeat if it never made any) while some rank's heartbeats are
-recent. A rank's heartbeats have stopped when its latest is older than twice its own heartbeat gap
-plus `max_export_lag_s` (its exporter sends them in bursts), at most half the hang timeout; a rank that
-sent spans but never a heartbeat has stopped when its latest spans came that long ago. Among the
+recent. Every age is on the detector's clock (`now`), never a rank's: progress is when the latest
+end of the job's intervals last moved on, as the detector saw it, and a heartbeat is as old as its
+arrival; a rank's clock only measures spans between its own readings (the gap between its
+heartbeats, how long a stage has been open at one). So a rank whose clock is a day fast or every
+clock minutes slow leaves hangs judged as with honest clocks, at the cost of the export lag (a
+hang is declared that much later). A rank's heartbeats have stopped when its latest arrived longer
+ago than twice its own heartbeat gap plus `max_export_lag_s` (its exporter sends them in bursts), at
+most half the hang timeout; a rank that sent spans but never a heartbeat has stopped when its
+latest spans came that long ago. Among the
 live ranks, those whose innermost open stage is a collective wait; a collective is a stage the job's
 spans mark as one or one the judge found to end at a synchronization point. Then:
 - most live ranks wait: every other live rank is a culprit, `never_entered_collective`, its stage
@@ -63,17 +69,18 @@ class HangState(NamedTuple):
 
 
 class RankRecord:
-    __slots__ = ("cohort", "host", "local_rank", "heartbeat_ns", "gap_ns", "open_stages", "open_since", "step",
-                 "touched_ns")
+    __slots__ = ("cohort", "host", "local_rank", "heartbeat_ns", "heard_ns", "gap_ns", "open_stages", "open_since",
+                 "step", "touched_ns")
 
     def __init__(self, cohort: str, now: int) -> None:
         self.cohort = cohort
         self.host: Optional[str] = None
         self.local_rank: Optional[int] = None
-        self.heartbeat_ns = 0  # 0: no heartbeat yet
-        self.gap_ns = 0  # largest recent gap between its heartbeats; 0: unknown
+        self.heartbeat_ns = 0  # its latest heartbeat's time on the rank's clock; 0: no heartbeat yet
+        self.heard_ns = 0  # when that heartbeat arrived, on the detector's clock
+        self.gap_ns = 0  # largest recent gap between its heartbeats (rank clock); 0: unknown
         self.open_stages: tuple[str, ...] = ()
-        self.open_since: tuple[int, ...] = ()
+        self.open_since: tuple[int, ...] = ()  # rank clock
         self.step: Optional[int] = None
         self.touched_ns = now
 
@@ -88,16 +95,17 @@ class _Hang:
 
 
 class JobLiveness:
-    __slots__ = ("job_id", "epoch", "restart", "ranks", "progress_ns", "first_heartbeat_ns", "hang", "resumed",
-                 "next_check_ns", "touched_ns", "world_size", "names_cohorts", "evicted")
+    __slots__ = ("job_id", "epoch", "restart", "ranks", "latest_end_ns", "progress_ns", "first_heartbeat_ns", "hang",
+                 "resumed", "next_check_ns", "touched_ns", "world_size", "names_cohorts", "evicted")
 
     def __init__(self, job_id: str, epoch: int, restart: int, now: int) -> None:
         self.job_id = job_id
         self.epoch = epoch
         self.restart = restart
         self.ranks: dict[int, RankRecord] = {}
-        self.progress_ns = 0  # latest end of an accepted interval; 0: none yet
-        self.first_heartbeat_ns = 0
+        self.latest_end_ns = 0  # latest end of an accepted interval (the ranks' clocks); 0: none yet
+        self.progress_ns = 0  # when that last moved on (detector clock); 0: never
+        self.first_heartbeat_ns = 0  # when its first heartbeat arrived (detector clock)
         self.hang: Optional[_Hang] = None
         self.resumed: list[Verdict] = []  # the last hang's verdicts, after it ended: gauge series at 0
         self.next_check_ns = 0
@@ -117,7 +125,6 @@ class Liveness:
         self._counts = counts
         self._jobs: dict[tuple, JobLiveness] = {}  # (job_id, epoch) -> its liveness
         self._records = 0
-        self._now = 0
 
     # ---- intake ----
     def note_placements(self, placements: Iterable[Placement], now: int) -> list[Verdict]:
@@ -143,18 +150,21 @@ class Liveness:
             if record.heartbeat_ns:
                 gap = min(beat.time_unix_nano - record.heartbeat_ns, self._timeout_ns)
                 record.gap_ns = max(gap, int(record.gap_ns * GAP_DECAY))
-            record.heartbeat_ns = beat.time_unix_nano
+            record.heartbeat_ns, record.heard_ns = beat.time_unix_nano, now
             record.open_stages, record.open_since, record.step = beat.open_stages, beat.open_since_unix_nano, beat.step
             if not job.first_heartbeat_ns:
-                job.first_heartbeat_ns = beat.time_unix_nano
+                job.first_heartbeat_ns = now
             self._counts["heartbeats"] += 1
         return verdicts
 
-    def note_progress(self, job_id: str, epoch: int, restart: int, end_unix_nano: int) -> list[Verdict]:
+    def note_progress(self, job_id: str, epoch: int, restart: int, end_unix_nano: int, now: int) -> list[Verdict]:
+        """The latest end of the job's accepted intervals (a rank's clock) as of `now`: progress,
+        dated `now`, when it moved on."""
         verdicts: list[Verdict] = []
-        job = self._job(job_id, epoch, restart, self._now, verdicts)
-        if end_unix_nano > job.progress_ns:
-            job.progress_ns = end_unix_nano
+        job = self._job(job_id, epoch, restart, now, verdicts)
+        if end_unix_nano > job.latest_end_ns:
+            job.latest_end_ns = end_unix_nano
+            job.progress_ns = now
         return verdicts
 
     def new_incarnation(self, job_id: str, epoch: int, restart: int, now: int) -> list[Verdict]:
@@ -177,7 +187,6 @@ class Liveness:
     def judge(self, now: int, collectives_of: Callable[[str, int], set]) -> list[Verdict]:
         """Hang and resumed verdicts due at `now`; `collectives_of(job, epoch)` names the job's
         collective stages."""
-        self._now = now
         verdicts: list[Verdict] = []
         for job in self._jobs.values():
             if job.hang is not None and job.progress_ns > job.hang.progress_ns:
@@ -194,7 +203,7 @@ class Liveness:
         live, lost = [], []
         for rank, record in job.ranks.items():
             if record.heartbeat_ns:
-                (lost if now - record.heartbeat_ns > self._patience_ns(record) else live).append((rank, record))
+                (lost if now - record.heard_ns > self._patience_ns(record) else live).append((rank, record))
             elif now - record.touched_ns > self._patience_ns(record):
                 # its peers send heartbeats and it sent none, only spans, and none of those lately
                 # (a rank frozen before its first heartbeat): lost as well
@@ -205,7 +214,7 @@ class Liveness:
                    if record.open_stages and record.open_stages[-1] in collectives]
         others = [(rank, record) for rank, record in live
                   if not record.open_stages or record.open_stages[-1] not in collectives]
-        waited_ms = statistics.median([(now - record.open_since[-1]) / 1e6 for _, record in waiting]) if waiting else None
+        waited_ms = statistics.median([_open_ms(record, now) for _, record in waiting]) if waiting else None
         waiting_ranks = tuple(sorted(rank for rank, _ in waiting))
         found: list[tuple] = []  # (rank, record or None, reason, stage)
         if waiting and len(waiting) >= len(others):
@@ -228,7 +237,7 @@ class Liveness:
             if key in job.hang.verdicts:
                 continue
             cohort = record.cohort if record is not None else _most_common_cohort(waiting or live)
-            open_ms = (now - record.open_since[-1]) / 1e6 if record is not None and record.open_since else None
+            open_ms = _open_ms(record, now) if record is not None and record.open_since else None
             steps = [r.step for _, r in live + lost if r.step is not None]
             step = record.step if record is not None and record.step is not None else max(steps, default=0)
             verdict = Verdict(
@@ -310,11 +319,14 @@ class Liveness:
             job.restart = restart
             job.first_heartbeat_ns = 0
             job.next_check_ns = 0
-            job.progress_ns = 0
+            job.progress_ns = job.latest_end_ns = 0
         if job is None:
             if len(self._jobs) >= self._max_jobs:
-                oldest = min(self._jobs, key=lambda k: self._jobs[k].touched_ns)
-                self._records -= len(self._jobs.pop(oldest).ranks)
+                # as the engine's tables: a job at work (heartbeats and progress) goes last, and of
+                # the others the one with the fewest ranks (an id sent once), then the least touched
+                victim = min(self._jobs, key=lambda k: (bool(self._jobs[k].first_heartbeat_ns and self._jobs[k].progress_ns),
+                                                        len(self._jobs[k].ranks), self._jobs[k].touched_ns))
+                self._records -= len(self._jobs.pop(victim).ranks)
                 self._counts["evictions_liveness_jobs"] += 1
             job = self._jobs[key] = JobLiveness(job_id, epoch, restart, now)
         job.touched_ns = now
@@ -341,6 +353,12 @@ class Liveness:
             job.evicted = True
             self._records -= 1
             self._counts["evictions_liveness_ranks"] += 1
+
+
+def _open_ms(record: RankRecord, now: int) -> float:
+    """How long its innermost stage has been open at `now`: open at its latest heartbeat (both
+    times on its clock), plus the time since that heartbeat arrived (on the detector's)."""
+    return ((record.heartbeat_ns - record.open_since[-1]) + (now - record.heard_ns)) / 1e6
 
 
 def _innermost(record: RankRecord) -> str:

@@ -109,7 +109,7 @@ class EngineDriver:
 
     def ingest(self, batch: DecodedBatch, now_unix_nano: int) -> None:
         if batch.placements or batch.heartbeats:
-            self._ingest_liveness(batch)
+            self._ingest_liveness(batch, now_unix_nano)
         observations = batch.observations
         if not observations:
             return
@@ -135,14 +135,14 @@ class EngineDriver:
             # one sample per batch: the age of its last span when the engine took it
             self._on_ingest_lag(max(0.0, (now_unix_nano - observations[-1].end_unix_nano) / 1e9))
 
-    def _ingest_liveness(self, batch: DecodedBatch) -> None:
+    def _ingest_liveness(self, batch: DecodedBatch, now_unix_nano: int) -> None:
         """Where ranks run and their heartbeats; an engine without liveness ignores them."""
         try:
             with self._engine_lock:
                 if batch.placements and hasattr(self.engine, "ingest_placements"):
                     self.engine.ingest_placements(batch.placements)
                 if batch.heartbeats and hasattr(self.engine, "ingest_heartbeats"):
-                    self.engine.ingest_heartbeats(batch.heartbeats)
+                    self.engine.ingest_heartbeats(batch.heartbeats, now_unix_nano)
         except Exception:  # noqa: BLE001 - an engine bug must not stop intake
             self._engine_failed("ingest_heartbeats")
 

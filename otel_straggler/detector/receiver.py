@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 import hmac
 import logging
+import os
+import stat
 from dataclasses import dataclass
 from typing import Optional
 
@@ -57,8 +59,29 @@ def load_token(config: DetectorConfig) -> Optional[str]:
             raise ConfigError(f"--auth-token-file: cannot read {config.auth_token_file!r}: {error.strerror}") from None
         if not token:
             raise ConfigError(f"--auth-token-file: {config.auth_token_file!r} is empty")
+        _warn_if_others_can_read(config.auth_token_file)
         return token
     return config.auth_token.strip() or None
+
+
+def _warn_if_others_can_read(path: str) -> None:
+    """A token file any local user can read gives any of them the right to send: said, not refused
+    (a mounted Kubernetes secret is often 0644 inside a container of one user)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if mode & stat.S_IROTH:
+        _log.warning("--auth-token-file %r is readable by every user (mode %o): any local user can send "
+                     "spans with it; chmod 600 it", path, stat.S_IMODE(mode))
+
+
+def bearer_matches(expected: bytes, authorization: Optional[str]) -> bool:
+    """Whether an `authorization` header/metadata value is `Bearer <token>` for `expected` (the
+    whole `Bearer <token>` bytes): the scheme case-insensitive (RFC 7235), the token compared in
+    constant time."""
+    scheme, _, credentials = (authorization or "").strip().partition(" ")
+    return hmac.compare_digest(f"Bearer {credentials.strip()}".encode(), expected) and scheme.lower() == "bearer"
 
 
 class OtlpIntake:
@@ -76,10 +99,7 @@ class OtlpIntake:
         """Checks an `authorization` header/metadata value in constant time; counts refusals."""
         if self._expected is None:
             return True
-        presented = (authorization or "").strip()
-        scheme, _, credentials = presented.partition(" ")
-        # the scheme is case-insensitive (RFC 7235); the token is compared in constant time
-        ok = hmac.compare_digest(f"Bearer {credentials.strip()}".encode(), self._expected) and scheme.lower() == "bearer"
+        ok = bearer_matches(self._expected, authorization)
         if not ok:
             self.refused(Result.UNAUTHENTICATED)
         return ok

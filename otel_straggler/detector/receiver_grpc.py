@@ -8,11 +8,21 @@ UNAUTHENTICATED without the right bearer token, RESOURCE_EXHAUSTED with RetryInf
 full (exporters retry it after the given delay), RESOURCE_EXHAUSTED over the size bound (after
 decompression, counted as on the HTTP side), partial success in the response. gRPC does gzip, and
 refuses on its own, uncounted, requests so far over the bound that this code never sees them.
+
+The server is gRPC's asyncio one on the intake loop (intake_loop.py): a call waiting for its message
+is a coroutine, not a thread, so streams that announce a message and send it slowly (or never) hold
+no worker. Export is registered as a stream-unary method (the wire is the same: one message, then
+the client half-closes) so that the wait for the message is bounded here: RECEIVE_TIMEOUT_S, then
+DEADLINE_EXCEEDED (`errors.grpc_request_deadline`). At most `max_calls` calls at once: one beyond
+takes the place of the call that has waited longest for its message (UNAVAILABLE,
+`errors.grpc_evicted_waiting`), and is refused (RESOURCE_EXHAUSTED) only when every call is being
+handled. Each connection may open MAX_STREAMS_PER_CONNECTION streams at once (HTTP/2 settings).
+Decoding and queueing run on the intake loop's worker threads.
 """
 from __future__ import annotations
 
+import asyncio
 import socket
-from concurrent import futures
 from typing import Optional
 
 import grpc
@@ -23,6 +33,7 @@ from opentelemetry.proto.collector.logs.v1 import logs_service_pb2
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
+from otel_straggler.detector.intake_loop import IntakeLoop
 from otel_straggler.detector.receiver import RETRY_AFTER_S, OtlpIntake, Result
 
 _SERVICE = trace_service_pb2.DESCRIPTOR.services_by_name["TraceService"]
@@ -71,71 +82,126 @@ def _retry_info_metadata(message: str) -> tuple[tuple[str, bytes], ...]:
             ("google.rpc.retryinfo-bin", retry_info.SerializeToString()))
 
 
+RECEIVE_TIMEOUT_S = 15.0
+MAX_STREAMS_PER_CONNECTION = 16
+
+
 class OtlpGrpcReceiver:
-    def __init__(self, intake: OtlpIntake, address: str, port: int, workers: int,
+    def __init__(self, intake: OtlpIntake, loop: IntakeLoop, address: str, port: int, max_calls: int,
                  tls_key_and_cert: Optional[tuple[bytes, bytes]] = None) -> None:
         self._intake = intake
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="straggler-otlp-grpc"),
-            # calls beyond this are refused by gRPC with RESOURCE_EXHAUSTED instead of queueing without bound
-            maximum_concurrent_rpcs=workers * 4,
-            # gRPC sets SO_REUSEPORT by default: a second detector on the same port would then start
-            # and silently take half of the first one's connections
-            options=[("grpc.max_receive_message_length", _grpc_receive_limit(intake.max_request_bytes)),
-                     ("grpc.so_reuseport", 0)],
-        )
-        handler = grpc.unary_unary_rpc_method_handler(self._export, response_serializer=_Response.SerializeToString)
-        self._server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(_SERVICE.full_name, {"Export": handler}),))
-        for service, response_type in _OTHER_SIGNALS.items():
-            other = grpc.unary_unary_rpc_method_handler(self._other_signal(response_type),
-                                                        response_serializer=response_type.SerializeToString)
-            self._server.add_generic_rpc_handlers(
-                (grpc.method_handlers_generic_handler(service.full_name, {"Export": other}),))
+        self._loop = loop
+        self._max_calls = max_calls
+        self._calls = 0
+        self._waiting: dict[asyncio.Future, float] = {}  # read of a call's message -> when it began
+        self._evicted: set[asyncio.Future] = set()
         _check_bindable(address, port)
         target = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+        self._server, self.port = loop.call(self._create(target, tls_key_and_cert))
+
+    async def _create(self, target: str, tls_key_and_cert):
+        server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", _grpc_receive_limit(self._intake.max_request_bytes)),
+            ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+            # gRPC sets SO_REUSEPORT by default: a second detector on the same port would then start
+            # and silently take half of the first one's connections
+            ("grpc.so_reuseport", 0)])
+        handler = grpc.stream_unary_rpc_method_handler(self._export, response_serializer=_Response.SerializeToString)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE.full_name, {"Export": handler}),))
+        for service, response_type in _OTHER_SIGNALS.items():
+            other = grpc.stream_unary_rpc_method_handler(self._other_signal(response_type),
+                                                         response_serializer=response_type.SerializeToString)
+            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, {"Export": other}),))
         try:
             if tls_key_and_cert is None:
-                self.port = self._server.add_insecure_port(target)
+                port = server.add_insecure_port(target)
             else:
-                self.port = self._server.add_secure_port(target, grpc.ssl_server_credentials([tls_key_and_cert]))
+                port = server.add_secure_port(target, grpc.ssl_server_credentials([tls_key_and_cert]))
         except RuntimeError as error:  # a failure the plain socket did not meet
             raise OSError(str(error)) from None
+        return server, port
 
     def start(self) -> None:
-        self._server.start()
+        self._loop.call(self._server.start())
 
     def stop(self, grace_s: float) -> None:
         """Refuses new calls at once and lets calls in progress finish for up to grace_s."""
-        self._server.stop(grace_s).wait(grace_s + 1.0)
+        try:
+            self._loop.call(self._server.stop(grace_s), timeout_s=grace_s + 2.0)
+        except Exception:  # noqa: BLE001 - stopping: whatever is left goes with the loop
+            pass
 
-    def _refuse_if_too_large(self, request: bytes, context: grpc.ServicerContext) -> None:
-        """The size bound, applied here rather than by gRPC so that the refusal is counted."""
-        if len(request) > self._intake.max_request_bytes:
-            self._intake.refused(Result.TOO_LARGE)
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request over {self._intake.max_request_bytes} bytes")
+    # ---------------------------------------------------------------- calls
+
+    async def _message(self, requests, context) -> bytes:
+        """The call's one message, within the bounds above (aborts the call otherwise)."""
+        intake = self._intake
+        if not intake.authorized(dict(context.invocation_metadata()).get("authorization")):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        if self._calls >= self._max_calls and not self._evict_longest_waiting():
+            intake.refused(Result.OVERLOADED)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many calls at once, retry later")
+        read = asyncio.ensure_future(requests.__anext__())
+        self._waiting[read] = self._loop.loop.time()
+        try:
+            request = await asyncio.wait_for(read, RECEIVE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            intake.counters.add_error("grpc_request_deadline")
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no message within {RECEIVE_TIMEOUT_S:g} s")
+        except asyncio.CancelledError:
+            if read in self._evicted:  # not the call itself ending
+                self._evicted.discard(read)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "waited longest for its message; retry")
+            raise
+        except StopAsyncIteration:
+            try:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no request message")
+            except grpc.aio.AbortError:
+                intake.refused(Result.MALFORMED)
+                raise
+            except Exception:  # noqa: BLE001 - the call is already over: gRPC refused the message
+                raise asyncio.CancelledError from None  # itself (over its receive bound), uncounted
+        finally:
+            self._waiting.pop(read, None)
+        if len(request) > intake.max_request_bytes:  # counted here, not refused by gRPC unseen
+            intake.refused(Result.TOO_LARGE)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request over {intake.max_request_bytes} bytes")
+        return request
+
+    def _evict_longest_waiting(self) -> bool:
+        if not self._waiting:
+            return False
+        longest = min(self._waiting, key=self._waiting.get)
+        del self._waiting[longest]
+        self._evicted.add(longest)
+        longest.cancel()
+        self._intake.counters.add_error("grpc_evicted_waiting")
+        return True
 
     def _other_signal(self, response_type):
-        def export(request: bytes, context: grpc.ServicerContext):
-            if not self._intake.authorized(dict(context.invocation_metadata()).get("authorization")):
-                context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-            self._refuse_if_too_large(request, context)
+        async def export(requests, context):
+            self._calls += 1
+            try:
+                await self._message(requests, context)
+            finally:
+                self._calls -= 1
             self._intake.other_signal()
             return response_type()
 
         return export
 
-    def _export(self, request: bytes, context: grpc.ServicerContext) -> trace_service_pb2.ExportTraceServiceResponse:
-        metadata = dict(context.invocation_metadata())
-        if not self._intake.authorized(metadata.get("authorization")):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-        self._refuse_if_too_large(request, context)
-        outcome = self._intake.export(request, is_json=False)
+    async def _export(self, requests, context) -> trace_service_pb2.ExportTraceServiceResponse:
+        self._calls += 1
+        try:
+            request = await self._message(requests, context)
+            outcome = await self._loop.work(self._intake.export, request, False)
+        finally:
+            self._calls -= 1
         if outcome.result is Result.MALFORMED:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, outcome.message)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, outcome.message)
         if outcome.result is Result.OVERLOADED:
             context.set_trailing_metadata(_retry_info_metadata(outcome.message))
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, outcome.message)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, outcome.message)
         response = _Response()
         if outcome.rejected_spans:
             response.partial_success.rejected_spans = outcome.rejected_spans

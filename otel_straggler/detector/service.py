@@ -22,7 +22,9 @@ from typing import Callable, Optional, TypeVar
 
 from otel_straggler.detector.config import ConfigError, DetectorConfig
 from otel_straggler.detector.emit import VerdictEmitter, status_record
-from otel_straggler.detector.evidence import EvidenceFiles
+from otel_straggler.detector.evidence import EvidenceFiles, carried_counters
+from otel_straggler.detector.inherited_alerts import read_open_alerts
+from otel_straggler.detector.intake_loop import IntakeLoop
 from otel_straggler.detector.observation import Verdict
 from otel_straggler.detector.pipeline import EngineDriver, IntakeCounters, SpanPipeline
 from otel_straggler.detector.receiver import OtlpIntake, load_token
@@ -71,8 +73,10 @@ class DetectorService:
         self._emitter: Optional[VerdictEmitter] = None
         self._grpc: Optional[OtlpGrpcReceiver] = None
         self._http: Optional[OtlpHttpReceiver] = None
+        self._intake_loop: Optional[IntakeLoop] = None
         self._prometheus: Optional[PrometheusEndpoint] = None
         self._started_unix_nano: Optional[int] = None
+        self._carried: dict = {}  # what earlier processes counted in this evidence directory
         self._state = "new"
         self._state_lock = threading.Lock()
 
@@ -131,7 +135,11 @@ class DetectorService:
             "queue": {"pending_spans": self._pipeline.pending_spans},
         }
         if self._emitter is not None:
-            record.update(status_record(self._driver, self._emitter, self._telemetry))
+            record.update(status_record(self._driver, self._emitter, self._telemetry, self._carried))
+            # the counters above count since counting_since_unix_nano, over `processes` processes
+            record["history"] = {"processes": self._carried.get("processes", 0) + 1,
+                                 "counting_since_unix_nano": self._carried.get("counting_since_unix_nano",
+                                                                               self._started_unix_nano)}
         if self.window_record is not None:
             record["windows"] = self.window_record.counts()
         return record
@@ -168,18 +176,28 @@ class DetectorService:
         self._telemetry = DetectorTelemetry(config, self.status, self.rank_state,
                                             export_otlp=config.export_metrics, hang_states=self._driver.hang_state,
                                             job_slowdown_states=self._driver.job_slowdown_state)
-        self._emitter = VerdictEmitter(EvidenceFiles(config.evidence_dir, config.max_evidence_bytes),
-                                       config.flush_interval_s, self.status, self._telemetry)
+        evidence = EvidenceFiles(config.evidence_dir, config.max_evidence_bytes)
+        # a restart in the same evidence directory carries on: its counters, and the alerts left open
+        self._carried = carried_counters(evidence.status_path)
+        if hasattr(self._driver.engine, "inherit_alerts"):
+            open_alerts, unreadable = read_open_alerts(evidence.verdicts_path)
+            self._driver.engine.inherit_alerts(open_alerts)
+            if unreadable:
+                self._counters.add_error("evidence_unreadable_lines", unreadable)
+        self._emitter = VerdictEmitter(evidence, config.flush_interval_s, self.status, self._telemetry)
         intake = OtlpIntake(self._pipeline, token, config.max_request_bytes)
         address = config.listen_address
+        self._intake_loop = IntakeLoop(config.receiver_threads)
+        self._intake_loop.start()
         self._grpc = _listening("--grpc-port", address, config.grpc_port, lambda: OtlpGrpcReceiver(
-            intake, address, config.grpc_port, config.receiver_threads, key_and_cert))
+            intake, self._intake_loop, address, config.grpc_port, config.max_grpc_calls, key_and_cert))
         self._http = _listening("--http-port", address, config.http_port, lambda: OtlpHttpReceiver(
-            intake, address, config.http_port, config.max_http_connections, ssl_context))
+            intake, self._intake_loop, address, config.http_port, config.max_http_connections, ssl_context))
         if self._telemetry.scrape_reader is not None:
+            # the OTLP ports' TLS and token guard this one too
             self._prometheus = _listening("--prometheus-port", address, config.prometheus_port, lambda: PrometheusEndpoint(
                 self._telemetry.scrape_reader, address, config.prometheus_port,
-                lambda event: intake.counters.add_error(f"prometheus_{event}")))
+                lambda event: intake.counters.add_error(f"prometheus_{event}"), ssl_context, token))
         self._started_unix_nano = time.time_ns()
         self._emitter.start()
         if self.window_record is not None:
@@ -200,6 +218,8 @@ class DetectorService:
             self._http.stop()
         if self._grpc is not None:
             self._grpc.stop(grace_s=min(1.0, left()))
+        if self._intake_loop is not None:
+            self._intake_loop.stop(min(5.0, left()))
         finished = self._pipeline.stop(left())
         if self.window_record is not None:  # before the emitter, whose last status.json counts its windows
             finished = self.window_record.stop(left()) and finished

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import math
 import re
+import ssl
 import threading
 from typing import Callable, Optional
 
 from opentelemetry.sdk.metrics.export import Gauge, Histogram, InMemoryMetricReader, MetricsData, Sum
 
 from otel_straggler.detector.http_server import BoundedHTTPServer, BoundedRequestHandler
+from otel_straggler.detector.receiver import bearer_matches
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _INVALID_NAME_CHARS = re.compile(r"[^a-zA-Z0-9_]")
@@ -94,12 +96,23 @@ class PrometheusEndpoint:
     receiver is (http_server); `on_event` gets what was refused or cut."""
 
     def __init__(self, reader: InMemoryMetricReader, address: str, port: int,
-                 on_event: Callable[[str], None] = lambda event: None) -> None:
+                 on_event: Callable[[str], None] = lambda event: None,
+                 ssl_context: Optional[ssl.SSLContext] = None, token: Optional[str] = None) -> None:
+        """With `ssl_context` it serves HTTPS; with `token` a scrape must send it as a bearer token
+        (the OTLP ports' own settings: a detector that guards them does not leave this one open)."""
         self._reader = reader
         endpoint = self
+        expected = None if token is None else f"Bearer {token}".encode()
 
         class Handler(BoundedRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+                if expected is not None and not bearer_matches(expected, self.headers.get("Authorization")):
+                    on_event("unauthenticated")
+                    self.send_response(401)
+                    self.send_header("WWW-Authenticate", "Bearer")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 if self.path.split("?", 1)[0] != "/metrics":
                     self.send_error(404)
                     return
@@ -110,7 +123,7 @@ class PrometheusEndpoint:
                 self.end_headers()
                 self.wfile.write(body)
 
-        self._server = BoundedHTTPServer((address, port), Handler, MAX_SCRAPE_CONNECTIONS, on_event)
+        self._server = BoundedHTTPServer((address, port), Handler, MAX_SCRAPE_CONNECTIONS, on_event, ssl_context)
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="straggler-prometheus", daemon=True)
 

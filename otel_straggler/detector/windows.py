@@ -215,6 +215,20 @@ class Cohort:
         self.verdict_state.reset_slot(entry.slot)
         self._free_slots.append(entry.slot)
 
+    def slot_of(self, rank: int) -> Optional[int]:
+        entry = self._entries_by_rank.get(rank)
+        return None if entry is None else entry.slot
+
+    def stage_index(self, stage: str) -> Optional[int]:
+        """The stage's index (0: the whole step), or None when the cohort has not seen it."""
+        if stage == WHOLE_STEP_STAGE:
+            return 0
+        return self.stage_names.index(stage) if stage in self.stage_offsets else None
+
+    def latest_windows(self, slot_count: int) -> np.ndarray:
+        """Per slot, the latest window its rank has sent rows for (NEVER_REPORTED: none), a view."""
+        return self._latest_window_by_slot[:slot_count]
+
     def rank_reached(self, entry: RankEntry, window: int) -> None:
         """A rank's first row in a later window than any before (once per rank per window)."""
         if self.verdict_state.silent[entry.slot]:
@@ -316,6 +330,10 @@ class Cohort:
         self.verdict_state.reset_code(2 * index + 1)
         self._counts["evictions_stages"] += 1
         return True
+
+    def established(self) -> bool:
+        """Judged, or reporting over more than one window: a job at work, not an id sent once."""
+        return len(self.open_windows) > 1 or self.latest_judged_window() >= 0
 
     def latest_judged_window(self) -> int:
         """The highest window judged so far; -1 before the first."""

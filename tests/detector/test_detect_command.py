@@ -64,12 +64,14 @@ def engine_verdicts(requests, drain: bool) -> list[dict]:
     return [verdict.to_dict() for verdict in verdicts]
 
 
-def wait_for_status(evidence: Path, accepted: int, timeout_s: float = 20.0) -> dict:
+def wait_for_status(evidence: Path, accepted: int, timeout_s: float = 20.0, processes: int = 1) -> dict:
+    """The status.json of the `processes`-th detector on `evidence` once it counts `accepted` spans
+    (counting since the first: the counters carry on across restarts)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             status = json.loads((evidence / "status.json").read_text())
-            if status["spans"]["accepted"] == accepted:
+            if status["spans"]["accepted"] == accepted and status["history"]["processes"] == processes:
                 return status
         except (OSError, ValueError, KeyError):
             pass  # not written yet; a half-written one would be a failure, caught by json below
@@ -116,7 +118,7 @@ def test_sigkill_loses_at_most_the_last_flush_interval_and_never_tears_a_line(tm
         while (evidence / "verdicts.jsonl").read_bytes() != raw:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        status = wait_for_status(evidence, 0)
+        status = wait_for_status(evidence, total, processes=2)  # nothing new: the first one's count
         assert status["evidence"]["torn_bytes_repaired"] == len(b'{"time_unix_nano": 17')
     finally:
         process.send_signal(signal.SIGTERM)

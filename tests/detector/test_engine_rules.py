@@ -363,6 +363,26 @@ def test_ranks_that_stop_within_the_export_lag_of_their_peers_are_not_silent():
     assert silent(3.0) == [6, 7]  # control: the peers went on longer than that
 
 
+def test_a_backlog_after_a_detector_outage_makes_no_live_rank_silent():
+    # the detector was down: ranks 0, 1 and 3 dropped steps 100-179 (a full exporter queue), rank 2
+    # kept them and sends them while its peers already send steps 180 on; rank 3 then stops for good
+    job = SyntheticJob(ranks=4, seed=11)
+    observations = [o for o in job.observations(300) if not (o.rank == 3 and o.step >= 200)]
+    backlog = [o for o in observations if o.rank == 2 and 100 <= o.step < 180]
+    current = [o for o in observations if o.step >= 180]
+    peers_first = [o for o in current if o.rank != 2 and o.step < 200]
+    arrivals = []
+    for burst in range(8):  # the backlog in 8 export bursts among the peers' first 20 steps
+        arrivals += peers_first[burst::8] + backlog[burst * len(backlog) // 8:(burst + 1) * len(backlog) // 8]
+    arrivals += [o for o in current if o not in peers_first]  # then rank 2's own steps 180 on
+    engine = Engine(DetectorConfig(silent_windows=3, max_export_lag_s=5.0))
+    verdicts = feed(engine, arrivals, chunk=4 * len(TRAINING_STAGES))
+    # the backlog's windows lack three live ranks: gaps, and too thin to compare rank 2 in
+    assert [(v.verdict, v.rank) for v in verdicts if v.verdict != contract.VERDICT_STRAGGLER] == [
+        (contract.VERDICT_SILENT, 3)]
+    assert engine.stats()["coverage_gaps"] >= 3 * 8 and engine.stats()["late"] == 0
+
+
 # ---------------------------------------------------------------- reference
 
 def test_reference_is_the_peers_median_so_lucky_fast_peers_convict_nobody():
@@ -552,6 +572,22 @@ def test_a_stage_within_its_own_noise_carries_the_whole_steps_slowdown(monkeypat
     assert [(v.stage, v.window) for v in onsets] == [("*", 6), ("grads-ready", 7)]
 
 
+def test_an_intermittent_whole_step_onset_goes_to_the_stage_that_carries_it(monkeypatch):
+    """As above with more jitter in the stage: neither it nor the whole step is slow window by window
+    beyond its noise, and the intermittent rule finds the whole step's slow steps first. The stage
+    that carries the excess takes the onset, with its own slow steps as evidence."""
+    stages = TRAINING_STAGES[:3] + (Stage("grads-ready", 40.0),) + TRAINING_STAGES[3:]
+    job = SyntheticJob(ranks=8, stages=stages, seed=5).stage_jitter("grads-ready", 0.35).slow(
+        3, 1.45, stages=["grads-ready"], from_step=40)
+    onsets = select(run(job, 150)[0], contract.VERDICT_STRAGGLER)
+    assert [(v.rank, v.stage, v.reason, v.also_slow) for v in onsets] == [
+        (3, "grads-ready", judge.REASON_INTERMITTENT, ("*",))]
+    assert onsets[0].slow_steps["slow"] > 0
+    monkeypatch.setattr(judge, "CARRIED_SHARE", math.inf)  # control: the whole step's
+    assert [(v.stage, v.reason) for v in select(run(job, 150)[0], contract.VERDICT_STRAGGLER)] == [
+        ("*", judge.REASON_INTERMITTENT)]
+
+
 # ---------------------------------------------------------------- attribution
 
 def test_attribution_device_host_and_unknown():
@@ -593,6 +629,40 @@ def test_bounded_state_caps_everything_and_counts_evictions():
     assert engine.ingest(observation(9, 40, 0, stage="s9")) == "accepted"  # idle rank and stage evicted
     stats = engine.stats()
     assert stats["evictions_ranks"] == 1 and stats["evictions_stages"] == 1 and stats["ranks"] == 4
+
+
+def test_a_flood_of_new_job_ids_never_evicts_a_job_being_judged():
+    # a slow rank in a live job while every chunk of its spans comes with 50 spans of new job ids,
+    # each id sent once (valid requests, any client): the live job is judged as without the flood
+    config = DetectorConfig(max_jobs=8, max_cohorts=16)
+    observations = SyntheticJob(ranks=8, seed=5).slow(3, 1.3, from_step=30).observations(120)
+    chunk = 8 * len(TRAINING_STAGES)
+    flooded, flood = [], 0
+    for start in range(0, len(observations), chunk):
+        flooded += [observation(job_id=f"flood-{flood + index}") for index in range(50)]
+        flood += 50
+        flooded += observations[start:start + chunk]
+    quiet = [(v.verdict, v.rank, v.stage, v.window) for v in feed(Engine(config), observations, chunk)]
+    engine = Engine(config)
+    loud = [(v.verdict, v.rank, v.stage, v.window) for v in feed(engine, flooded, chunk + 50)
+            if v.job_id == "job-1"]
+    assert loud == quiet and (contract.VERDICT_STRAGGLER, 3) in {(v, r) for v, r, _, _ in loud}
+    stats = engine.stats()
+    assert stats["evictions_jobs"] >= flood - config.max_jobs  # the flood churned among its own ids
+    assert stats["jobs"] <= config.max_jobs
+
+
+def test_a_table_full_of_judged_active_jobs_sheds_the_newcomer_until_one_is_idle():
+    config = DetectorConfig(max_jobs=2, window_steps=1, window_grace_s=1.0, idle_evict_s=60.0)
+    engine = Engine(config)
+    for job in ("a", "b"):  # at work: reporting in two windows
+        engine.ingest(observation(job_id=job, step=0))
+        engine.ingest(observation(job_id=job, step=1, seq=1))
+    engine.advance(START_NS)
+    assert engine.ingest(observation(job_id="c")) == "dropped" and engine.stats()["jobs_shed"] == 1
+    engine.advance(START_NS + 70 * 10**9)  # both idle for over idle_evict_s: the older gives way
+    assert engine.ingest(observation(job_id="c")) == "accepted"
+    assert engine.stats()["evictions_jobs"] == 1 and engine.stats()["jobs"] == 2
 
 
 # ---------------------------------------------------------------- de-duplication and late spans

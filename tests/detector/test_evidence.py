@@ -2,6 +2,7 @@
 bounded file and queue, status.json replaced atomically, flushes off the engine thread."""
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -172,6 +173,27 @@ def test_a_failing_write_is_counted_as_dropped(tmp_path):
     emitter.submit([verdict()])
     emitter.flush()
     assert emitter.counts()["verdicts_dropped"] == {"write_failed": 1}
+    files.close()
+
+
+def test_a_full_disk_is_logged_once_with_its_errno_for_verdicts_and_status(tmp_path, monkeypatch, caplog):
+    files = EvidenceFiles(str(tmp_path), 1 << 20)
+
+    def no_space(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "write", no_space)
+    monkeypatch.setattr(files, "write_status", no_space)
+    emitter = VerdictEmitter(files, 60.0, dict)
+    for _ in range(2):
+        emitter.submit([verdict()])
+        emitter.flush()
+    assert emitter.counts()["verdicts_dropped"] == {"write_failed": 2}
+    assert emitter.counts()["errors"] == {"status_file": 2}
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) == 2 and all("No space left on device" in message for message in messages)
+    assert "cannot append to verdicts.jsonl" in messages[0] and "status.json" in messages[1]
+    assert not any(record.exc_info for record in caplog.records)  # no "NoneType: None" traceback
     files.close()
 
 

@@ -1,107 +1,16 @@
 """The hang rules (liveness.py), incarnations (a restart count that goes up) and placements, one test
-per rule, named after it. A small job is scripted second by second: while it makes progress every
-rank finishes ten steps a second; heartbeats come every 5 s with the stages the script says are open;
-the detector's clock runs half a second behind."""
+per rule, named after it, on a job scripted second by second (scripted_job.py)."""
 from __future__ import annotations
 
-from typing import Callable, Optional
-
-import numpy as np
 import pytest
 
 from otel_straggler import contract
 from otel_straggler.detector import liveness
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.engine import Engine
-from otel_straggler.detector.observation import DEFAULT_COHORT, Heartbeat, Observation, Placement
+from otel_straggler.detector.observation import DEFAULT_COHORT
 
-START = 1_700_000_000_000_000_000
-SECOND = 1_000_000_000
-# (name, host ms, collective): a 100 ms step
-STAGES = (("forward-compute", 40.0, False), ("backward-compute", 50.0, False), ("all-grads-sync", 10.0, True))
-CONFIG = DetectorConfig(hang_timeout_s=60.0)
-
-OpenStages = Callable[[int, int], tuple]  # (rank, now ns) -> ((stage, since ns), ...), outermost first
-
-
-def in_stage(name: str, since: int) -> OpenStages:
-    return lambda rank, now: ((name, since),)
-
-
-class ScriptedJob:
-    def __init__(self, engine: Engine, ranks: int = 4, restart: int = 0, job_id: str = "job", seed: int = 0,
-                 cohort: str = "c", world_size: Optional[int] = None) -> None:
-        """world_size: what the ranks' placements report (None: nothing), `ranks` of them send."""
-        self.engine = engine
-        self.cohort = cohort
-        self.ranks = ranks
-        self.restart = restart
-        self.job_id = job_id
-        self.now = START
-        self.step = 0
-        self.seq = dict.fromkeys(range(ranks), 0)
-        self.frozen: set[int] = set()  # ranks that send nothing at all (SIGSTOP)
-        self.slow: dict[int, float] = {}  # rank -> factor on its compute stages
-        self.heartbeat_s = 5
-        self.heartbeats_from = START
-        self.rng = np.random.default_rng(seed)
-        engine.ingest_placements([Placement(job_id, 0, restart, rank, f"node-{rank // 2}", rank % 2, cohort, world_size)
-                                  for rank in range(ranks)])
-
-    def restart_from(self, step: int, restart: int) -> None:
-        """Every rank's process starts over, resuming at `step`: sequences from 0, a new count."""
-        self.restart, self.step = restart, step
-        self.seq = dict.fromkeys(range(self.ranks), 0)
-        self.frozen = set()
-
-    def run(self, seconds: int, progress: bool = True, open_stages: Optional[OpenStages] = None,
-            restart_of: Optional[dict] = None) -> list:
-        verdicts = []
-        for _ in range(seconds):
-            observations = []
-            if progress:
-                for _ in range(10):
-                    observations += self._step(restart_of or {})
-            beats = []
-            if (self.now - START) % (self.heartbeat_s * SECOND) == 0 and self.now >= self.heartbeats_from:
-                for rank in range(self.ranks):
-                    if rank in self.frozen:
-                        continue
-                    opened = open_stages(rank, self.now) if open_stages else (("forward-compute", self.now),)
-                    beats.append(Heartbeat(self.job_id, 0, self.cohort, rank, (restart_of or {}).get(rank, self.restart),
-                                           self.step, self.now, tuple(name for name, _ in opened),
-                                           tuple(since for _, since in opened)))
-            self.now += SECOND
-            self.engine.ingest_many(observations)
-            self.engine.ingest_heartbeats(beats)
-            verdicts += self.engine.advance(self.now + SECOND // 2)
-        return verdicts
-
-    def _step(self, restart_of: dict) -> list[Observation]:
-        observations = []
-        step_start = self.now + (self.step % 10) * SECOND // 10
-        for rank in range(self.ranks):
-            if rank in self.frozen:
-                continue
-            end = step_start + int(self.rng.uniform(0, 2e6))
-            for name, base_ms, collective in STAGES:
-                host_ms = base_ms * (1 if collective else self.slow.get(rank, 1.0)) * self.rng.uniform(0.98, 1.02)
-                end += int(host_ms * 1e6)
-                observations.append(Observation(self.job_id, 0, self.cohort, rank, name, self.step, self.seq[rank], host_ms,
-                                                None, collective, None, None, end,
-                                                restart_of.get(rank, self.restart)))
-                self.seq[rank] += 1
-        self.step += 1
-        return observations
-
-
-def hangs(verdicts, verdict=contract.VERDICT_HANG) -> list:
-    return [v for v in verdicts if v.verdict == verdict]
-
-
-def stuck_rank_one(since: int) -> OpenStages:
-    """Rank 1 never left forward-compute; the others wait in the all-reduce."""
-    return lambda rank, now: (("forward-compute", since),) if rank == 1 else (("all-grads-sync", since + 50_000_000),)
+from .scripted_job import CONFIG, SECOND, START, ScriptedJob, hangs, in_stage, stuck_rank_one
 
 
 # ---------------------------------------------------------------- hang: who is the culprit
@@ -117,8 +26,35 @@ def test_hang_names_the_rank_that_never_entered_the_collective():
     assert (hang.host, hang.local_rank, hang.job_id, hang.cohort) == ("node-0", 1, "job", "c")
     assert 60 <= hang.stalled_s <= 62  # said within the timeout plus the detector's recheck
     assert hang.reference_ranks == (0, 2, 3)  # the ranks waiting in the collective: the evidence
-    assert hang.rank_ms >= 60_000 and hang.reference_ms >= 60_000
+    # open since the stop (rank 1) and 50 ms after it (the others), as long as the job has stalled
+    assert hang.rank_ms == pytest.approx(hang.stalled_s * 1000, abs=500)
+    assert hang.reference_ms == pytest.approx(hang.rank_ms - 50, abs=1)
     assert [v.verdict for v in verdicts if v.rank == 1] == [contract.VERDICT_HANG]  # nothing else said of it
+
+
+DAY = 86_400 * SECOND
+
+
+@pytest.mark.parametrize("offsets", [{0: DAY}, {rank: -300 * SECOND for rank in range(4)}, {1: DAY, 2: -DAY}],
+                         ids=["rank-0-a-day-fast", "every-clock-300-s-slow", "culprit-a-day-fast-one-a-day-slow"])
+def test_hang_is_judged_on_the_detectors_clock_whatever_the_ranks_clocks_say(offsets):
+    job = ScriptedJob(Engine(CONFIG))
+    job.clock_offset = offsets
+    verdicts = job.run(30)
+    verdicts += job.run(75, progress=False, open_stages=stuck_rank_one(job.now))
+    found = hangs(verdicts)
+    assert [(v.rank, v.reason, v.stage) for v in found] == [(1, contract.HANG_NEVER_ENTERED_COLLECTIVE, "forward-compute")]
+    assert 60 <= found[0].stalled_s <= 62 and found[0].rank_ms == pytest.approx(found[0].stalled_s * 1000, abs=500)
+    assert hangs(job.run(3), contract.VERDICT_RECOVERED)  # and progress ends it
+
+
+def test_hang_a_rank_with_a_fast_clock_whose_heartbeats_stopped_is_lost():
+    job = ScriptedJob(Engine(CONFIG))
+    job.clock_offset = {2: DAY}
+    verdicts = job.run(30)
+    job.frozen = {2}
+    verdicts += job.run(75, progress=False, open_stages=lambda rank, now: (("all-grads-sync", now),))
+    assert [(v.rank, v.reason) for v in hangs(verdicts)] == [(2, contract.HANG_RANK_LOST)]
 
 
 def test_hang_names_a_rank_whose_heartbeats_stopped_rank_lost():

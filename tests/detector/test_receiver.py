@@ -22,7 +22,10 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExportResult
 
 from otel_straggler import contract
+from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.engine import Engine
+from otel_straggler.detector import receiver_http
+from otel_straggler.detector.receiver import load_token
 
 from .otlp_spans import otlp_json, request_bytes, running_service, service_config, stage_spans
 
@@ -280,58 +283,175 @@ def test_sdk_exporters_retry_an_overloaded_detector_and_get_through(tmp_path, pr
         assert accepted(service, 7) == 7
 
 
-def test_connections_beyond_the_bound_get_503_at_once(tmp_path):
+def test_beyond_the_bound_a_new_connection_takes_the_place_of_the_one_waiting_longest(tmp_path):
     with running_service(service_config(tmp_path, max_http_connections=1)) as service:
         port = service.bound_ports[1]
         body = request_bytes(stage_spans(0, 1))
         kept_alive = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
         kept_alive.request("POST", "/v1/traces", body=body, headers={"Content-Type": "application/x-protobuf"})
-        assert kept_alive.getresponse().read() is not None  # served: its thread now waits for the next request
-        with socket.create_connection(("127.0.0.1", port), timeout=5) as refused:
-            reply = refused.recv(4096)  # answered before it sends anything: no thread is spent on it
-        assert reply.startswith(b"HTTP/1.1 503 ") and b"Retry-After: 1" in reply
+        assert kept_alive.getresponse().read() is not None  # served, now idle, waiting for its next request
+        assert post(port, body)[0] == 200  # the newcomer is served in its place at once
+        with pytest.raises((OSError, http.client.HTTPException)):  # the idle one was closed for it
+            kept_alive.request("POST", "/v1/traces", body=body, headers={"Content-Type": "application/x-protobuf"})
+            kept_alive.getresponse()
         kept_alive.close()
-        deadline = time.monotonic() + 5
-        while not _posted(port, body):  # the thread is free again
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        assert service.status()["requests"]["overloaded"] >= 1
+        assert service.status()["errors"]["http_evicted_waiting"] >= 1
 
 
-def test_a_client_dribbling_its_request_loses_its_connection_at_the_deadline(tmp_path, monkeypatch):
-    """Each byte within the idle timeout, the request never done: the connection (and the one slot
-    there is) is taken back at the request deadline, and counted."""
-    from otel_straggler.detector import http_server
+def wait_until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
 
-    monkeypatch.setattr(http_server, "REQUEST_DEADLINE_S", 1.0)
+
+def dribbling(port: int, head: bytes, stop: threading.Event, every_s: float = 0.2) -> threading.Thread:
+    """A client that sends `head`, then one byte every `every_s` until `stop` or the server cuts it."""
+    def dribble() -> None:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as slow:
+            slow.sendall(head)
+            try:
+                while not stop.wait(every_s):
+                    slow.sendall(b"x")
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=dribble)
+    thread.start()
+    return thread
+
+
+def test_a_client_dribbling_its_body_is_cut_at_its_deadline_and_others_get_503_meanwhile(tmp_path, monkeypatch):
+    """A body must come at MIN_BODY_BYTES_PER_S after BODY_GRACE_S: a byte every 0.2 s does not. While
+    it is read, the connection is busy: the one slot there is answers a newcomer 503 at once."""
+    monkeypatch.setattr(receiver_http, "BODY_GRACE_S", 1.0)
     with running_service(service_config(tmp_path, max_http_connections=1)) as service:
         port = service.bound_ports[1]
         body = request_bytes(stage_spans(0, 1))
         stop = threading.Event()
-
-        def dribble() -> None:  # a body byte every 0.2 s until the test ends or the server cuts it
-            with socket.create_connection(("127.0.0.1", port), timeout=5) as slow:
-                slow.sendall(b"POST /v1/traces HTTP/1.1\r\nContent-Type: application/x-protobuf\r\n"
-                             b"Content-Length: 1000\r\n\r\n")
-                try:
-                    while not stop.wait(0.2):
-                        slow.sendall(b"x")
-                except OSError:
-                    pass
-
         started = time.monotonic()
-        dribbler = threading.Thread(target=dribble)
-        dribbler.start()
-        time.sleep(0.3)
-        assert not _posted(port, body)  # the one slot is the dribbler's
+        dribbler = dribbling(port, b"POST /v1/traces HTTP/1.1\r\nHost: d\r\nContent-Type: application/x-protobuf\r\n"
+                                   b"Content-Length: 1000\r\n\r\n", stop)
+        wait_until(lambda: any(connection.waiting_since is None  # its head read: busy with its body
+                               for connection in list(service._http._connections.values())))
+        assert post(port, body)[0] == 503
         deadline = time.monotonic() + 10
-        while not _posted(port, body):  # taken back at the deadline (1 s), checked every 0.5 s
+        while not _posted(port, body):  # taken back at the deadline (1 s)
             assert time.monotonic() < deadline
             time.sleep(0.1)
         assert time.monotonic() - started < 5
         stop.set()
         dribbler.join(5)
         assert service.status()["errors"].get("http_request_deadline") == 1
+
+
+def test_slow_heads_neither_hold_a_slot_nor_last_past_the_head_timeout(tmp_path, monkeypatch):
+    """Slowloris: connections sending their head a byte at a time are waiting, so a newcomer takes
+    the place of one at once, and each is closed HEAD_TIMEOUT_S after it opened."""
+    monkeypatch.setattr(receiver_http, "HEAD_TIMEOUT_S", 3.0)
+    with running_service(service_config(tmp_path, max_http_connections=4)) as service:
+        port = service.bound_ports[1]
+        body = request_bytes(stage_spans(0, 1))
+        stop = threading.Event()
+        dribblers = [dribbling(port, b"POST /v1/traces HTTP/1.1\r\nX-Slow: ", stop) for _ in range(4)]
+        wait_until(lambda: len(service._http._connections) == 4)  # every place taken by a slow head
+        served = time.monotonic()
+        assert post(port, body)[0] == 200
+        assert time.monotonic() - served < 1.5  # at once, not when a head timeout frees a place
+
+        def closed() -> int:
+            errors = service.status()["errors"]
+            return errors.get("http_evicted_waiting", 0) + errors.get("http_request_deadline", 0)
+        wait_until(lambda: closed() == 4)  # one for the newcomer, three at the head timeout
+        stop.set()
+        for dribbler in dribblers:
+            dribbler.join(5)
+
+
+def raw_request(port: int, data: bytes) -> bytes:
+    """Sends `data` as is and returns all the server answers before it closes (or 5 s pass)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as connection:
+        connection.sendall(data)
+        answer = b""
+        try:
+            while chunk := connection.recv(65536):
+                answer += chunk
+        except socket.timeout:
+            pass
+        return answer
+
+
+@pytest.mark.parametrize("head, status", [
+    (b"Content-Length: 3\r\nContent-Length: 4\r\n", 400),  # two different lengths
+    (b"Content-Length: 3\r\nTransfer-Encoding: chunked\r\n", 400),  # both framings: smuggling
+    (b"Content-Length: +3\r\n", 400),
+    (b"Content-Length: 1_2\r\n", 400),
+    (b"Content-Length: 3\r\nno colon here\r\n", 400),
+], ids=["two-lengths", "length-and-chunked", "plus-sign", "underscore", "line-without-colon"])
+def test_ambiguous_framing_is_refused_with_a_status_line_and_the_connection_closed(tmp_path, head, status):
+    with running_service(service_config(tmp_path)) as service:
+        port = service.bound_ports[1]
+        answer = raw_request(port, b"POST /v1/traces HTTP/1.1\r\nHost: d\r\nContent-Type: application/x-protobuf\r\n"
+                             + head + b"\r\nabc")
+        assert answer.startswith(f"HTTP/1.1 {status} ".encode()), answer[:80]
+        assert service.status()["spans"].get("accepted", 0) == 0
+
+
+def test_other_methods_get_405_and_a_garbage_request_line_a_400_with_its_status_line(tmp_path):
+    with running_service(service_config(tmp_path)) as service:
+        port = service.bound_ports[1]
+        for method in ("HEAD", "OPTIONS", "GET", "PUT"):
+            answer = raw_request(port, f"{method} /v1/traces HTTP/1.1\r\nHost: d\r\nConnection: close\r\n\r\n".encode())
+            assert answer.startswith(b"HTTP/1.1 405 ") and b"\r\nallow: post\r\n" in answer.lower()
+        assert raw_request(port, b"HELLO THERE\r\n\r\n").startswith(b"HTTP/1.1 400 ")
+
+
+def test_a_gzip_body_of_many_empty_members_is_refused_cheaply(tmp_path):
+    empty_member = gzip.compress(b"")
+    body = empty_member * (1024 * 1024 // len(empty_member))  # 1 MiB of empty members
+    with running_service(service_config(tmp_path)) as service:
+        port = service.bound_ports[1]
+        started = time.process_time()
+        status, _, answer = post(port, body, headers={"Content-Encoding": "gzip"})
+        assert status == 400 and b"members" in status_pb2.Status.FromString(answer).message.encode()
+        assert time.process_time() - started < 0.5  # this process's CPU, the detector's included
+        # two members of real spans are fine (a body a proxy appended to)
+        two = gzip.compress(request_bytes(stage_spans(0, 1))) + gzip.compress(request_bytes(stage_spans(1, 1)))
+        assert post(port, two, headers={"Content-Encoding": "gzip"})[0] == 200
+
+
+def test_grpc_streams_that_never_send_their_message_hold_nothing_others_need(tmp_path, monkeypatch):
+    """Calls that open a stream and never send (as four slow HTTP/2 streams did, when each held one of
+    four worker threads): more of them than max_grpc_calls, and exports still get through at once; the
+    slow ones end UNAVAILABLE (their place taken) or DEADLINE_EXCEEDED (RECEIVE_TIMEOUT_S)."""
+    from otel_straggler.detector import receiver_grpc
+
+    monkeypatch.setattr(receiver_grpc, "RECEIVE_TIMEOUT_S", 2.0)
+    with running_service(service_config(tmp_path, max_grpc_calls=4)) as service:
+        port = service.bound_ports[0]
+        never = threading.Event()
+
+        def silent_messages():
+            never.wait(10)
+            return
+            yield  # a generator that yields nothing, late
+
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        slow_call = channel.stream_unary(EXPORT_METHOD, request_serializer=None,
+                                         response_deserializer=ExportTraceServiceResponse.FromString)
+        slow = [slow_call.future(silent_messages(), timeout=15) for _ in range(8)]
+        time.sleep(0.5)
+        started = time.monotonic()
+        for rank in range(3):
+            assert grpc_exporter(port).export(stage_spans(rank, 2)) is SpanExportResult.SUCCESS
+        assert time.monotonic() - started < 2.0
+        codes = {future.exception(timeout=10).code() for future in slow}
+        never.set()
+        channel.close()
+        assert codes <= {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+        assert accepted(service, 6) == 6
+        errors = service.status()["errors"]
+        assert errors.get("grpc_evicted_waiting", 0) + errors.get("grpc_request_deadline", 0) >= 8
 
 
 def _posted(port: int, body: bytes) -> bool:
@@ -342,6 +462,17 @@ def _posted(port: int, body: bytes) -> bool:
 
 
 # ---------------------------------------------------------------- auth and TLS
+
+@pytest.mark.parametrize("mode, warned", [(0o644, True), (0o600, False)])
+def test_a_token_file_every_user_can_read_is_warned_about(tmp_path, caplog, mode, warned):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    token_file.chmod(mode)
+    assert load_token(DetectorConfig(auth_token_file=str(token_file))) == "s3cret-token"
+    said = [record.getMessage() for record in caplog.records if "readable by every user" in record.getMessage()]
+    assert bool(said) == warned
+    assert all("s3cret" not in message for message in said)
+
 
 def test_a_wrong_or_missing_bearer_token_is_refused_and_the_right_one_accepted(tmp_path):
     token_file = tmp_path / "token"

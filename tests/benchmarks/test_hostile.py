@@ -1,0 +1,42 @@
+"""The hostile-world probe (benchmarks/hostile.py), sized down: 3 s an attack instead of 8, the
+engine cases in full. Asserted: every legitimate export served through every attack, with a p99
+under P99_BOUND_MS (the docs' table, from the full run, gives the figures); the attacks got what the
+receivers give them; the engine cases as their targets say."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import hostile  # noqa: E402
+
+pytestmark = pytest.mark.slow
+# the issue's target is 100 ms; on a shared 2-core machine the test leaves room for one stall
+P99_BOUND_MS = 250.0
+
+
+def test_legitimate_exports_are_served_through_every_attack():
+    rows = {row["phase"]: row for row in hostile.intake_rows(seconds=3.0)}
+    for phase, row in rows.items():
+        print(phase, row)
+    assert set(rows) == {"baseline", *hostile.ATTACKS}
+    for phase, row in rows.items():
+        assert row["legit"] >= 50, phase
+        assert row["served"] == 1.0, (phase, row)
+        assert row["p99_ms"] < P99_BOUND_MS, (phase, row)
+    assert set(rows["gzip-members"]["hostile"]) == {"400"}
+    assert rows["gzip-members"]["cpu_per_hostile_s"] < 0.1
+    assert {answer.split()[1] for answer in rows["bad-framing"]["hostile"]} <= {"400", "405"}
+    assert set(rows["grpc-slow-streams"]["hostile"]) <= {"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED"}
+
+
+def test_the_engine_keeps_its_verdicts_right_in_a_hostile_world():
+    delays = hostile.hang_delays()
+    assert all(delay is not None and delay <= 60 + 15 for delay in delays.values()), delays
+    flood = hostile.id_flood()
+    assert flood["window with"] == flood["window without"] is not None, flood
+    assert hostile.outage_backlog() == 0
+    restart = hostile.restart()
+    assert restart["repeated onsets"] == 0 and restart["left open"] == 0 and restart["processes"] == 2

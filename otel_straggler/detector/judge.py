@@ -100,6 +100,7 @@ class CohortVerdictState:
         self.last_end_unix_nano = np.zeros(0, dtype=np.int64)  # latest interval end in its judged windows
         self.alert = np.zeros((0, 0), dtype=bool)
         self.slow_streak = np.zeros((0, 0), dtype=np.int64)
+        self.within_streak = np.zeros((0, 0), dtype=np.int64)  # consecutive judged windows within tolerance
         self.floor_streak = np.zeros((0, 0), dtype=np.int64)
         self.last_uncertain = np.zeros((0, 0), dtype=np.int8)
         self.slowdown = np.zeros((0, 0))  # latest window's slowdown; nan: none yet
@@ -143,7 +144,7 @@ class CohortVerdictState:
             seen[:self.collective_seen.size] = self.collective_seen
             self.collective_seen = seen
 
-        for name, fill in (("alert", False), ("slow_streak", 0), ("floor_streak", 0), ("late_streak", 0),
+        for name, fill in (("alert", False), ("slow_streak", 0), ("within_streak", 0), ("floor_streak", 0), ("late_streak", 0),
                            ("last_uncertain", 0), ("slowdown", np.nan)):
             old = getattr(self, name)
             new = np.full((codes, slots), fill, dtype=old.dtype)
@@ -175,7 +176,7 @@ class CohortVerdictState:
 
     def _reset(self, where) -> None:
         self.alert[where] = False
-        self.slow_streak[where] = self.floor_streak[where] = self.late_streak[where] = 0
+        self.slow_streak[where] = self.within_streak[where] = self.floor_streak[where] = self.late_streak[where] = 0
         self.last_uncertain[where] = 0
         self.slowdown[where] = np.nan
         self.last_offset[(slice(None),) + where] = np.nan
@@ -651,8 +652,11 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
 
     onset = compute & slow & ~alert & (slow_streak >= config.persist_windows)
     # recovery needs the rank back within the relative tolerance: a window under the floor but
-    # still over the ratio holds the alert, so a gap hovering at the floor does not flap
-    recovery = compute & alert & within
+    # still over the ratio holds the alert, so a gap hovering at the floor does not flap. The whole
+    # step needs persist_windows such windows in a row: it sums whatever stages a window holds of
+    # the rank, so one window that lacks a stage's spans (lost on the way) looks fast
+    within_streak = np.where(compute & within, state.within_streak.reshape(-1)[flat] + 1, 0)
+    recovery = compute & alert & within & ((entries.code != 0) | (within_streak >= config.persist_windows))
     uncertain_notice = (uncertain_reason != 0) & (uncertain_reason != last_notice)
     floor_notice = (floor_reason != 0) & (floor_reason != last_notice)
     if not config.report_below_floor:  # noise under the floor: counted, not said
@@ -683,6 +687,7 @@ def _judge_entries(cohort, window: int, entries: _Entries, config: DetectorConfi
     update = flat[judged]
     state.alert.reshape(-1)[update] = ((alert | onset) & ~recovery)[judged]
     state.slow_streak.reshape(-1)[update] = slow_streak[judged]
+    state.within_streak.reshape(-1)[update] = within_streak[judged]
     state.floor_streak.reshape(-1)[update] = floor_streak[judged]
     state.late_streak.reshape(-1)[update] = late_streak[judged]
     state.last_uncertain.reshape(-1)[update] = notice[judged]

@@ -515,6 +515,35 @@ def test_tls_serves_both_protocols(tmp_path, monkeypatch):
         assert accepted(service, 4) == 4
 
 
+def test_the_metrics_port_takes_the_otlp_ports_tls_and_token(tmp_path, monkeypatch):
+    """A detector that guards its OTLP ports with TLS and a token does not leave /metrics open."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    from pipeline.otlp_sink import make_self_signed_certificate
+
+    cert, key = make_self_signed_certificate(tmp_path / "tls", name="detector")
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    token_file.chmod(0o600)
+    config = service_config(tmp_path, tls_cert_file=str(cert), tls_key_file=str(key), auth_token_file=str(token_file),
+                            prometheus_port=0)
+    with running_service(config) as service:
+        url = f"https://127.0.0.1:{service.prometheus_port}/metrics"
+        context = ssl.create_default_context(cafile=str(cert))
+        context.check_hostname = False
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(url, timeout=10, context=context)
+        assert refused.value.code == 401 and refused.value.headers["WWW-Authenticate"] == "Bearer"
+        request = urllib.request.Request(url, headers={"Authorization": "Bearer s3cret-token"})
+        with urllib.request.urlopen(request, timeout=10, context=context) as response:
+            assert response.status == 200 and b"straggler_detector_spans_total" in response.read()
+        with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):  # plain HTTP: no answer
+            urllib.request.urlopen(url.replace("https:", "http:"), timeout=10)
+        assert service.status()["errors"]["prometheus_unauthenticated"] == 1
+
+
 def without_job_id(spans):
     """The spans as a rank that found no job id sends them."""
     from opentelemetry.sdk.resources import Resource

@@ -13,7 +13,8 @@ server that could otherwise be led into request smuggling behind a proxy. Connec
 intake loop (intake_loop.py), a coroutine each, so a slow client holds no thread:
 - a request's head must be complete within HEAD_TIMEOUT_S of the connection opening or of the
   previous answer, and its body must arrive at MIN_BODY_BYTES_PER_S after BODY_GRACE_S; past
-  either the connection is closed (`errors.http_request_deadline`);
+  either the connection is closed (`errors.http_request_deadline`; a kept-alive connection that
+  sent nothing of a next request is just closed);
 - at most `max_http_connections` at once: a new one beyond takes the place of the connection that
   has waited longest for its next request (idle keep-alive or dribbling its head,
   `errors.http_evicted_waiting`), and gets a 503 only when every connection is busy with a request;
@@ -198,7 +199,13 @@ class OtlpHttpReceiver:
             connection.waiting_since = clock()
             try:
                 request = await _next_event(http, reader, clock() + HEAD_TIMEOUT_S)
+            except _Deadline:
+                if http.their_state is h11.IDLE and not http.trailing_data[0]:
+                    return  # a kept-alive connection idle for the timeout: closed, nothing wrong
+                raise
             except h11.RemoteProtocolError as error:
+                if reader.at_eof():  # the client went away in the middle of its head
+                    raise ConnectionResetError("closed mid-request") from None
                 await _send_raw(writer, error.error_status_hint, str(error))
                 self._intake.refused(Result.MALFORMED)
                 return

@@ -305,6 +305,19 @@ def wait_until(condition, timeout_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+def test_an_idle_kept_alive_connection_is_closed_at_the_head_timeout_without_an_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(receiver_http, "HEAD_TIMEOUT_S", 0.5)
+    with running_service(service_config(tmp_path)) as service:
+        port = service.bound_ports[1]
+        kept_alive = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        kept_alive.request("POST", "/v1/traces", body=request_bytes(stage_spans(0, 1)),
+                           headers={"Content-Type": "application/x-protobuf"})
+        assert kept_alive.getresponse().read() is not None
+        wait_until(lambda: not service._http._connections)  # closed by the detector
+        kept_alive.close()
+        assert "http_request_deadline" not in service.status()["errors"]
+
+
 def dribbling(port: int, head: bytes, stop: threading.Event, every_s: float = 0.2) -> threading.Thread:
     """A client that sends `head`, then one byte every `every_s` until `stop` or the server cuts it."""
     def dribble() -> None:

@@ -347,7 +347,7 @@ def outage_backlog() -> int:
 
 def restart() -> dict:
     """Two detector processes (services) on one evidence directory, a rank slow across the restart."""
-    job = SyntheticJob(ranks=8, seed=3).slow(3, 1.3, from_step=10, to_step=69)
+    job = SyntheticJob(ranks=8, seed=3).slow(3, 1.3, from_step=10, to_step=64)
     with tempfile.TemporaryDirectory() as evidence:
         config = DetectorConfig(grpc_port=0, http_port=0, evidence_dir=evidence, export_metrics=False,
                                 console_verdicts=False, flush_interval_s=0.05, window_grace_s=3600.0, window_steps=5)

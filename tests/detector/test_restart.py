@@ -21,9 +21,9 @@ STEPS = 40  # per process
 
 
 def job() -> SyntheticJob:
-    # rank 3 is 30% slower in steps 10-69: raised by the first process (steps 0-39), still slow past
-    # the second one's warmup, over before its end
-    return SyntheticJob(ranks=RANKS, seed=3).slow(3, 1.3, from_step=10, to_step=69)
+    # rank 3 is 30% slower in steps 10-64: raised by the first process (steps 0-39), still slow past
+    # the second one's warmup, over three windows (the whole step's recovery) before its end
+    return SyntheticJob(ranks=RANKS, seed=3).slow(3, 1.3, from_step=10, to_step=64)
 
 
 def send(service, first_step: int) -> None:

@@ -189,7 +189,9 @@ def count_slow_steps(cell_code: np.ndarray, cell_slot: np.ndarray, cell_step: np
     if collectives is not None and collectives.slot.size and slow.any():
         slack = collective_slack(collectives, window_steps, min_ranks)
         position = _positions(slack.bins, cell_slot * window_steps + cell_step)
-        waited = np.where(position >= 0, slack.ms[np.maximum(position, 0)], 0.0)
+        found = position >= 0  # none at all where no step had min_ranks ranks at a collective
+        waited = np.zeros(position.size)
+        waited[found] = slack.ms[position[found]]
         slow &= ~(waited > min_gap_ms)
     # each cell's entry (every cell of a compute stage has one)
     index = _positions(entry_code * slot_stride + entry_slot, cell_code * slot_stride + cell_slot)

@@ -11,7 +11,7 @@ from otel_straggler import contract
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.engine import Engine
 from otel_straggler.detector.intermittent import (EXACT_TAIL_STEPS, HORIZON, MIN_SHARE, binomial_tail,
-                                                  CollectiveWaits, collective_slack, tails_below)
+                                                  CollectiveWaits, collective_slack, count_slow_steps, tails_below)
 from otel_straggler.detector.judge import (REASON_INTERMITTENT, REASON_LAST_TO_ARRIVE, REASON_SLOW_VS_PEERS,
                                           REASON_WITHIN_TOLERANCE)
 
@@ -161,6 +161,17 @@ def test_collective_slack_is_each_ranks_wait_beyond_the_least_wait_of_its_step()
     assert slack.bins.tolist() == [0, 10, 20] and slack.ms.tolist() == [8.0, 0.0, 6.0]
     nothing = CollectiveWaits(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))
     assert collective_slack(nothing, 10, 3).bins.size == 0
+
+
+def test_slow_steps_are_counted_where_no_step_has_enough_ranks_at_its_collectives():
+    # a rank killed mid-window: the collectives of the window's last steps have two ranks, under
+    # min_ranks, so no step has slack; the slow cells are counted as slow, nothing raises
+    cells = dict(cell_code=np.zeros(3, np.int64), cell_slot=np.array([0, 1, 2]), cell_step=np.zeros(3, np.int64),
+                 cell_ms=np.array([10.0, 10.0, 40.0]), slot_class=np.zeros(3, np.int64),
+                 entry_code=np.zeros(3, np.int64), entry_slot=np.array([0, 1, 2]), slot_stride=8, window_steps=10,
+                 threshold=0.25, min_gap_ms=5.0, min_ranks=3)
+    two_at_the_collective = CollectiveWaits(np.array([0, 1]), np.array([0, 0]), np.array([30.0, 30.0]))
+    assert count_slow_steps(**cells, collectives=two_at_the_collective).slow.tolist() == [0, 0, 1]
 
 
 def test_ranks_with_a_larger_workload_are_compared_within_their_class():

@@ -41,6 +41,36 @@ HEARTBEAT_SPAN_NAME = "train.heartbeat"
 HEARTBEAT_OPEN_STAGES = "training.heartbeat.open_stages"
 HEARTBEAT_OPEN_SINCE = "training.heartbeat.open_since_unix_nano"
 
+# §2c GPU health on heartbeats (v1.1): the latest sample of the rank's own GPU, where NVML reads it
+GPU_INDEX = "training.gpu.index"  # int, NVML index
+GPU_UUID = "training.gpu.uuid"  # string
+GPU_SM_CLOCK_MHZ = "training.gpu.sm_clock_mhz"  # int
+GPU_SM_CLOCK_MAX_MHZ = "training.gpu.sm_clock_max_mhz"  # int
+GPU_CLOCK_EVENT_REASONS = "training.gpu.clock_event_reasons"  # int bitmask, CLOCK_EVENT_REASONS below
+GPU_TEMPERATURE_C = "training.gpu.temperature_c"  # int
+GPU_POWER_W = "training.gpu.power_w"  # double
+GPU_UTILIZATION = "training.gpu.utilization"  # double 0..1
+GPU_ECC_UNCORRECTED = "training.gpu.ecc_uncorrected"  # int, volatile, since the driver loaded
+GPU_PCIE_REPLAY = "training.gpu.pcie_replay"  # int
+GPU_ATTRIBUTES = (GPU_INDEX, GPU_UUID, GPU_SM_CLOCK_MHZ, GPU_SM_CLOCK_MAX_MHZ, GPU_CLOCK_EVENT_REASONS,
+                  GPU_TEMPERATURE_C, GPU_POWER_W, GPU_UTILIZATION, GPU_ECC_UNCORRECTED, GPU_PCIE_REPLAY)
+# NVML's clock event (throttle) reason bits and their names, lowest bit first
+CLOCK_EVENT_REASONS = (
+    (0x1, "gpu_idle"), (0x2, "clocks_setting"), (0x4, "sw_power_cap"), (0x8, "hw_slowdown"),
+    (0x10, "sync_boost"), (0x20, "sw_thermal"), (0x40, "hw_thermal"), (0x80, "hw_power_brake"),
+    (0x100, "display_clocks"),
+)
+
+
+def clock_event_reason_names(mask: int) -> tuple[str, ...]:
+    """The names of the bits set in an NVML clock event reasons mask; unknown bits as hex."""
+    names = [name for bit, name in CLOCK_EVENT_REASONS if mask & bit]
+    unknown = mask & ~sum(bit for bit, _ in CLOCK_EVENT_REASONS)
+    if unknown:
+        names.append(hex(unknown))
+    return tuple(names)
+
+
 TIMING_DEVICE = "device"
 TIMING_HOST_ONLY = "host_only"
 TIMING_DEVICE_UNAVAILABLE = "device_unavailable"
@@ -81,6 +111,9 @@ METRIC_VERDICTS = "straggler.verdicts"
 METRIC_DETECTOR_SPANS = "straggler.detector.spans"
 METRIC_JOB_HANG = "straggler.job.hang"  # v1.1
 METRIC_JOB_SLOWDOWN = "straggler.job.slowdown"  # v1.1
+# added: 1 while a straggler alert is active, with what the evidence says in words (attributes
+# `suspect`, `gpu`, `next_step`) for alert annotations; gone when the alert ends
+METRIC_ALERT_EVIDENCE = "straggler.alert.evidence"
 
 # §3c events
 VERDICT_EVENT_NAME = "straggler.verdict"

@@ -12,6 +12,9 @@ from typing import Any, Optional, TextIO
 
 from otel_straggler import contract
 from otel_straggler.demo.summary import describe_alert, stage_phrase
+from otel_straggler.detector.gpu_evidence import describe
+from otel_straggler.detector.next_step import next_step
+from otel_straggler.detector.nodes import roll_up
 
 RED = "\x1b[31m"
 BOLD = "\x1b[1m"
@@ -91,9 +94,18 @@ def _mark(cell: str, flagged: bool, color: bool) -> str:
     return f"{RED}{BOLD}{cell}{RESET} " if color else cell + "!"
 
 
+def evidence_line(verdict: dict[str, Any]) -> Optional[str]:
+    """The line under an alert or a hang culprit's: what its GPU showed, what to look at first."""
+    if verdict.get("verdict") not in (contract.VERDICT_STRAGGLER, contract.VERDICT_HANG) or verdict.get("rank") is None:
+        return None
+    words = describe(verdict.get("gpu"))
+    return "  " + (f"GPU: {words}; " if words else "") + f"next: {next_step(verdict)}"
+
+
 class LiveView:
     def __init__(self, stream: TextIO, total_steps: int, window_steps: int, header: str,
-                 interactive: Optional[bool] = None) -> None:
+                 interactive: Optional[bool] = None, host_ranks: Optional[dict[str, int]] = None) -> None:
+        """host_ranks: how many ranks each host runs, where known, for the node roll-up (nodes.py)."""
         self._stream = stream
         self._total_steps = total_steps
         self._window_steps = window_steps
@@ -106,6 +118,9 @@ class LiveView:
         self._latest_window: Optional[tuple[int, dict[int, dict[str, float]]]] = None
         self._stages: list[str] = []
         self._active_alerts: set[tuple[int, str]] = set()
+        self._host_ranks = host_ranks or {}
+        self._alert_hosts: dict[tuple[int, str], str] = {}  # active alert -> its rank's host
+        self._nodes_said: set[str] = set()  # degraded hosts already said, until they are not
         self._alert_lines: list[str] = []
         self._drawn_lines = 0
         self._last_progress_line = -1
@@ -136,14 +151,29 @@ class LiveView:
             key = (verdict.get("rank"), verdict.get("stage"))
             if verdict.get("verdict") == contract.VERDICT_STRAGGLER:
                 self._active_alerts.add(key)
+                if verdict.get("host"):
+                    self._alert_hosts[key] = verdict["host"]
             elif verdict.get("verdict") == contract.VERDICT_RECOVERED:
                 self._active_alerts.discard(key)
+                self._alert_hosts.pop(key, None)
             line = verdict_line(verdict)
             if line is None:
                 return
-            self._alert_lines.append(line)
+            extra = evidence_line(verdict)
+            lines = [line] + ([extra] if extra else []) + self._node_lines()
+            self._alert_lines.extend(lines)
             if not self._interactive:
-                self._write_lines([line])
+                self._write_lines(lines)
+
+    def _node_lines(self) -> list[str]:
+        """'NODE: node017: 4 of 8 ranks slow (...): suspect the node, ...', once as a host becomes degraded."""
+        nodes = roll_up((("", host, rank) for (rank, _), host in self._alert_hosts.items()),
+                        lambda _, host: self._host_ranks.get(host))
+        degraded = {node.host: node for node in nodes if node.degraded}
+        self._nodes_said &= set(degraded)
+        fresh = [node for host, node in degraded.items() if host not in self._nodes_said]
+        self._nodes_said.update(node.host for node in fresh)
+        return [f"NODE: {node.line()}" for node in fresh]
 
     def on_stall(self, seconds: Optional[float]) -> None:
         """How long no step has finished (None: progressing), shown as it grows: in the progress

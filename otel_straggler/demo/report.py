@@ -13,6 +13,9 @@ from otel_straggler.demo import evidence as evidence_files
 from otel_straggler.demo import figures, report_data
 from otel_straggler.demo.summary import also_slow, summarize
 from otel_straggler.detector.config import DetectorConfig
+from otel_straggler.detector.gpu_evidence import describe
+from otel_straggler.detector.next_step import next_step, suspect
+from otel_straggler.detector.nodes import roll_up
 
 REPORT_FILE = "report.html"
 HEATMAP_FILE = "heatmap.png"
@@ -138,6 +141,7 @@ def _html(evidence: evidence_files.Evidence, summary: str, pictures: list[Pictur
         "</head><body>", "<h1>Straggler report</h1>",
         f"<p class='jobs'>{_about(evidence, jobs)}</p>",
         f"<p class='summary'>{escape(summary)}</p>",
+        _first_look_section(evidence),
     ]
     if settings:
         parts.append("<h2>Run</h2><table>" + "".join(
@@ -195,6 +199,40 @@ def _about(evidence: evidence_files.Evidence, jobs: list[str]) -> str:
     return " &middot; ".join(parts)
 
 
+def _first_look_section(evidence: evidence_files.Evidence) -> str:
+    """Each alert's and hang culprit's first verdict with what its GPU showed and what to look at
+    first, and the hosts where several ranks were slow, said once (nodes.py)."""
+    firsts: dict[tuple, dict[str, Any]] = {}
+    for verdict in evidence.verdicts:
+        if verdict.get("verdict") in ("straggler", "hang") and verdict.get("rank") is not None:
+            firsts.setdefault((verdict.get("job_id"), verdict["verdict"], verdict["rank"], verdict.get("stage")), verdict)
+    if not firsts:
+        return ""
+    escape = html.escape
+    # a host's ranks of the job as the detector last counted them (status.json), else unknown
+    counted = {(node.get("job_id"), node.get("host")): node.get("ranks")
+               for node in (evidence.status or {}).get("nodes") or () if isinstance(node, dict)}
+    nodes = [node for node in roll_up(((v.get("job_id"), v.get("host"), v["rank"]) for v in firsts.values()
+                                       if v["verdict"] == "straggler"),
+                                      lambda job_id, host: counted.get((job_id, host)))
+             if len(node.slow_ranks) > 1]
+    rows = []
+    for verdict in firsts.values():
+        where = ", ".join(part for part in (verdict.get("host"), None if verdict.get("local_rank") is None else
+                                            f"local rank {verdict['local_rank']}",
+                                            (verdict.get("gpu") or {}).get("uuid")) if part)
+        kind = suspect(verdict) if verdict["verdict"] == "straggler" else f"hang: {verdict.get('reason')}"
+        cells = (verdict.get("window"), verdict["rank"], where, verdict.get("stage"), kind,
+                 describe(verdict.get("gpu")) or "no GPU samples", next_step(verdict))
+        rows.append("<tr>" + "".join(f"<td>{escape('' if cell is None else str(cell))}</td>" for cell in cells) + "</tr>")
+    parts = ["<h2>What to look at first</h2>"]
+    if nodes:
+        parts.append("<ul class='nodes'>" + "".join(f"<li>{escape(node.line())}</li>" for node in nodes) + "</ul>")
+    parts.append("<table><tr><th>window</th><th>rank</th><th>where</th><th>stage</th><th>suspect</th>"
+                 "<th>GPU</th><th>next step</th></tr>" + "".join(rows) + "</table>")
+    return "".join(parts)
+
+
 def _uncertain_section(counts: list[tuple[str, str, int]]) -> str:
     """Uncertain verdicts counted by reason and stage: what the detector could not judge, and where."""
     if not counts:
@@ -212,12 +250,13 @@ def _verdict_table(verdicts: list[dict[str, Any]]) -> str:
     if not verdicts:
         return "<p>None.</p>"
     columns = ("window", "rank", "host", "local_rank", "stage", "also_slow", "verdict", "reason", "slowdown", "gap_ms",
-               "stalled_s", "timing", "attribution")
+               "stalled_s", "timing", "attribution", "gpu")
     rows = []
     for verdict in verdicts:
         cells = []
         for column in columns:
-            value = also_slow(verdict) if column == "also_slow" else verdict.get(column)
+            value = also_slow(verdict) if column == "also_slow" else describe(verdict.get("gpu")) or None \
+                if column == "gpu" else verdict.get(column)
             if isinstance(value, list):
                 value = ", ".join(map(str, value)) or None
             text = f"{value:.3f}" if isinstance(value, float) else ("" if value is None else str(value))

@@ -9,6 +9,7 @@ one fails. The output folder:
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -156,7 +157,9 @@ def run(settings: DemoSettings, stream: TextIO) -> RunResult:
     service, endpoint = None, settings.external_endpoint
     if endpoint is None:
         service, endpoint = _start_detector(settings, evidence_dir)
-    view = LiveView(stream, settings.steps, settings.window_steps, header(settings, endpoint))
+    # every rank runs here: the node roll-up counts them against this host
+    view = LiveView(stream, settings.steps, settings.window_steps, header(settings, endpoint),
+                    host_ranks={socket.gethostname(): settings.ranks})
     note = busy_machine_note()
     if note is not None:
         view.message(note)

@@ -40,6 +40,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_cohorts", int, 4096, "bound on cohorts tracked at once: taken as --max-jobs are", 1, 1_000_000),
     Setting("max_ranks", int, 65_536, "bound on ranks tracked per cohort", 1, 10_000_000),
     Setting("max_tracked_ranks", int, 262_144, "bound on ranks whose placement and latest heartbeat are kept, over all jobs (about 300 bytes each)", 1, 100_000_000),
+    Setting("max_gpu_ranks", int, 32_768, "bound on ranks whose latest GPU health samples are kept for verdicts' gpu evidence (about 3 KB each); the least recently heard from is forgotten first", 1, 10_000_000),
     Setting("max_stages", int, 256, "bound on distinct stage names per cohort", 1, 100_000),
     Setting("max_open_windows", int, 32, "bound on windows open at once per cohort (they wait for the ranks' export bursts)", 1, 1000),
     Setting("report_below_floor", _bool, False, "also emit `uncertain`/`below_absolute_floor` verdicts (a rank over the relative threshold but under --min-gap-ms for persist_windows windows); off, they are only counted in status.json"),
@@ -99,6 +100,7 @@ class DetectorConfig:
     max_cohorts: int = 4096
     max_ranks: int = 65_536
     max_tracked_ranks: int = 262_144
+    max_gpu_ranks: int = 32_768
     max_stages: int = 256
     max_open_windows: int = 32
     report_below_floor: bool = False

@@ -20,6 +20,8 @@ from typing import Any, Callable, Optional, TextIO
 
 from otel_straggler import contract
 from otel_straggler.demo.live_view import verdict_line
+from otel_straggler.detector.gpu_evidence import describe
+from otel_straggler.detector.next_step import next_step
 from otel_straggler.detector.observation import Verdict
 
 PRINTED_VERDICTS = frozenset({contract.VERDICT_STRAGGLER, contract.VERDICT_RECOVERED, contract.VERDICT_HANG,
@@ -48,7 +50,9 @@ def verdict_text(verdict: Verdict) -> Optional[str]:
     """The console line of a verdict (without the command's prefix); None for one that gets none.
 
     'ALERT: straggler rank 2 in forward-compute at window 4 (1.30x its peers, +9.0 ms); also slow:
-    ddp-grads-ready, *; job train-42, host node-3, local rank 2, reason slow_vs_peers'"""
+    ddp-grads-ready, *; job train-42, host node-3, local rank 2, reason slow_vs_peers; GPU: SM clock
+    1410 MHz vs 1980 at its peers; hw_thermal throttling; 89 °C; next: GPU ... runs at reduced clocks: ...'
+    A straggler's and a hang culprit's line ends with what its GPU showed and what to look at first."""
     if verdict.verdict not in PRINTED_VERDICTS:
         return None
     record = verdict.to_dict()
@@ -64,7 +68,11 @@ def verdict_text(verdict: Verdict) -> Optional[str]:
         return None
     if also_slow and "also slow:" not in line:  # the demo's alert wording names them; other lines get them here
         line += "; also slow: " + ", ".join(also_slow)
-    return f"{line}; {', '.join(_details(record))}"
+    line = f"{line}; {', '.join(_details(record))}"
+    if record["verdict"] in (contract.VERDICT_STRAGGLER, contract.VERDICT_HANG) and record.get("rank") is not None:
+        words = describe(record.get("gpu"))
+        line += (f"; GPU: {words}" if words else "") + f"; next: {next_step(record)}"
+    return line
 
 
 def _details(record: dict) -> list[str]:

@@ -43,7 +43,7 @@ from google.protobuf.message import DecodeError
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 from otel_straggler import contract
-from otel_straggler.detector.observation import DEFAULT_COHORT, Heartbeat, Observation, Placement
+from otel_straggler.detector.observation import DEFAULT_COHORT, GpuSample, Heartbeat, Observation, Placement
 
 _VALUE_CACHE_ENTRIES = 4096  # distinct AnyValue encodings kept; cleared when full, so always bounded
 # Only raw values up to this size are cached: an entry keeps the raw bytes and the value, so a bound on
@@ -110,6 +110,7 @@ class DecodedBatch:
     heartbeats: list[Heartbeat] = field(default_factory=list)
     placements: list[Placement] = field(default_factory=list)  # one per resource that gave any of them
     ignored: int = 0  # spans that are neither stage spans nor heartbeats
+    gpu_fields_invalid: int = 0  # heartbeats' GPU health fields (§2c) of a wrong type or range, left out
     malformed: int = 0  # stage spans rejected for a missing or invalid field
     first_error: str = ""  # the first rejection, for OTLP partial success
     rejections: Counter[str] = field(default_factory=Counter)  # malformed by kind
@@ -195,6 +196,44 @@ def _heartbeat(identity: tuple | Rejection, step: Any, open_stages: Any, open_si
         return BAD_HEARTBEAT
     job_id, epoch, cohort, rank, restart = identity
     return Heartbeat(job_id, epoch, cohort, rank, restart, step, end, open_stages, open_since)
+
+
+# GPU health fields (CONTRACT §2c): attribute, the GpuSample field, its kind, the largest valid value.
+# A field out of its type or range is left out of the sample and counted: the heartbeat stays good.
+_GPU_FIELDS = (
+    (contract.GPU_INDEX, "int", 1 << 16),
+    (contract.GPU_UUID, "str", 128),  # its length
+    (contract.GPU_SM_CLOCK_MHZ, "int", 100_000),
+    (contract.GPU_SM_CLOCK_MAX_MHZ, "int", 100_000),
+    (contract.GPU_CLOCK_EVENT_REASONS, "int", (1 << 63) - 1),
+    (contract.GPU_TEMPERATURE_C, "int", 1000),
+    (contract.GPU_POWER_W, "double", 100_000.0),
+    (contract.GPU_UTILIZATION, "double", 1.0),
+    (contract.GPU_ECC_UNCORRECTED, "int", (1 << 63) - 1),
+    (contract.GPU_PCIE_REPLAY, "int", (1 << 63) - 1),
+)
+GPU_KEYS = tuple(key for key, _, _ in _GPU_FIELDS)
+
+
+def _gpu_sample(values: tuple) -> tuple[Optional[GpuSample], int]:
+    """A heartbeat's GPU_KEYS values (None: absent) -> (its GpuSample, None when it has none of
+    them; how many present values were invalid)."""
+    fields, invalid = [], 0
+    for value, (_, kind, largest) in zip(values, _GPU_FIELDS):
+        if value is not None:
+            if kind == "int":
+                ok = type(value) is int and 0 <= value <= largest
+            elif kind == "double":
+                if type(value) is int:
+                    value = float(value)
+                ok = type(value) is float and 0.0 <= value <= largest  # NaN compares false
+            else:
+                ok = type(value) is str and 0 < len(value) <= largest
+            if not ok:
+                invalid += 1
+                value = None
+        fields.append(value)
+    return (GpuSample(*fields) if any(value is not None for value in fields) else None), invalid
 
 
 def _observation(
@@ -430,7 +469,9 @@ class ProtobufDecoder:
         if type(result) is Rejection:
             batch.reject(span.name, result, values[0], values[3], host)
             return
-        batch.heartbeats.append(result)
+        gpu, invalid = _gpu_sample(tuple(self._value(get(key)) for key in GPU_KEYS))
+        batch.gpu_fields_invalid += invalid
+        batch.heartbeats.append(result if gpu is None else result._replace(gpu=gpu))
         placement = _placement(identity, host, local_rank, world_size)
         if placement is not None:
             batch.placements.append(placement)
@@ -674,8 +715,10 @@ def decode_json_request(request: Any) -> DecodedBatch:
                         attributes.get(contract.HEARTBEAT_OPEN_SINCE, ()), _json_time(span.get("endTimeUnixNano", 0)))
                     if type(result) is Rejection:
                         batch.reject(name, result, values[0], values[3], values[-1])
-                    else:
-                        batch.heartbeats.append(result)
+                        continue
+                    gpu, invalid = _gpu_sample(tuple(attributes.get(key) for key in GPU_KEYS))
+                    batch.gpu_fields_invalid += invalid
+                    batch.heartbeats.append(result if gpu is None else result._replace(gpu=gpu))
                     continue
                 identity = _identity(*values[:-1])
                 result = _observation(

@@ -123,6 +123,8 @@ def status_record(driver: EngineDriver, emitter: VerdictEmitter, telemetry: Opti
         "errors": dict(errors),
         "engine": driver.stats(),
         "jobs_without_stages": driver.jobs_without_stages(),
+        # hosts that had a rank alerted: its ranks slow now, its ranks of the job, degraded (nodes.py)
+        "nodes": [node.to_dict() for node in driver.node_state()],
         "verdicts": emitted["verdicts"],
         "verdicts_dropped": emitted["verdicts_dropped"],
         "evidence": emitter.evidence_counts(),

@@ -46,9 +46,11 @@ import numpy as np
 
 from otel_straggler import contract
 from otel_straggler.detector.config import DetectorConfig
+from otel_straggler.detector.gpu_evidence import GpuEvidence
 from otel_straggler.detector.inherited_alerts import AlertKey, InheritedAlerts
 from otel_straggler.detector.judge import judge_window, restarted_verdicts
 from otel_straggler.detector.liveness import HangState, Liveness
+from otel_straggler.detector.nodes import NodeRollup, roll_up
 from otel_straggler.detector.observation import DEFAULT_COHORT, Heartbeat, Observation, Placement, Verdict
 from otel_straggler.detector.windows import Cohort, RankEntry, RowLayout, WindowRows
 
@@ -101,6 +103,9 @@ class _JobView(NamedTuple):
         return max(cohort.last_active_unix_nano for cohort in self.cohorts)
 
 
+MAX_FLAGGED_HOSTS = 256  # hosts that had a rank alerted, kept for status.json's node roll-up
+
+
 class Engine:
     """Not thread-safe: one thread calls everything (or the caller holds a lock around each call)."""
 
@@ -124,6 +129,8 @@ class Engine:
         self._now = 0  # latest `now` given; new cohorts start their activity clock there
         self._retiring: list[Cohort] = []  # superseded by a new incarnation, judged at the next advance
         self._liveness = Liveness(config, self._counts)
+        self._flagged_hosts: dict[tuple, None] = {}  # (job, epoch, host) that had a rank alerted, oldest first
+        self._gpu = GpuEvidence(config.window_steps, config.persist_windows, config.max_gpu_ranks)
         self._liveness_verdicts: list[Verdict] = []  # made at intake, handed out at the next advance
         self._inherited: Optional[InheritedAlerts] = None  # a previous process's open alerts
 
@@ -211,6 +218,8 @@ class Engine:
     def ingest_heartbeats(self, heartbeats: Iterable[Heartbeat], now_unix_nano: Optional[int] = None) -> None:
         """Heartbeats that arrived at `now_unix_nano` (the caller's clock; default: the latest advance)."""
         now = self._now if now_unix_nano is None else now_unix_nano
+        heartbeats = heartbeats if isinstance(heartbeats, (list, tuple)) else list(heartbeats)
+        self._gpu.note(heartbeats)
         self._liveness_verdicts += self._liveness.note_heartbeats(heartbeats, now)
 
     def ingest_placements(self, placements: Iterable[Placement]) -> None:
@@ -328,15 +337,28 @@ class Engine:
         return verdicts
 
     def _placed(self, verdicts: list[Verdict], epoch: int) -> list[Verdict]:
-        """Per-rank verdicts with where the rank runs (CONTRACT v1.1 §3a host, local_rank)."""
+        """Per-rank verdicts with where the rank runs (CONTRACT v1.1 §3a host, local_rank) and its
+        GPU's health over the verdict's window (`gpu`)."""
         placed = []
         for verdict in verdicts:
             if verdict.rank is not None and verdict.host is None and verdict.local_rank is None:
                 host, local_rank = self._liveness.placement(verdict.job_id, epoch, verdict.rank)
                 if host is not None or local_rank is not None:
                     verdict = dataclasses.replace(verdict, host=host, local_rank=local_rank)
-            placed.append(verdict)
+            placed.append(self._with_gpu(verdict, epoch))
+        self._flag_hosts(placed, epoch)
         return placed
+
+    def _with_gpu(self, verdict: Verdict, epoch: Optional[int]) -> Verdict:
+        if verdict.rank is None or verdict.gpu is not None:
+            return verdict
+        if epoch is None:  # a liveness verdict: the job's latest topology
+            epoch = max((key[1] for key in self._cohorts_by_job.get(verdict.job_id, ())), default=0)
+        # a hang or a silent rank: its latest samples, as they were when it stopped
+        latest = verdict.verdict in (contract.VERDICT_HANG, contract.VERDICT_SILENT)
+        gpu = self._gpu.evidence(verdict.job_id, epoch, verdict.rank, None if latest else verdict.window,
+                                 verdict.reference_ranks)
+        return verdict if gpu is None else dataclasses.replace(verdict, gpu=gpu)
 
     def _evict_cohort(self, cohort: Cohort) -> None:
         """Forgets a cohort, its ranks and its unjudged windows (counted as dropped)."""
@@ -374,6 +396,7 @@ class Engine:
                 verdicts += self._liveness.note_progress(cohort.job_id, cohort.epoch, cohort.restart,
                                                          cohort.latest_end_unix_nano, now_unix_nano)
         verdicts += self._liveness.judge(now_unix_nano, self._collective_stages)
+        verdicts = [self._with_gpu(verdict, None) for verdict in verdicts]
         self._counts["verdicts"] += len(verdicts)
         return verdicts
 
@@ -443,6 +466,8 @@ class Engine:
         stats["ranks"] = sum(cohort.rank_count() for cohort in self._cohorts.values())
         stats["open_windows"] = sum(cohort.pending_window_count() for cohort in self._cohorts.values())
         stats["tracked_ranks"] = self._liveness.tracked_ranks()
+        stats["gpu_ranks"] = self._gpu.rank_count()  # ranks whose GPU samples are kept
+        stats["evictions_gpu_ranks"] = self._gpu.ranks_forgotten
         inherited = self._inherited.counts() if self._inherited is not None else {"taken_over": 0, "pending": 0}
         stats["alerts_taken_over"], stats["alerts_pending_takeover"] = inherited["taken_over"], inherited["pending"]
         return stats
@@ -477,6 +502,38 @@ class Engine:
                                             value if math.isfinite(value) else None, active,
                                             *self._liveness.placement(cohort.job_id, cohort.epoch, entry.rank)))
         return states
+
+    def node_state(self) -> list[NodeRollup]:
+        """Every host that had a rank alerted (the latest MAX_FLAGGED_HOSTS of them), with its ranks
+        under an active straggler alert now (any stage) and its ranks of the job, rolled up (nodes.py)."""
+        slow = []
+        for cohort in self._cohorts.values():
+            verdict_state = cohort.verdict_state
+            slot_count = len(cohort.slot_entries)
+            alert = verdict_state.alert[:, :slot_count] | verdict_state.intermittent.alert[:, :slot_count]
+            for slot in np.nonzero(alert.any(axis=0))[0].tolist():
+                entry = cohort.slot_entries[slot]
+                if entry is not None:
+                    host, _ = self._liveness.placement(cohort.job_id, cohort.epoch, entry.rank)
+                    slow.append((cohort.job_id, host, entry.rank))
+        epochs = {}
+        for job_id, epoch, host in self._flagged_hosts:
+            epochs[(job_id, host)] = max(epochs.get((job_id, host), epoch), epoch)
+        nodes = roll_up(slow, lambda job_id, host: self._liveness.ranks_on_host(
+            job_id, epochs.get((job_id, host), 0), host) or None)
+        listed = {(node.job_id, node.host) for node in nodes}
+        quiet = [NodeRollup(job_id, host, (), self._liveness.ranks_on_host(job_id, epoch, host) or None)
+                 for (job_id, host), epoch in epochs.items() if (job_id, host) not in listed]
+        return nodes + quiet
+
+    def _flag_hosts(self, verdicts: list[Verdict], epoch: int) -> None:
+        for verdict in verdicts:
+            if verdict.verdict == contract.VERDICT_STRAGGLER and verdict.host:
+                key = (verdict.job_id, epoch, verdict.host)
+                self._flagged_hosts.pop(key, None)
+                self._flagged_hosts[key] = None
+                if len(self._flagged_hosts) > MAX_FLAGGED_HOSTS:
+                    self._flagged_hosts.pop(next(iter(self._flagged_hosts)))
 
 
 def _is_int(value) -> bool:

@@ -183,6 +183,11 @@ class Liveness:
         record = job.ranks.get(rank) if job is not None else None
         return (record.host, record.local_rank) if record is not None else (None, None)
 
+    def ranks_on_host(self, job_id: str, epoch: int, host: str) -> int:
+        """How many of the job's ranks report `host` as theirs (a scan of the job's records)."""
+        job = self._jobs.get((job_id, epoch))
+        return sum(1 for record in job.ranks.values() if record.host == host) if job is not None else 0
+
     # ---- judging ----
     def judge(self, now: int, collectives_of: Callable[[str, int], set]) -> list[Verdict]:
         """Hang and resumed verdicts due at `now`; `collectives_of(job, epoch)` names the job's

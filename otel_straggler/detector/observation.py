@@ -29,6 +29,22 @@ class Observation(NamedTuple):
     restart: int = 0  # training.restart.count: with (job, epoch), the rank's incarnation
 
 
+class GpuSample(NamedTuple):
+    """The GPU health a heartbeat carries (CONTRACT §2c); a field the rank did not send, or sent
+    with a value out of its type or range, is None."""
+
+    index: Optional[int] = None
+    uuid: Optional[str] = None
+    sm_clock_mhz: Optional[int] = None
+    sm_clock_max_mhz: Optional[int] = None
+    clock_event_reasons: Optional[int] = None  # NVML bitmask (contract.CLOCK_EVENT_REASONS)
+    temperature_c: Optional[int] = None
+    power_w: Optional[float] = None
+    utilization: Optional[float] = None  # 0..1
+    ecc_uncorrected: Optional[int] = None  # volatile uncorrected ECC errors since the driver loaded
+    pcie_replay: Optional[int] = None
+
+
 class Heartbeat(NamedTuple):
     """One `train.heartbeat` span (CONTRACT §2b): a rank alive at `time_unix_nano`, and the stages
     open on its training thread then, outermost first."""
@@ -42,6 +58,7 @@ class Heartbeat(NamedTuple):
     time_unix_nano: int  # the sample's host wall clock
     open_stages: tuple[str, ...]
     open_since_unix_nano: tuple[int, ...]
+    gpu: Optional[GpuSample] = None  # the rank's GPU health at the sample (§2c), where it sends it
 
 
 DEFAULT_COHORT = "default"  # a rank that names no cohort: every rank of its job plays the same role

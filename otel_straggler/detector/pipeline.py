@@ -17,6 +17,7 @@ from collections import Counter
 from typing import Callable, Optional
 
 from otel_straggler.detector.config import DetectorConfig
+from otel_straggler import contract
 from otel_straggler.detector.decode import OTHER_KIND, DecodedBatch, RejectedSpan, Rejection
 from otel_straggler.detector.observation import Verdict
 from otel_straggler.detector.rejections import RejectionLog
@@ -38,6 +39,8 @@ STALL_SLACK_S = 1.0
 # clock (a scan of its jobs), and at most this many named in status.json (the count has them all)
 JOBS_WITHOUT_STAGES_LOOK_NS = 1_000_000_000
 MAX_JOBS_WITHOUT_STAGES_NAMED = 16
+# verdicts after which status.json's node roll-up is made again (else once a second, with the look above)
+_ALERT_CHANGES = frozenset((contract.VERDICT_STRAGGLER, contract.VERDICT_RECOVERED))
 # spans the engine refuses after decoding: their kind, so that rejections add up to spans.malformed
 _ENGINE_REFUSED = RejectedSpan(Rejection(OTHER_KIND, "refused by the engine after decoding (a host duration that "
                                          "is not finite, or a value of the wrong type)"), None, None, None, None)
@@ -49,7 +52,7 @@ class IntakeCounters:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._spans: Counter[str] = Counter({outcome: 0 for outcome in SPAN_OUTCOMES + ("ignored", "heartbeats")})
+        self._spans: Counter[str] = Counter({outcome: 0 for outcome in SPAN_OUTCOMES + ("ignored", "heartbeats", "gpu_fields_invalid")})
         self._rejections: Counter[str] = Counter()
         self._requests: Counter[str] = Counter()
         self._errors: Counter[str] = Counter()
@@ -97,12 +100,14 @@ class EngineDriver:
         self._logged_engine_error = False
         self._logged_late = False
         self._stats: dict[str, int] = dict(engine.stats())
+        self._nodes: list = []
         self._next_close: Optional[int] = self._engine_next_close()
         self._jobs_without_stages: dict = {"count": 0, "jobs": []}
         self._next_stageless_look = 0
 
     def count_decoded(self, batch: DecodedBatch) -> None:
-        self.counters.add(malformed=batch.malformed, ignored=batch.ignored, heartbeats=len(batch.heartbeats))
+        self.counters.add(malformed=batch.malformed, ignored=batch.ignored, heartbeats=len(batch.heartbeats),
+                          gpu_fields_invalid=batch.gpu_fields_invalid)
         if batch.malformed:
             self.counters.add_rejections(batch.rejections)
             self.rejection_log.note(batch.rejections, batch.first_rejected)
@@ -170,9 +175,13 @@ class EngineDriver:
                 verdicts = getattr(self.engine, method)(now_unix_nano)
                 self._stats = dict(self.engine.stats())
                 self._next_close = self._engine_next_close()
-                if method == "drain" or now_unix_nano >= self._next_stageless_look:
+                looking = method == "drain" or now_unix_nano >= self._next_stageless_look
+                if looking:
                     self._next_stageless_look = now_unix_nano + JOBS_WITHOUT_STAGES_LOOK_NS
                     self._look_for_jobs_without_stages(now_unix_nano)
+                # alerts start and end with verdicts; a host's rank count changes slowly
+                if looking or any(v.verdict in _ALERT_CHANGES for v in verdicts):
+                    self._nodes = self.engine.node_state() if hasattr(self.engine, "node_state") else []
         except Exception:  # noqa: BLE001
             self._engine_failed(method)
             return
@@ -192,6 +201,11 @@ class EngineDriver:
         """The engine's straggler.job.slowdown series; none for an engine without them."""
         with self._engine_lock:
             return self.engine.job_slowdown_state() if hasattr(self.engine, "job_slowdown_state") else []
+
+    def node_state(self) -> list:
+        """The engine's node roll-up (nodes.py) as of the latest verdict that started or ended an
+        alert, or the latest second's advance (never waits for the engine)."""
+        return self._nodes
 
     def stats(self) -> dict[str, int]:
         """The engine's stats() as of the latest advance or drain."""

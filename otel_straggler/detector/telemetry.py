@@ -31,6 +31,8 @@ from opentelemetry.sdk.resources import Resource
 
 from otel_straggler import contract
 from otel_straggler.detector.config import ConfigError, DetectorConfig
+from otel_straggler.detector.gpu_evidence import describe
+from otel_straggler.detector.next_step import next_step, suspect
 from otel_straggler.detector.observation import Verdict
 from otel_straggler.detector.pipeline import SPAN_OUTCOMES
 from otel_straggler.otlp_environ import check_exporter_environ, resolve_protocol
@@ -85,20 +87,40 @@ def _counting_failures(exporter_class: type, on_failure: Callable[[], None]) -> 
 
 
 def verdict_summary(verdict: Verdict) -> str:
-    """One line for people: the event body."""
+    """One line for people: the event body. A straggler's says what its GPU showed and what to look
+    at first."""
     where = f" on {verdict.host}" + (f" (local rank {verdict.local_rank})" if verdict.local_rank is not None else "") \
         if verdict.host is not None else ""
     who = "no single rank" if verdict.rank is None else f"rank {verdict.rank}{where}"
     if verdict.verdict == contract.VERDICT_HANG:
-        return (f"job {verdict.job_id} hung {verdict.stalled_s:.0f} s ago: {who}, {verdict.reason}, "
+        line = (f"job {verdict.job_id} hung {verdict.stalled_s:.0f} s ago: {who}, {verdict.reason}, "
                 f"in {verdict.stage}")
-    return f"{who} {verdict.verdict} ({verdict.reason}) in {verdict.stage} of job {verdict.job_id}"
+    else:
+        line = f"{who} {verdict.verdict} ({verdict.reason}) in {verdict.stage} of job {verdict.job_id}"
+    words = describe(verdict.gpu)
+    if words:
+        line += f"; GPU: {words}"
+    if verdict.verdict in (contract.VERDICT_STRAGGLER, contract.VERDICT_HANG) and verdict.rank is not None:
+        line += f". Next: {next_step(verdict.to_dict())}"
+    return line
 
 
 def verdict_attributes(verdict: Verdict) -> dict[str, Any]:
-    """The evidence-file fields as event attributes; null ones are left out (attributes have no null)."""
+    """The evidence-file fields as event attributes; null ones are left out (attributes have no null)
+    and objects (gpu, slow_steps) are flattened to `gpu.sm_clock_mhz` and so on. A per-rank
+    straggler or hang also carries `suspect` and `next_step` (next_step.py)."""
     record = verdict.to_dict()
-    return {key: record[key] for key in contract.VERDICT_FIELDS if record[key] is not None}
+    attributes: dict[str, Any] = {}
+    for key in contract.VERDICT_FIELDS:
+        value = record[key]
+        if isinstance(value, dict):
+            attributes.update({f"{key}.{name}": item for name, item in value.items() if item is not None})
+        elif value is not None:
+            attributes[key] = value
+    if verdict.verdict in (contract.VERDICT_STRAGGLER, contract.VERDICT_HANG) and verdict.rank is not None:
+        attributes["suspect"] = suspect(record) if verdict.verdict == contract.VERDICT_STRAGGLER else verdict.reason
+        attributes["next_step"] = next_step(record)
+    return attributes
 
 
 class DetectorTelemetry:
@@ -122,6 +144,9 @@ class DetectorTelemetry:
         self._job_slowdown_states = job_slowdown_states
         self._lock = threading.Lock()
         self.export_failures: Counter[str] = Counter()
+        # (job, cohort, stage, rank) -> the straggler alert's evidence attributes, while it is active
+        self._alert_evidence: dict[tuple, dict[str, Any]] = {}
+        self._max_alert_evidence = config.max_metric_series
         resource = Resource.create({
             "service.name": DETECTOR_SERVICE_NAME,
             # stable across restarts of the same shard, so a restart is not a vanished detector
@@ -138,7 +163,7 @@ class DetectorTelemetry:
             self.scrape_reader = InMemoryMetricReader()
             readers.append(self.scrape_reader)
         per_rank = (contract.METRIC_RANK_SLOWDOWN, contract.METRIC_ALERT_ACTIVE, contract.METRIC_VERDICTS,
-                    contract.METRIC_JOB_HANG, contract.METRIC_JOB_SLOWDOWN)
+                    contract.METRIC_JOB_HANG, contract.METRIC_JOB_SLOWDOWN, contract.METRIC_ALERT_EVIDENCE)
         self._meter_provider = MeterProvider(
             metric_readers=readers, resource=resource,
             views=[View(instrument_name=name, aggregation_cardinality_limit=config.max_metric_series) for name in per_rank],
@@ -159,6 +184,10 @@ class DetectorTelemetry:
         meter.create_observable_gauge(
             contract.METRIC_ALERT_ACTIVE, [self._observe_alert_active],
             description="1 while a straggler alert is active for the rank")
+        meter.create_observable_gauge(
+            contract.METRIC_ALERT_EVIDENCE, [self._observe_alert_evidence],
+            description="1 while a straggler alert is active, with its evidence in words: suspect (gpu_errors, "
+                        "input_pipeline, gpu_throttled, gpu, host, peer_wait, unknown), gpu, next_step")
         self._verdicts = meter.create_counter(contract.METRIC_VERDICTS, description="verdicts emitted")
         meter.create_observable_gauge(
             contract.METRIC_JOB_HANG, [self._observe_hangs],
@@ -210,6 +239,7 @@ class DetectorTelemetry:
 
     def record_verdicts(self, verdicts: Iterable[Verdict]) -> None:
         for verdict in verdicts:
+            self._note_alert_evidence(verdict)
             self._verdicts.add(1, _placed({
                 "verdict": verdict.verdict, "reason": verdict.reason, contract.STAGE: verdict.stage,
                 contract.RANK: -1 if verdict.rank is None else verdict.rank, contract.JOB_ID: verdict.job_id,
@@ -251,6 +281,33 @@ class DetectorTelemetry:
     def _observe_alert_active(self, options: CallbackOptions) -> Iterable[Observation]:
         for state in self._rank_states():
             yield Observation(1 if state.alert_active else 0, _rank_attributes(state))
+
+    def _note_alert_evidence(self, verdict: Verdict) -> None:
+        if verdict.rank is None:
+            return
+        key = (verdict.job_id, verdict.cohort, verdict.stage, verdict.rank)
+        with self._lock:
+            if verdict.verdict == contract.VERDICT_RECOVERED:
+                self._alert_evidence.pop(key, None)
+            elif verdict.verdict == contract.VERDICT_STRAGGLER and (
+                    key in self._alert_evidence or len(self._alert_evidence) < self._max_alert_evidence):
+                record = verdict.to_dict()
+                self._alert_evidence[key] = _placed({
+                    contract.JOB_ID: verdict.job_id, contract.COHORT: verdict.cohort, contract.STAGE: verdict.stage,
+                    contract.RANK: verdict.rank, "suspect": suspect(record), "gpu": describe(verdict.gpu),
+                    "next_step": next_step(record)}, verdict)
+
+    def _observe_alert_evidence(self, options: CallbackOptions) -> Iterable[Observation]:
+        # only alerts the engine still holds: one that ended without a `recovered` (its job evicted,
+        # its rank restarted) is forgotten here
+        active = {(state.job_id, state.cohort, state.stage, state.rank)
+                  for state in self._rank_states() if state.alert_active}
+        with self._lock:
+            for key in [key for key in self._alert_evidence if key not in active]:
+                del self._alert_evidence[key]
+            held = list(self._alert_evidence.values())
+        for attributes in held:
+            yield Observation(1, attributes)
 
     def _observe_hangs(self, options: CallbackOptions) -> Iterable[Observation]:
         for state in self._hang_states():

@@ -109,3 +109,36 @@ def test_columns_line_up_with_the_header():
     assert len({len(line) for line in lines[1:]}) == 1
     header_end = lines[1].index("forward-compute") + len("forward-compute")
     assert lines[3][header_end - 4:header_end] == "39.0"
+
+
+HOT = {"sm_clock_mhz": 1410, "peer_sm_clock_mhz": 1980, "clock_event_reasons": ["hw_thermal"], "temperature_c": 89,
+       "power_w": 300.0, "ecc_uncorrected_delta": 0, "pcie_replay_delta": 0, "uuid": "GPU-hot"}
+
+
+def test_an_alert_is_followed_by_its_gpu_evidence_and_what_to_look_at_first():
+    out = io.StringIO()
+    view = LiveView(out, total_steps=20, window_steps=10, header="demo", interactive=False)
+    view.on_verdict(verdict(2, 4, host="node017", local_rank=2, attribution="gpu_stream_stall", gpu=HOT))
+    view.on_verdict(verdict(2, 6, kind="recovered", reason="within_tolerance", host="node017", gpu=HOT))
+    lines = out.getvalue().splitlines()
+    assert lines[2] == ("  GPU: SM clock 1410 MHz vs 1980 at its peers; hw_thermal throttling; 89 °C; 300 W; next: "
+                        "GPU GPU-hot on node017 runs at reduced clocks: check cooling: fans, inlet temperature, "
+                        "airflow; `nvidia-smi -q -d PERFORMANCE,CLOCK,TEMPERATURE,POWER`, then `dcgmi diag -r 3` on "
+                        "that GPU.")
+    assert lines[3].startswith("RECOVERED") and len(lines) == 4  # a recovery gets no advice
+
+
+def test_several_slow_ranks_of_one_host_are_said_once_as_the_node():
+    out = io.StringIO()
+    view = LiveView(out, total_steps=20, window_steps=10, header="demo", interactive=False,
+                    host_ranks={"node017": 4, "node018": 4})
+    view.on_verdict(verdict(0, 4, host="node018"))
+    view.on_verdict(verdict(4, 4, host="node017"))
+    assert "NODE:" not in out.getvalue()  # one of four: that rank's matter
+    view.on_verdict(verdict(5, 4, host="node017"))
+    view.on_verdict(verdict(6, 4, host="node017"))
+    node_lines = [line for line in out.getvalue().splitlines() if line.startswith("NODE:")]
+    assert node_lines == [
+        "NODE: node017: 2 of 4 ranks slow (4, 5): suspect the node, not a GPU: cordon or drain node017 so the "
+        "restart lands elsewhere (`kubectl cordon node017`, or `scontrol update nodename=node017 state=drain "
+        "reason=straggler`), then look at what its GPUs share: chassis power and cooling, its NICs, CPU contention."]

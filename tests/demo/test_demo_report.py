@@ -82,3 +82,30 @@ def test_not_an_evidence_directory(tmp_path):
         report.build(tmp_path, tmp_path / "out")
     with pytest.raises(evidence_files.EvidenceError, match="is not a directory"):
         report.build(tmp_path / "missing", tmp_path / "out")
+
+
+def test_the_report_says_what_to_look_at_first_and_rolls_up_a_node(tmp_path):
+    evidence_dir = tmp_path / "evidence"
+    hot = {"sm_clock_mhz": 1410, "peer_sm_clock_mhz": 1980, "clock_event_reasons": ["hw_thermal"], "temperature_c": 89,
+           "power_w": 300.0, "uuid": "GPU-hot"}
+    write_evidence(evidence_dir, [
+        verdict(2, 4, host="node017", local_rank=2, attribution="gpu_stream_stall", gpu=hot),
+        verdict(3, 4, host="node017", local_rank=3),
+        verdict(2, 5, host="node017", local_rank=2, attribution="gpu_stream_stall", gpu=hot),  # said once
+    ])
+    (evidence_dir / evidence_files.STATUS_FILE).write_text(
+        '{"nodes": [{"job_id": "%s", "host": "node017", "slow_ranks": [], "ranks": 4, "degraded": false}]}'
+        % verdict(0, 0)["job_id"])
+    page = report.build(evidence_dir, tmp_path / "out").html_path.read_text()
+    first_look = page.split("<h2>What to look at first</h2>", 1)[1].split("<h2>", 1)[0]
+    assert "node017: 2 of 4 ranks slow (2, 3): suspect the node, not a GPU" in first_look
+    assert first_look.count("<tr>") == 3  # the header and one row per alert
+    assert "SM clock 1410 MHz vs 1980 at its peers; hw_thermal throttling; 89 °C; 300 W" in first_look
+    assert "gpu_throttled" in first_look and "runs at reduced clocks" in first_look
+    assert "no GPU samples" in first_look
+
+
+def test_a_report_without_alerts_has_no_first_look_section(tmp_path):
+    evidence_dir = tmp_path / "evidence"
+    write_evidence(evidence_dir, [verdict(0, 3, kind="uncertain", reason="below_absolute_floor")])
+    assert "What to look at first" not in report.build(evidence_dir, tmp_path / "out").html_path.read_text()

@@ -11,7 +11,7 @@ import numpy as np
 from otel_straggler import contract
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.engine import Engine
-from otel_straggler.detector.observation import Heartbeat, Observation, Placement
+from otel_straggler.detector.observation import GpuSample, Heartbeat, Observation, Placement
 
 START = 1_700_000_000_000_000_000
 SECOND = 1_000_000_000
@@ -42,6 +42,7 @@ class ScriptedJob:
         self.clock_offset: dict[int, int] = {}  # rank -> how far its clock is ahead (ns; negative: behind)
         self.slow: dict[int, float] = {}  # rank -> factor on its compute stages
         self.heartbeat_s = 5
+        self.gpu: Optional[Callable[[int, int], Optional[GpuSample]]] = None  # (rank, now ns) -> its GPU sample
         self.heartbeats_from = START
         self.rng = np.random.default_rng(seed)
         engine.ingest_placements([Placement(job_id, 0, restart, rank, f"node-{rank // 2}", rank % 2, cohort, world_size)
@@ -70,7 +71,8 @@ class ScriptedJob:
                     skew = self.clock_offset.get(rank, 0)
                     beats.append(Heartbeat(self.job_id, 0, self.cohort, rank, (restart_of or {}).get(rank, self.restart),
                                            self.step, self.now + skew, tuple(name for name, _ in opened),
-                                           tuple(since + skew for _, since in opened)))
+                                           tuple(since + skew for _, since in opened),
+                                           self.gpu(rank, self.now) if self.gpu else None))
             self.now += SECOND
             self.engine.ingest_many(observations)
             self.engine.ingest_heartbeats(beats)

@@ -26,16 +26,36 @@ def kind(verdict: str, **changes) -> Verdict:
 
 def test_an_alert_line_is_the_demos_with_where_the_rank_runs():
     assert verdict_text(ALERT) == ("ALERT: straggler rank 2 in forward-compute at window 4 (1.30x its peers, +9.0 ms); "
-                                   "job train-42, host node-3, local rank 2, reason slow_vs_peers")
+                                   "job train-42, host node-3, local rank 2, reason slow_vs_peers; next: The rank's "
+                                   "host-side work is slow while its GPU is not: look for CPU contention on node-3 "
+                                   "(other processes, CPU frequency, data loader workers); `py-spy dump --pid` of the "
+                                   "rank shows where its Python spends the time.")
     also = verdict_text(dataclasses.replace(ALERT, also_slow=("ddp-grads-ready", "*")))
     assert also.startswith("ALERT: straggler rank 2 in forward-compute at window 4 (1.30x its peers, +9.0 ms")
     assert also.count("also slow: ddp-grads-ready, ") == 1  # as the demo words it, once
-    assert also.endswith("; job train-42, host node-3, local rank 2, reason slow_vs_peers")
+    assert "; job train-42, host node-3, local rank 2, reason slow_vs_peers; next: " in also
     assert "also slow" not in verdict_text(ALERT)
     recovered = verdict_text(kind(contract.VERDICT_RECOVERED, reason="within_tolerance", also_slow=("optimizer",)))
     assert "at window 4; also slow: optimizer; job train-42" in recovered
     unplaced = dataclasses.replace(ALERT, host=None, local_rank=None)
-    assert verdict_text(unplaced).endswith("; job train-42, reason slow_vs_peers")
+    assert "; job train-42, reason slow_vs_peers; next: " in verdict_text(unplaced)
+    assert "CPU contention on its host" in verdict_text(unplaced)
+
+
+def test_an_alert_line_says_what_the_gpu_showed_and_what_to_look_at_first():
+    hot = dataclasses.replace(ALERT, attribution=contract.ATTRIBUTION_GPU, gpu={
+        "sm_clock_mhz": 1410, "peer_sm_clock_mhz": 1980, "clock_event_reasons": ["gpu_idle", "hw_thermal"],
+        "temperature_c": 89, "power_w": 402.4, "ecc_uncorrected_delta": 0, "pcie_replay_delta": 0, "uuid": "GPU-abc"})
+    assert verdict_text(hot).endswith(
+        "reason slow_vs_peers; GPU: SM clock 1410 MHz vs 1980 at its peers; hw_thermal throttling; 89 °C; 402 W; "
+        "next: GPU GPU-abc on node-3 runs at reduced clocks: check cooling: fans, inlet temperature, airflow; "
+        "`nvidia-smi -q -d PERFORMANCE,CLOCK,TEMPERATURE,POWER`, then `dcgmi diag -r 3` on that GPU.")
+    failing = dataclasses.replace(hot, gpu={**hot.gpu, "ecc_uncorrected_delta": 3})
+    assert "3 new uncorrected ECC errors" in verdict_text(failing)
+    assert "next: GPU GPU-abc on node-3 is logging errors (uncorrected ECC or PCIe replays): drain that GPU" in \
+        verdict_text(failing)
+    recovered = verdict_text(kind(contract.VERDICT_RECOVERED, reason="within_tolerance", gpu=hot.gpu))
+    assert "next:" not in recovered and "GPU:" not in recovered  # what to do is said when the alert starts
 
 
 def test_recoveries_hangs_silences_and_job_slowdowns_get_a_line_uncertain_none():
@@ -48,7 +68,10 @@ def test_recoveries_hangs_silences_and_job_slowdowns_get_a_line_uncertain_none()
                 stalled_s=31.0, reference_ms=31_000.0)
     assert verdict_text(hang) == (
         "HANG: no interval ended for 31 s: rank 2 on node-3 never left forward-compute (never_entered_collective); "
-        "ranks 0, 1, 3 wait in the collective (31.0 s); job train-42, local rank 2, reason never_entered_collective")
+        "ranks 0, 1, 3 wait in the collective (31.0 s); job train-42, local rank 2, reason never_entered_collective; "
+        "next: `py-spy dump --pid <pid>` of the worker with LOCAL_RANK=2 on node-3 shows where it is stuck outside "
+        "the collective (data loader, I/O, a lock, a CUDA call); the NCCL flight recorder dump "
+        "(TORCH_NCCL_TRACE_BUFFER_SIZE) of the waiting ranks shows the collective they wait in.")
     resumed = kind(contract.VERDICT_RECOVERED, reason=contract.HANG_PROGRESS_RESUMED, slowdown=None, gap_ms=None)
     assert verdict_text(resumed) == ("RESUMED: rank 2 is making progress again; job train-42, host node-3, "
                                      "local rank 2, stage forward-compute, reason progress_resumed")

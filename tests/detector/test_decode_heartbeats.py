@@ -6,7 +6,7 @@ import pytest
 
 from otel_straggler import contract
 from otel_straggler.detector.decode import ProtobufDecoder, decode_json_request
-from otel_straggler.detector.observation import Heartbeat, Placement
+from otel_straggler.detector.observation import GpuSample, Heartbeat, Placement
 
 from .otlp_spans import heartbeat_span, otlp_json, readable_span, request_bytes, stage_spans
 
@@ -30,6 +30,33 @@ def test_heartbeats_are_decoded_with_their_open_stages(decode):
                                           (T - 5, T - 2))]
     assert (len(batch.observations), batch.ignored, batch.malformed) == (3, 0, 0)
     assert Placement("job-1", 0, 2, 1, "node-0", 1, "tp0") in batch.placements
+
+
+GPU = {contract.GPU_INDEX: 3, contract.GPU_UUID: "GPU-5c1e", contract.GPU_SM_CLOCK_MHZ: 1410,
+       contract.GPU_SM_CLOCK_MAX_MHZ: 1980, contract.GPU_CLOCK_EVENT_REASONS: 0x40, contract.GPU_TEMPERATURE_C: 89,
+       contract.GPU_POWER_W: 402.5, contract.GPU_UTILIZATION: 0.97, contract.GPU_ECC_UNCORRECTED: 2,
+       contract.GPU_PCIE_REPLAY: 17}
+
+
+def test_a_heartbeats_gpu_health_is_decoded_field_for_field(decode):
+    batch = decode([heartbeat_span(1, T, (("forward-compute", T - 5),), attributes=GPU)])
+    assert [beat.gpu for beat in batch.heartbeats] == [GpuSample(3, "GPU-5c1e", 1410, 1980, 0x40, 89, 402.5, 0.97, 2, 17)]
+    assert batch.gpu_fields_invalid == 0
+    without = decode([heartbeat_span(1, T, (("forward-compute", T - 5),))])
+    assert without.heartbeats[0].gpu is None  # NVML not there: no sample, no error
+
+
+@pytest.mark.parametrize("field, bad", [
+    (contract.GPU_SM_CLOCK_MHZ, -1), (contract.GPU_SM_CLOCK_MHZ, "1410"), (contract.GPU_UTILIZATION, 97.0),
+    (contract.GPU_POWER_W, float("nan")), (contract.GPU_UUID, 7), (contract.GPU_CLOCK_EVENT_REASONS, True),
+])
+def test_a_bad_gpu_field_is_left_out_and_counted_and_the_heartbeat_kept(decode, field, bad):
+    batch = decode([heartbeat_span(1, T, (("forward-compute", T - 5),), attributes={**GPU, field: bad})])
+    assert len(batch.heartbeats) == 1 and batch.malformed == 0
+    gpu = batch.heartbeats[0].gpu
+    assert gpu is not None and gpu.sm_clock_max_mhz == 1980
+    assert batch.gpu_fields_invalid == 1
+    assert getattr(gpu, GpuSample._fields[[*GPU].index(field)]) is None
 
 
 def test_heartbeats_with_no_stage_open_and_before_the_first_step(decode):

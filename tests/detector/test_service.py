@@ -163,7 +163,13 @@ def test_verdict_metrics_and_events_are_exported_over_otlp(tmp_path, monkeypatch
         assert all(record.event_name == contract.VERDICT_EVENT_NAME for record in events)
         first = attributes_of(events[0].attributes)
         assert first["rank"] == written[0]["rank"] and first["verdict"] == written[0]["verdict"]
-        assert set(first) == {key for key, value in written[0].items() if value is not None}
+        # every evidence-file field that is not null, and for an alert what it points at and what to do
+        advice = {"suspect", "next_step"} if written[0]["verdict"] == contract.VERDICT_STRAGGLER else set()
+        assert set(first) == {key for key, value in written[0].items() if value is not None} | advice
+        evidence = [attributes for attributes, value in points[contract.METRIC_ALERT_EVIDENCE] if value == 1]
+        assert {attributes[contract.RANK] for attributes in evidence} == {3}
+        assert evidence[0]["suspect"] == "unknown" and evidence[0]["gpu"] == ""  # host timing, no GPU samples
+        assert evidence[0]["next_step"].startswith("Check, in this order: its GPU on node-0")
 
 
 def _value(point) -> float:

@@ -68,8 +68,10 @@ JAEGER_SEARCH_LINK = jaeger_search_link("${__field.labels.training_rank}")
 JAEGER_SEARCH_LINK_TABLE = jaeger_search_link("${__data.fields.rank}")
 
 
-def prom_target(expr: str, legend: str = "", ref: str = "A", instant: bool = False) -> dict:
-    return {
+def prom_target(expr: str, legend: str = "", ref: str = "A", instant: bool = False, table: bool = False) -> dict:
+    """table: Prometheus's table format (one column per label, the value in `Value #<ref>`), for
+    tables that merge several queries on their labels."""
+    target = {
         "datasource": PROMETHEUS,
         "expr": expr,
         "legendFormat": legend,
@@ -77,6 +79,9 @@ def prom_target(expr: str, legend: str = "", ref: str = "A", instant: bool = Fal
         "instant": instant,
         "range": not instant,
     }
+    if table:
+        target["format"] = "table"
+    return target
 
 
 class Layout:
@@ -174,6 +179,14 @@ def variables() -> list[dict]:
 def job_overview() -> dict:
     layout = Layout()
     hang_labels = "training_job_id, training_rank, host_name, training_local_rank, training_stage, reason"
+    # A host's ranks of the job, each counted once over its stages and shards, as the
+    # TrainingNodeDegraded alert counts them (rules.yml); series without host_name form no host.
+    host_ranks = ('max by (training_job_id, host_name, training_rank) '
+                  f'(straggler_alert_active{{{JOB}, host_name!=""}})')
+    alerted_per_host = f"count by (training_job_id, host_name) ({host_ranks} == 1)"
+    ranks_per_host = f"count by (training_job_id, host_name) ({host_ranks})"
+    evidence_labels = ("training_job_id, training_cohort, training_stage, training_rank, host_name, "
+                       "training_local_rank, suspect, gpu, next_step")
     panels = [
         layout.place(panel(
             "stat", "Active hangs",
@@ -236,6 +249,55 @@ def job_overview() -> dict:
             ],
             options={"showHeader": True},
         ), 20, 6),
+        layout.place(panel(
+            "table", "Alerted ranks by host",
+            "Hosts with a rank under a straggler alert: how many of the job's ranks on that host are "
+            "alerted (any stage) and their share. Half or more, and at least 2, is the "
+            "TrainingNodeDegraded alert: suspect the node (power, cooling, NIC, CPU, a noisy neighbour), "
+            "not one GPU.",
+            [prom_target(alerted_per_host, ref="A", instant=True, table=True),
+             prom_target(f"{ranks_per_host} and on (training_job_id, host_name) {alerted_per_host}",
+                         ref="B", instant=True, table=True),
+             prom_target(f"{alerted_per_host} / on (training_job_id, host_name) {ranks_per_host}",
+                         ref="C", instant=True, table=True)],
+            fieldConfig={**field_config(no_value="No alerted rank"), "overrides": [{
+                "matcher": {"id": "byName", "options": "share"},
+                "properties": [{"id": "unit", "value": "percentunit"},
+                               {"id": "thresholds", "value": {"mode": "absolute", "steps": [
+                                   {"color": "green", "value": None}, {"color": "red", "value": 0.5}]}},
+                               {"id": "custom.cellOptions", "value": {"type": "color-text"}}]}]},
+            transformations=[
+                {"id": "merge", "options": {}},
+                {"id": "organize", "options": {
+                    "excludeByName": {"Time": True},
+                    "indexByName": {"training_job_id": 0, "host_name": 1, "Value #A": 2, "Value #B": 3, "Value #C": 4},
+                    "renameByName": {"training_job_id": "job", "host_name": "host", "Value #A": "alerted ranks",
+                                     "Value #B": "ranks", "Value #C": "share"}}},
+            ],
+            options={"showHeader": True, "sortBy": [{"displayName": "share", "desc": True}]},
+        ), 9, 7),
+        layout.place(panel(
+            "table", "Straggler evidence",
+            "What the detector holds against each alerted rank (straggler_alert_evidence): its suspect "
+            "(gpu_throttled, gpu_errors, input_pipeline, host, gpu, peer_wait, unknown), the GPU evidence "
+            "in words, and what to look at first, as the TrainingStragglerDetected alert's next_step says. "
+            "Empty while no rank is alerted, and with a detector that does not export it. The link opens "
+            "the rank's step traces in Jaeger.",
+            [prom_target(f"max by ({evidence_labels}) (straggler_alert_evidence{{{JOB_COHORT}}})", instant=True)],
+            fieldConfig=field_config(links=[JAEGER_SEARCH_LINK_TABLE], no_value="No evidence"),
+            transformations=[
+                {"id": "labelsToFields", "options": {"mode": "columns"}},
+                {"id": "organize", "options": {
+                    "excludeByName": {"Time": True, "Value": True, "training_job_id": True,
+                                      "training_cohort": True},
+                    "indexByName": {"training_rank": 0, "host_name": 1, "training_local_rank": 2,
+                                    "training_stage": 3, "suspect": 4, "gpu": 5, "next_step": 6},
+                    "renameByName": {"training_rank": "rank", "host_name": "host",
+                                     "training_local_rank": "local rank", "training_stage": "stage",
+                                     "gpu": "GPU", "next_step": "next step"}}},
+            ],
+            options={"showHeader": True, "cellHeight": "sm"},
+        ), 15, 7),
         layout.place(panel(
             "timeseries", "Job slowdown vs its baseline",
             "Each cohort's latest window step time (or time per token) over the cohort's own baseline "

@@ -122,7 +122,8 @@ def _flush(provider: MeterProvider) -> None:
 
 def send_detector_metrics(endpoint: str, job_id: str, slow_rank: int, ranks: range, cohort: str = "tp0-pp0",
                           stage: str = "forward-compute", instance: str = "shard-test") -> None:
-    """One export of the four CONTRACT §3b metrics, as the detector would report a straggler.
+    """One export of the four CONTRACT §3b metrics, as the detector would report a straggler, and
+    the alert's evidence in words (straggler.alert.evidence) for the slow rank.
 
     Units matter for the Prometheus names: the gauges carry none (unit "1" would add `_ratio`),
     the counters carry annotations ({verdict}, {span}), which the translation drops.
@@ -130,6 +131,7 @@ def send_detector_metrics(endpoint: str, job_id: str, slow_rank: int, ranks: ran
     provider, meter = _detector_meter(endpoint, instance)
     slowdown = meter.create_gauge("straggler.rank.slowdown", description="window median over reference")
     alert = meter.create_gauge("straggler.alert.active", description="1 while a straggler alert is active")
+    evidence = meter.create_gauge("straggler.alert.evidence", description="1 while a straggler alert is active")
     verdicts = meter.create_counter("straggler.verdicts", unit="{verdict}", description="verdicts emitted")
     intake = meter.create_counter("straggler.detector.spans", unit="{span}", description="detector intake")
     windows = meter.create_counter("straggler.detector.windows.closed", description="windows judged")
@@ -140,6 +142,10 @@ def send_detector_metrics(endpoint: str, job_id: str, slow_rank: int, ranks: ran
         slow = rank == slow_rank
         slowdown.set(1.3 if slow else 1.0, labels)
         alert.set(1 if slow else 0, labels)
+        if slow:
+            evidence.set(1, {**labels, "suspect": "gpu_throttled",
+                             "gpu": "SM clock 1410 MHz vs 1980 MHz at its peers; hw_thermal throttling; 89 °C",
+                             "next_step": "Check the node's cooling and power, then dcgmi diag -r 3 on its GPU."})
         verdict = ("straggler", "slow_vs_peers") if slow else ("uncertain", "within_tolerance")
         verdicts.add(1, {"verdict": verdict[0], "reason": verdict[1], "training.stage": stage,
                          "training.rank": rank, "training.job.id": job_id, **rank_place(rank)})

@@ -95,6 +95,16 @@ def test_every_alert_has_a_unit_test():
     assert {"TrainingStragglerDetected", "TrainingRankSilent", "StragglerDetectorDown"} <= alerts
 
 
+
+def test_every_alert_says_what_to_look_at_first():
+    """Each page carries a next_step annotation (what to look at first); a node whose ranks are
+    slow together has its own alert."""
+    rules = yaml.safe_load((CONFIG_DIR / "prometheus" / "rules.yml").read_text())
+    alerts = [rule for group in rules["groups"] for rule in group["rules"] if "alert" in rule]
+    missing = [rule["alert"] for rule in alerts if not str(rule.get("annotations", {}).get("next_step", "")).strip()]
+    assert not missing, f"alerts without a next_step annotation: {missing}"
+    assert "TrainingNodeDegraded" in {rule["alert"] for rule in alerts}
+
 def _generator():
     spec = importlib.util.spec_from_file_location("generate_dashboards", CONFIG_DIR / "grafana" / "generate_dashboards.py")
     module = importlib.util.module_from_spec(spec)

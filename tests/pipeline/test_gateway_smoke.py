@@ -124,6 +124,21 @@ def test_detector_metrics_reach_prometheus_and_every_panel_has_data(pipeline):
     assert services.wait_until(firing, DEADLINE_S, what="TrainingStragglerDetected and TrainingJobHung firing") == {
         ("TrainingStragglerDetected", "2", "node-0"), ("TrainingJobHung", "5", "node-0")}
 
+    # The straggler's page carries the detector's evidence in words, looked up by the rule's
+    # template query on straggler_alert_evidence as the exporter labels it.
+    def straggler_page():
+        status, body = services.http_get(f"{pipeline.prometheus_url}/api/v1/alerts")
+        if status != 200:
+            return None
+        return next((a["annotations"] for a in json.loads(body)["data"]["alerts"]
+                     if a["labels"]["alertname"] == "TrainingStragglerDetected"
+                     and a["labels"].get("training_job_id") == job_id), None)
+
+    page = services.wait_until(straggler_page, DEADLINE_S, what="TrainingStragglerDetected's annotations")
+    assert page["summary"].endswith(
+        ": suspect gpu_throttled (SM clock 1410 MHz vs 1980 MHz at its peers; hw_thermal throttling; 89 °C)"), page
+    assert page["next_step"] == "Check the node's cooling and power, then dcgmi diag -r 3 on its GPU.", page
+
     send_detector_metrics(pipeline.collector_grpc, job_id, slow_rank=2, ranks=range(4))
     generator = _generator()
     for title, expr in generator.panel_queries():

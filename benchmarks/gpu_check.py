@@ -19,6 +19,10 @@
    live detector (`otel-straggler detect`, started here as its own process, as in a real job).
    Two loops: a GPU-bound one (`overhead`, about 30 ms steps on an H200) and a launch-bound one
    (`overhead_small`, 96 small layers: the host's kernel launches are the bottleneck, the worst case).
+5. GPU health through the real NVML (`gpu_health`): the rank-side sampler on CUDA device 0
+   returns every training.gpu.* field of CONTRACT §2c or names those NVML does not support here,
+   the SM clock is within (0, max], and what one sample costs. Needs nvidia-ml-py, not torch: where
+   torch or CUDA is missing the other checks are skipped with a line saying so and this one runs.
 Each check runs on its own: one that breaks is reported as failed and the others still run; the
 exit code is 1 when a check broke or answered no (events off the current stream, added syncs,
 training changed). Prints a table and writes gpu_check.json into $OUT (or the working directory).
@@ -35,7 +39,6 @@ import time
 import traceback
 import warnings
 
-import torch
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -49,8 +52,14 @@ from otel_straggler.processors.device_events import TorchCudaEvents
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hot_path as hot_path_bench  # noqa: E402
 from detector_process import DetectorProcess  # noqa: E402
-from demo_training import state_sha256  # noqa: E402
 from paired_protocol import ON, Protocol, summarize  # noqa: E402
+
+try:  # the CUDA checks need torch; the GPU health check does not
+    import torch
+    from demo_training import state_sha256  # noqa: E402
+except ImportError as missing:
+    torch = None
+    TORCH_MISSING = str(missing)
 
 
 def configure_in_memory():
@@ -336,6 +345,37 @@ def paired_overhead(protocol: Protocol, loop: str = "large") -> dict:
             "spans_lost": lost, "detector_spans": intake, **summarize(protocol, arm_means)}
 
 
+def gpu_health_check(samples: int) -> dict:
+    """The sampler the rank runs, on the real NVML: every §2c field or the reason it is missing,
+    the SM clock within (0, max], and one sample's cost (the median of `samples`)."""
+    from otel_straggler.instrumentation import gpu_health
+
+    try:
+        gpu_health.load_nvml()
+    except ImportError as missing:
+        return {"skipped": f"nvidia-ml-py is not installed ({missing}); pip install otel-straggler[gpu]"}
+    sampler = gpu_health.GpuHealth("on", lambda: (0, "gpu_check"), os.environ, memory=True)
+    try:
+        attributes = sampler.sample()
+        if sampler.state != gpu_health.ON:
+            return {"passed": False, "state": sampler.state, "reason": sampler.reason, "errors": sampler.errors}
+        costs_ns = []
+        for _ in range(samples):
+            started = time.perf_counter_ns()
+            attributes = sampler.sample()
+            costs_ns.append(time.perf_counter_ns() - started)
+        clock, maximum = attributes.get(contract.GPU_SM_CLOCK_MHZ), attributes.get(contract.GPU_SM_CLOCK_MAX_MHZ)
+        missing = [name for name in contract.GPU_ATTRIBUTES if name not in attributes]
+        clock_in_range = None if clock is None or maximum is None else 0 < clock <= maximum
+        return {"attributes": attributes, "not_supported": sampler.not_supported, "errors": sampler.errors,
+                "unexplained_missing": [name for name in missing if name not in sampler.not_supported],
+                "clock_in_range": clock_in_range, "sample_us": statistics.median(costs_ns) / 1e3,
+                "memory_used_bytes": sampler.latest.get(gpu_health.MEMORY_USED), "name": sampler.name,
+                "passed": clock_in_range is not False and all(name in sampler.not_supported for name in missing)}
+    finally:
+        sampler.close()
+
+
 def run_check(report: dict, name: str, check, *args) -> None:
     """One check on its own: a failure is reported with its traceback, and the others still run."""
     started = time.time()
@@ -351,9 +391,20 @@ def run_check(report: dict, name: str, check, *args) -> None:
 def print_report(report: dict) -> None:
     print(f"GPU check on {report['gpu']} (torch {report['torch']}, hot path in {report['hot_path_implementation']}),"
           f" {report['wall_s']:.0f} s")
-    hot, record, stream, accuracy, syncs, equivalence, overhead, overhead_small = (
+    hot, record, stream, accuracy, syncs, equivalence, overhead, overhead_small, health = (
         report.get(name, {"error": "not run"}) for name in CHECKS)
     rows = []
+    if "skipped" in health:
+        rows.append(("GPU health (NVML)", "skipped, see below"))
+    elif "error" not in health and "attributes" not in health:
+        rows.append(("GPU health (NVML): sampler off", f"{health['state']}: {health['reason']}"[:40]))
+    elif "error" not in health:
+        unsupported = ", ".join(name.rsplit(".", 1)[1] for name in health["not_supported"]) or "none"
+        clock = health["attributes"].get(contract.GPU_SM_CLOCK_MHZ)
+        rows += [("GPU health: every §2c field or not supported", "yes" if health["passed"] else "NO"),
+                 ("  fields NVML does not support here", unsupported[:40]),
+                 ("  SM clock / max (MHz)", f"{clock} / {health['attributes'].get(contract.GPU_SM_CLOCK_MAX_MHZ)}"),
+                 ("  one sample (us, median)", f"{health['sample_us']:.1f}")]
     if "error" not in hot:
         rows += [(f"stage(), real CUDA events ({hot['event_api']}) ns", f"{hot['cuda_events_ns']:.0f}"),
                  ("stage(), host-only timing (ns)", f"{hot['host_only_ns']:.0f}"),
@@ -399,10 +450,13 @@ def print_report(report: dict) -> None:
     for result in (overhead, overhead_small):
         if "error" not in result:
             print(f"{result['loop']} loop protocol: {result['protocol']}")
+    if "skipped" in health:
+        print(f"GPU health (NVML) skipped: {health['skipped']}")
 
 
 CHECKS = ("hot_path", "record_cost", "current_stream", "device_duration", "syncs", "equivalence", "overhead",
-          "overhead_small")
+          "overhead_small", "gpu_health")
+NEEDS_CUDA = CHECKS[:-1]
 
 
 def main(argv=None) -> int:
@@ -420,11 +474,18 @@ def main(argv=None) -> int:
     unknown = sorted(set(args.checks) - set(CHECKS))
     if unknown:
         parser.error(f"--checks: unknown {', '.join(unknown)}; choose from {', '.join(CHECKS)}")
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device visible; nothing to check", file=sys.stderr)
-        return 2
+    cuda = torch is not None and torch.cuda.is_available()
+    if not cuda:
+        why = f"torch is not installed ({TORCH_MISSING})" if torch is None else "no CUDA device visible"
+        skipped = [name for name in args.checks if name in NEEDS_CUDA]
+        if skipped:
+            print(f"gpu_check: {why}; skipping {', '.join(skipped)}", file=sys.stderr)
+        args.checks = [name for name in args.checks if name not in NEEDS_CUDA]
+        if not args.checks:
+            return 2
     started = time.time()
-    report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+    report = {"gpu": torch.cuda.get_device_name(0) if cuda else "no CUDA device",
+              "torch": torch.__version__ if torch is not None else "not installed",
               "hot_path_implementation": hot_path_choice.IMPLEMENTATION}
     checks = {"hot_path": (hot_path_cost, args.intervals), "record_cost": (record_cost, args.intervals),
               "current_stream": (records_on_current_stream,), "device_duration": (device_duration_accuracy, 4096, 20),
@@ -433,7 +494,8 @@ def main(argv=None) -> int:
                                                      warmup_extra_steps=args.warmup_extra, steps_per_arm=args.steps)),
               # fixed before its first run: steps of a few milliseconds, so more of them per arm
               "overhead_small": (paired_overhead, Protocol(pairs=20, warmup_steps=20, warmup_extra_steps=20,
-                                                           steps_per_arm=200), "small")}
+                                                           steps_per_arm=200), "small"),
+              "gpu_health": (gpu_health_check, 200)}
     for name in args.checks:
         run_check(report, name, *checks[name])
     report["wall_s"] = time.time() - started

@@ -53,7 +53,9 @@ class TorchCudaEvents:
         if not torch.cuda.is_available():
             raise RuntimeError("CUDA is not available")
         self._cuda = torch.cuda
-        self._device: Optional[int] = None  # the device current when the pool's events were made
+        # the device current when the pool's events were made: the training thread's (also where
+        # GPU health sampling looks for the rank's GPU)
+        self.device: Optional[int] = None
         self._reader = threading.local()  # per reading thread: the device it has adopted
         generic = getattr(torch, "Event", None)
         if generic is not None and hasattr(generic, "elapsed_time"):
@@ -65,7 +67,7 @@ class TorchCudaEvents:
             self._new_event = functools.partial(torch.cuda.Event, enable_timing=True)
 
     def create_event(self) -> Any:
-        self._device = self._cuda.current_device()  # the pool is made on the training thread
+        self.device = self._cuda.current_device()  # the pool is made on the training thread
         return self._new_event()
 
     def record(self, event: Any) -> None:
@@ -75,9 +77,9 @@ class TorchCudaEvents:
         return event.query()
 
     def elapsed_ms(self, start: Any, end: Any) -> float:
-        if self._device is not None and getattr(self._reader, "device", None) != self._device:
-            self._cuda.set_device(self._device)
-            self._reader.device = self._device
+        if self.device is not None and getattr(self._reader, "device", None) != self.device:
+            self._cuda.set_device(self.device)
+            self._reader.device = self.device
         return start.elapsed_time(end)
 
 

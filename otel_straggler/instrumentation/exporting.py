@@ -210,9 +210,11 @@ def start_rank_metrics(
     endpoint: Optional[str],
     protocol: Optional[str],
     environ: Mapping[str, str] = os.environ,
+    gpu: Any = None,
 ):
     """The rank's own loss counters as OTel metrics (`straggler.instrumentation.*`), read from
-    status() at each collection, so the hot path pays nothing for them."""
+    status() at each collection, so the hot path pays nothing for them. With `gpu` (a
+    gpu_health.GpuHealth), also its latest sample as the OTel hardware metrics (`hw.*`)."""
     from opentelemetry.metrics import CallbackOptions, Observation
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
@@ -234,4 +236,44 @@ def start_rank_metrics(
                                     description="intervals or spans lost on the rank, by reason")
     meter.create_observable_counter("straggler.instrumentation.spans", [spans], unit="{span}",
                                     description="intervals recorded, spans built, heartbeats built, spans exported")
+
+    def gpu_errors(options: CallbackOptions):
+        return [Observation(count, {"kind": kind}) for kind, count in read_status()["gpu_health"]["errors"].items()]
+
+    meter.create_observable_counter("straggler.instrumentation.gpu_health.errors", [gpu_errors], unit="{error}",
+                                    description="GPU health sampling errors, by kind (not_supported: once per field)")
+    if gpu is not None:
+        _hardware_metrics(meter, gpu)
     return provider
+
+
+def _hardware_metrics(meter, gpu) -> None:
+    """The GPU's latest health sample as the OTel semantic conventions' hardware metrics
+    (hw.gpu.utilization and hw.power, hw.temperature gauges; hw.gpu.memory.usage an
+    up-down counter, observed as the current value), read at collection: nothing when the
+    sampler has no sample (off, stopped) or the field is not supported."""
+    from opentelemetry.metrics import CallbackOptions, Observation
+
+    from otel_straggler import contract
+    from otel_straggler.instrumentation.gpu_health import MEMORY_USED
+
+    def observe(key: str, **extra: str):
+        def callback(options: CallbackOptions):
+            latest = gpu.latest  # replaced whole by each sample: one read
+            value = latest.get(key)
+            if value is None:
+                return []
+            attributes = {"hw.type": "gpu", "hw.id": str(latest.get(contract.GPU_UUID, "")), **extra}
+            if gpu.name:
+                attributes["hw.name"] = gpu.name
+            return [Observation(value, attributes)]
+        return [callback]
+
+    meter.create_observable_gauge("hw.gpu.utilization", observe(contract.GPU_UTILIZATION, **{"hw.gpu.task": "general"}),
+                                  unit="1", description="Fraction of time spent in a specific task")
+    meter.create_observable_up_down_counter("hw.gpu.memory.usage", observe(MEMORY_USED), unit="By",
+                                            description="GPU memory used")
+    meter.create_observable_gauge("hw.power", observe(contract.GPU_POWER_W), unit="W",
+                                  description="Instantaneous power consumed by the component")
+    meter.create_observable_gauge("hw.temperature", observe(contract.GPU_TEMPERATURE_C), unit="Cel",
+                                  description="Temperature in degrees Celsius")

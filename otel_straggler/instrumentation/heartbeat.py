@@ -13,7 +13,7 @@ gone does: that is how the detector tells `rank_lost` from a rank waiting in a c
 from __future__ import annotations
 
 import time
-from typing import Any, NamedTuple, Optional
+from typing import Any, Mapping, NamedTuple, Optional
 
 from otel_straggler.instrumentation.recorder import NAME, START_NS
 from otel_straggler.instrumentation.span_builder import step_number
@@ -24,10 +24,15 @@ class HeartbeatSample(NamedTuple):
     step: Optional[int]  # the step last bound by step(); None before the first
     open_stages: list[str]  # outermost first
     open_since_unix_nano: list[int]  # their start times, same order
+    gpu: Mapping[str, Any]  # the GPU health sample's training.gpu.* attributes (gpu_health.py); empty when none
 
 
-def sample(recorder: Any) -> HeartbeatSample:
-    """The recorder's open stages and bound step, now. Runs off the training thread."""
+_NO_GPU: Mapping[str, Any] = {}
+
+
+def sample(recorder: Any, gpu: Optional[Mapping[str, Any]] = None) -> HeartbeatSample:
+    """The recorder's open stages and bound step, now, with the GPU sample taken just before.
+    Runs off the training thread."""
     opened = tuple(recorder.open_intervals)  # one copy under the GIL: the list is never locked
     step = recorder.binding[0]
     now_ns = time.time_ns()
@@ -40,6 +45,7 @@ def sample(recorder: Any) -> HeartbeatSample:
         now_ns, step,
         [name if type(name) is str else str(name) for name in (interval[NAME] for interval in opened)],
         [int(interval[START_NS]) for interval in opened],
+        gpu or _NO_GPU,
     )
 
 

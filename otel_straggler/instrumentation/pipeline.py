@@ -4,7 +4,8 @@
     --> CudaEventSpanProcessor --> CountingBatchSpanProcessor --> CountingSpanExporter (OTLP)
 
 The same thread samples the recorder every heartbeat interval (heartbeat.py) and sends a
-`train.heartbeat` span, on its own schedule, not the build interval's. Once, `no_stage_warning_s`
+`train.heartbeat` span, on its own schedule, not the build interval's, with the rank's GPU
+read through NVML just before (gpu_health.py). Once, `no_stage_warning_s`
 after configure(), it also looks whether any stage was timed yet, from the counters the recorder
 and the builder keep anyway, and logs one warning if none was: a rank that times nothing gives
 the detector nothing to judge, and would otherwise say so nowhere.
@@ -29,7 +30,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
 from otel_straggler import contract
-from otel_straggler.instrumentation import heartbeat, identity
+from otel_straggler.instrumentation import gpu_health, heartbeat, identity
 from otel_straggler.instrumentation.exporting import CountingSpanExporter, span_exporter, start_rank_metrics
 from otel_straggler.instrumentation.recorder import INTERVAL, IntervalRecorder
 from otel_straggler.instrumentation.span_builder import (COUNTER_NAMES, DerivedIdGenerator, ProcessorSpans, SpanBuilder,
@@ -134,6 +135,7 @@ class RankPipeline:
             self.backend = make_backend(options["device_timing"]) if tracer_provider is None else None
         self.event_pool: Optional[EventPool] = None
         self.device_processor = device_processor
+        self.gpu_health = self._make_gpu_health(options)
         self._detected_resource: Optional[Resource] = None  # _detect_resource()
         if tracer_provider is None:
             # Export is set up now so a bad endpoint, protocol or exporter variable fails configure(),
@@ -167,6 +169,27 @@ class RankPipeline:
         self._thread.start()
 
     # -- lazily made parts ---------------------------------------------------------------------
+
+    def _make_gpu_health(self, options: dict) -> Optional[gpu_health.GpuHealth]:
+        """The GPU sampler; NVML is loaded at its first sample, on the builder thread. What is
+        read here, on configure()'s thread, is the CUDA device current now (the builder thread's
+        own would be device 0), and only where CUDA is initialised already."""
+        mode = options["gpu_health"]
+        if mode == "off" or not options["heartbeat_interval_ms"]:
+            return None  # sampled at heartbeats only
+        configure_device = gpu_health.current_cuda_device()
+
+        def locate() -> tuple[int, str]:
+            return gpu_health.cuda_device_of_rank(getattr(self.backend, "device", None), configure_device,
+                                                  self.attributes.get(contract.LOCAL_RANK))
+
+        metrics = options["gpu_metrics"] and options["export_metrics"] and self.user_provider is None
+        nvml = None
+        if mode == "fake":
+            from otel_straggler.instrumentation.fake_nvml import FakeNvml
+
+            nvml = FakeNvml()
+        return gpu_health.GpuHealth(mode, locate, self._environ(), memory=metrics, nvml=nvml)
 
     def _make_event_pool(self) -> None:
         """Runs once, on the training thread, inside the first step() call."""
@@ -204,9 +227,10 @@ class RankPipeline:
             else:
                 spans = heartbeat_spans = self._tracer_spans(provider, attach)
             if self.options["export_metrics"]:
+                gpu = self.gpu_health if self.options["gpu_metrics"] else None
                 try:
                     self.metrics_provider = start_rank_metrics(self.status_of_recorder, provider.resource,
-                                                               self.endpoint, self.protocol, self._environ())
+                                                               self.endpoint, self.protocol, self._environ(), gpu)
                 except Exception:  # no rank metrics (their exporter, or a thread at exit): spans go on
                     self.metrics_errors += 1
         else:
@@ -285,12 +309,15 @@ class RankPipeline:
         if schedule is None or self._stopping or not schedule.due(time.monotonic()):
             return
         try:
+            recorder = self.recorder
+            if self.builder is None and not recorder.completed and recorder.binding[0] is None:
+                return  # nothing recorded yet (see the module doc)
+            # outside the build lock: NVML's calls (and its first load) keep no flush() waiting
+            gpu = self.gpu_health.sample() if self.gpu_health is not None else None
             with self._build_lock:
-                recorder = self.recorder
-                if self._stopping or (self.builder is None and not recorder.completed
-                                      and recorder.binding[0] is None):
-                    return  # nothing recorded yet (see the module doc)
-                self._ensure_builder().build_heartbeat(heartbeat.sample(recorder))
+                if self._stopping:
+                    return
+                self._ensure_builder().build_heartbeat(heartbeat.sample(recorder, gpu))
         except Exception:
             self.heartbeat_errors += 1
         finally:
@@ -376,6 +403,8 @@ class RankPipeline:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout_s)
+        if self.gpu_health is not None and not self._thread.is_alive():  # NVML is the builder thread's
+            self.gpu_health.close()
         self._build(close_open_step=True)
         if self.batch_processor is not None:
             self.batch_processor.shutdown_deadline = deadline
@@ -430,4 +459,8 @@ class RankPipeline:
             "pending_device": self.device_processor.pending() if self.device_processor else 0,
             "event_pool_free": self.event_pool.free_count() if self.event_pool else None,
             "lost": lost,
+            # GPU health sampling (CONTRACT §2c): state, why, samples taken, errors by kind
+            "gpu_health": self.gpu_health.status() if self.gpu_health is not None else {
+                "state": "off", "reason": "setting_off" if self.options["gpu_health"] == "off" else "no_heartbeats",
+                "samples": 0, "errors": {}},
         }

@@ -6,6 +6,7 @@ from __future__ import annotations
 from otel_straggler.settings import Setting, parse_bool
 
 DEVICE_TIMING_MODES = ("auto", "cuda", "fake", "off")
+GPU_HEALTH_MODES = ("auto", "on", "fake", "off")
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("enabled", parse_bool, False, "turn the instrumentation on under opentelemetry-instrument"),
@@ -24,6 +25,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("no_stage_warning_s", float, 60.0, "log one warning when the rank has timed no stage this long after configure() (the training loop calls no stage(), say)", 0.1, 86_400.0, off=0.0),
     Setting("max_pending_spans", int, 16_384, "spans held while their CUDA events complete", 16, 1 << 22),
     Setting("export_metrics", parse_bool, True, "export the rank's own straggler.instrumentation.* metrics"),
+    Setting("gpu_health", str, "auto", "training.gpu.* on heartbeats, read through NVML: auto (where NVML loads and "
+                                       "the rank's GPU is found, else silently off), on (the same, with one warning "
+                                       "when it cannot), fake (tests), off (NVML never loaded)",
+            choices=GPU_HEALTH_MODES),
+    Setting("gpu_metrics", parse_bool, False, "also export the GPU health samples as the OTel hardware metrics "
+                                              "hw.gpu.utilization, hw.gpu.memory.usage, hw.power, hw.temperature "
+                                              "(needs export_metrics)"),
     # test-only slow-rank injection: inert unless inject_rank and inject_stage are set
     Setting("inject_rank", int, -1, "sleep inside a stage on this rank (test only; -1: off)", -1, 1 << 30),
     Setting("inject_stage", str, "", "the stage to slow down (test only)"),

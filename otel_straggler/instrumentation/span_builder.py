@@ -279,6 +279,7 @@ class SpanBuilder:
             contract.SEQ: self._seq + self.recorder.dropped_queue_full,
             contract.HEARTBEAT_OPEN_STAGES: sample.open_stages,
             contract.HEARTBEAT_OPEN_SINCE: sample.open_since_unix_nano,
+            **sample.gpu,
             **self.extra_attributes,
         }
         step = sample.step

@@ -250,7 +250,7 @@ def test_a_long_build_delays_a_heartbeat_by_a_burst_at_most(in_memory, hot_path,
 def test_sample_reads_the_open_intervals_in_order_and_the_bound_step(hot_path):
     recorder = hot_path.IntervalRecorder(64)
     hot_path.install(recorder)
-    assert heartbeat.sample(recorder)[1:] == (None, [], [])
+    assert heartbeat.sample(recorder)[1:] == (None, [], [], {})
     hot_path.Step(4)
     outer = hot_path.Stage("outer").__enter__()
     inner = hot_path.Stage("inner").__enter__()

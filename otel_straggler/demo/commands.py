@@ -47,6 +47,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hang", action="store_true",
                         help="the --slow-rank blocks for good inside --stage from --from-step (its peers then wait "
                              "in the all-reduce); the demo ends once the detector names it")
+    parser.add_argument("--simulate-gpu", action="store_true",
+                        help="each rank's heartbeats carry a simulated GPU's health (no NVML here); the slowed "
+                             "rank's reads thermally throttled (1410 of 1980 MHz, hw_thermal, 89 C) from --from-step")
     parser.add_argument("--hang-timeout-s", type=float, default=DEMO_HANG_TIMEOUT_S,
                         help=f"with --hang: the embedded detector's hang timeout (default {DEMO_HANG_TIMEOUT_S:g}; "
                              "the detector's own default is 120)")
@@ -96,7 +99,7 @@ def run_demo(args: argparse.Namespace) -> int:
         ranks=args.ranks, steps=args.steps, window_steps=args.window_steps,
         injection=None if args.healthy else evidence_files.Injection(args.slow_rank, args.stage, args.from_step,
                                                                      args.slowdown, hang=args.hang),
-        hang_timeout_s=args.hang_timeout_s,
+        hang_timeout_s=args.hang_timeout_s, simulate_gpu=args.simulate_gpu,
         out_dir=out_dir, grpc_port=args.grpc_port, job_id=_given_job_id(os.environ) or f"demo-{uuid.uuid4().hex[:8]}",
         external_endpoint=_external_endpoint(),
     )

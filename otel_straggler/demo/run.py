@@ -52,6 +52,9 @@ class DemoSettings:
     job_id: str
     external_endpoint: Optional[str]  # set: the ranks export there and no detector is embedded
     hang_timeout_s: float = 120.0
+    # every rank's heartbeats carry a simulated GPU (OTEL_STRAGGLER_GPU_HEALTH=fake); the slowed
+    # rank's reads thermally throttled from its first slowed step
+    simulate_gpu: bool = False
 
 
 def detector_config(settings: DemoSettings, evidence_dir: Path) -> DetectorConfig:
@@ -76,6 +79,8 @@ def rank_environment(settings: DemoSettings, endpoint: Optional[str], environ: M
     if endpoint is not None:
         env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
                     "OTEL_STRAGGLER_EXPORT_METRICS": "false"})  # the embedded detector takes spans only
+    if settings.simulate_gpu:
+        env["OTEL_STRAGGLER_GPU_HEALTH"] = "fake"
     injection = settings.injection
     if injection is None:
         env["OTEL_STRAGGLER_INJECT_RANK"] = "-1"  # off, even if this shell exported an injection
@@ -99,6 +104,9 @@ def header(settings: DemoSettings, endpoint: str) -> str:
     destination = (f"spans of job {settings.job_id} to {endpoint}" if settings.external_endpoint is None else
                    f"spans of job {settings.job_id} to {endpoint} (OTEL_EXPORTER_OTLP_*ENDPOINT is set: no detector "
                    f"embedded, the verdicts are that detector's)")
+    if settings.simulate_gpu:
+        slowed += (", its simulated GPU thermally throttled from then on" if injection is not None else
+                   "; simulated GPUs")
     return (f"otel-straggler demo: {settings.ranks} ranks x {settings.steps} steps (gloo on CPU), {slowed}\n"
             f"{destination}, windows of {settings.window_steps} steps; output in {settings.out_dir}")
 

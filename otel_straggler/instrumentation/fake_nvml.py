@@ -65,6 +65,10 @@ class FakeGpu:
     mig_devices: dict = field(default_factory=dict)  # MIG uuid -> FakeMigDevice
 
 
+# what throttle(True) reads: a GPU at its thermal limit
+THROTTLED = {"sm_clock_mhz": 1410, "clock_event_reasons": 0x40, "temperature_c": 89, "power_mw": 300_000}
+
+
 @dataclass
 class FakeMigDevice:
     uuid: str
@@ -96,6 +100,7 @@ class FakeNvml:
         self.lost = False
         self.initialized = False
         self.calls: dict[str, int] = {}
+        self._unthrottled: dict[str, dict] = {}  # uuid -> its readings before throttle(True)
         if not event_reasons_api:  # an older binding: the same bitmask under the throttle name only
             self.nvmlDeviceGetCurrentClocksEventReasons = None
 
@@ -111,6 +116,18 @@ class FakeNvml:
 
     def lose_gpu(self) -> None:
         self.lost = True
+
+    def throttle(self, on: bool) -> None:
+        """Every GPU reads as one at its thermal limit (SM clock pulled down to THROTTLED's, hw_thermal)
+        while `on`, and as it was made otherwise: the slowed rank's simulated GPU in the demo."""
+        for gpu in self.gpus:
+            if on and gpu.uuid not in self._unthrottled:
+                self._unthrottled[gpu.uuid] = {name: getattr(gpu, name) for name in THROTTLED}
+                for name, value in THROTTLED.items():
+                    setattr(gpu, name, value)
+            elif not on and gpu.uuid in self._unthrottled:
+                for name, value in self._unthrottled.pop(gpu.uuid).items():
+                    setattr(gpu, name, value)
 
     # -- pynvml's functions ----------------------------------------------------------------------
 

@@ -32,6 +32,17 @@ def test_healthy_runs_turn_an_inherited_injection_off():
     assert "OTEL_STRAGGLER_INJECT_STAGE" not in env
 
 
+def test_simulated_gpus_are_the_fake_nvml_on_every_rank_and_said_in_the_header():
+    from dataclasses import replace
+
+    from otel_straggler.demo.run import header
+
+    simulated = replace(settings(), simulate_gpu=True)
+    assert rank_environment(simulated, "http://127.0.0.1:5555", environ={})["OTEL_STRAGGLER_GPU_HEALTH"] == "fake"
+    assert "OTEL_STRAGGLER_GPU_HEALTH" not in rank_environment(settings(), "http://127.0.0.1:5555", environ={})
+    assert "its simulated GPU thermally throttled from then on" in header(simulated, "http://127.0.0.1:5555")
+
+
 def test_the_embedded_detector_runs_on_its_defaults_but_for_the_grace_time():
     config, defaults = detector_config(settings(), Path("out/evidence")), DetectorConfig()
     for name in ("window_steps", "warmup_windows", "persist_windows", "rel_threshold", "min_gap_ms", "min_cohort_size"):

@@ -293,3 +293,28 @@ def test_hardware_metrics_only_when_turned_on(configure, grpc_receiver, wait_unt
     assert points["hw.gpu.memory.usage"] == [(device, 40 << 30)]
     assert points["hw.power"] == [(device, 350.0)]
     assert points["hw.temperature"] == [(device, 45)]
+
+
+def test_the_slowed_ranks_simulated_gpu_reads_throttled_from_its_first_slowed_step(in_memory, wait_until):
+    """gpu_health=fake on the rank an injection slows (the demo's --simulate-gpu): its GPU reads at
+    its thermal limit from the injected step on, and as made before it."""
+    handle, nvml = configure_fake(in_memory, rank=0, inject_rank=0, inject_stage="forward-compute",
+                                  inject_from_step=5, inject_slowdown=0.01)
+    otel_straggler.step(4)
+    assert wait_until(lambda: in_memory.heartbeats(), timeout_s=5.0)
+    before = gpu_attributes(in_memory.heartbeats()[-1])
+    assert (before[contract.GPU_SM_CLOCK_MHZ], before[contract.GPU_CLOCK_EVENT_REASONS]) == (1980, 0)
+    otel_straggler.step(5)
+    in_memory.exporter.clear()
+    assert wait_until(lambda: in_memory.heartbeats(), timeout_s=5.0)
+    after = gpu_attributes(in_memory.heartbeats()[-1])
+    assert (after[contract.GPU_SM_CLOCK_MHZ], after[contract.GPU_CLOCK_EVENT_REASONS],
+            after[contract.GPU_TEMPERATURE_C]) == (1410, 0x40, 89)
+
+
+def test_an_unslowed_ranks_simulated_gpu_stays_as_made(in_memory, wait_until):
+    handle, nvml = configure_fake(in_memory, rank=1, inject_rank=0, inject_stage="forward-compute",
+                                  inject_from_step=5, inject_slowdown=0.01)
+    otel_straggler.step(9)
+    assert wait_until(lambda: in_memory.heartbeats(), timeout_s=5.0)
+    assert gpu_attributes(in_memory.heartbeats()[-1])[contract.GPU_SM_CLOCK_MHZ] == 1980

@@ -122,6 +122,19 @@ def alerting_ranks(prometheus_url: str, job_id: str) -> tuple[set[str], list[dic
     return {s["metric"]["training_rank"] for s in series if float(s["value"][1]) == 1}, series
 
 
+def firing_straggler_page(prometheus_url: str, job_id: str, rank: str) -> Optional[dict]:
+    """The annotations of the firing TrainingStragglerDetected of the rank, once one is firing."""
+    status, body = services.http_get(f"{prometheus_url}/api/v1/alerts", timeout=5)
+    if status != 200:
+        return None
+    for alert in json.loads(body)["data"]["alerts"]:
+        labels = alert["labels"]
+        if (labels.get("alertname"), labels.get("training_job_id"), labels.get("training_rank"), alert["state"]) == (
+                "TrainingStragglerDetected", job_id, rank, "firing"):
+            return alert["annotations"]
+    return None
+
+
 def step_and_stage_spans(trace: dict) -> list[dict]:
     """A Jaeger trace's spans but the heartbeats (CONTRACT §2b), whose number depends on the run's length."""
     return [span for span in trace["spans"] if span["operationName"] != "train.heartbeat"]
@@ -223,7 +236,7 @@ def test_demo_through_the_gateway_to_jaeger_prometheus_and_dashboards(stack, tmp
         demo = run_demo(out_dir, pipeline.collector_grpc, tmp_path / "demo.log",
                         "--ranks", str(ranks), "--steps", str(steps), "--window-steps", str(WINDOW_STEPS),
                         "--slow-rank", str(slow_rank), "--stage", SLOW_STAGE, "--slowdown", str(SLOWDOWN),
-                        "--from-step", str(from_step))
+                        "--from-step", str(from_step), "--simulate-gpu")
         try:
             run_file = out_dir / "evidence" / "demo.json"
             job_id = services.wait_until(lambda: run_file.exists() and json.loads(run_file.read_text())["job_id"],
@@ -257,6 +270,21 @@ def test_demo_through_the_gateway_to_jaeger_prometheus_and_dashboards(stack, tmp
         assert [v for v in stragglers if v["rank"] != slow_rank] == [], f"a healthy rank was flagged: {stragglers}"
         first = min((v for v in stragglers if v["stage"] == SLOW_STAGE), key=lambda v: v["window"])
         assert first["window"] >= from_step // WINDOW_STEPS
+        # The slowed rank's simulated GPU read thermally throttled (the demo's --simulate-gpu): its
+        # verdict carries the clocks and reasons, and the page Prometheus fires says them and what to do.
+        assert (first["gpu"]["sm_clock_mhz"], first["gpu"]["peer_sm_clock_mhz"]) == (1410, 1980), first["gpu"]
+        assert "hw_thermal" in first["gpu"]["clock_event_reasons"]
+        def page_with_evidence() -> Optional[dict]:  # annotations are expanded again at each evaluation
+            page = firing_straggler_page(pipeline.prometheus_url, job_id, str(slow_rank))
+            return page if page and "SM clock" in page.get("summary", "") else None
+
+        try:
+            page = services.wait_until(page_with_evidence, DEADLINE_S, interval=1,
+                                       what="TrainingStragglerDetected firing with the GPU evidence")
+        except TimeoutError:
+            pytest.fail(f"the page: {firing_straggler_page(pipeline.prometheus_url, job_id, str(slow_rank))}")
+        assert "SM clock 1410 MHz vs 1980 at its peers; hw_thermal throttling" in page["summary"], page
+        assert "runs at reduced clocks: check cooling" in page["next_step"], page
         injected_at = record["step_end_unix_nano"][from_step - 1] / 1e9
         print(f"\ndemo: {steps} steps in {time.monotonic() - started:.0f} s; rank {slow_rank} {SLOW_STAGE} "
               f"x{first['slowdown']:.2f} flagged at window {first['window']} "

@@ -14,6 +14,7 @@ there is one source of truth (the engine's state and the intake counters) and no
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -37,10 +38,18 @@ from otel_straggler.detector.observation import Verdict
 from otel_straggler.detector.pipeline import SPAN_OUTCOMES
 from otel_straggler.otlp_environ import check_exporter_environ, resolve_protocol
 
+_log = logging.getLogger(__name__)
 SCOPE_NAME = "otel_straggler.detector"
 DETECTOR_SERVICE_NAME = "otel-straggler-detector"
 _WARN_VERDICTS = {contract.VERDICT_STRAGGLER, contract.VERDICT_SILENT}
 _ERROR_VERDICTS = {contract.VERDICT_HANG}
+# verdicts that start or end what a Prometheus rule pages on (straggler.alert.active, straggler.job.hang,
+# the silent count): the metrics are exported right after them instead of at the next period
+ALERT_CHANGING_VERDICTS = frozenset({contract.VERDICT_STRAGGLER, contract.VERDICT_RECOVERED,
+                                     contract.VERDICT_HANG, contract.VERDICT_SILENT})
+# at most one such extra export this often, so a burst of verdicts (a whole node's ranks at once)
+# costs one export, not one each; None turns the extra exports off (the periodic one alone)
+PROMPT_EXPORT_SPACING_S: Optional[float] = 1.0
 # exporter batching adds seconds; beyond a window's grace (30 s by default) spans risk being late
 _LAG_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
@@ -155,9 +164,13 @@ class DetectorTelemetry:
         readers: list[MetricReader] = []
         self.exporting_metrics = export_otlp and otlp_endpoint_configured("metrics", environ)
         self.exporting_events = export_otlp and otlp_endpoint_configured("logs", environ)
+        self._prompt_export: Optional[_PromptExport] = None
         if self.exporting_metrics:
             exporter = _otlp_exporter("metrics", environ, lambda: self._failed("metrics"))
-            readers.append(PeriodicExportingMetricReader(exporter, export_interval_millis=config.metric_export_interval_s * 1000))
+            periodic = PeriodicExportingMetricReader(exporter, export_interval_millis=config.metric_export_interval_s * 1000)
+            readers.append(periodic)
+            if PROMPT_EXPORT_SPACING_S is not None:
+                self._prompt_export = _PromptExport(periodic, PROMPT_EXPORT_SPACING_S)
         self.scrape_reader: Optional[InMemoryMetricReader] = None
         if config.prometheus_port >= 0:
             self.scrape_reader = InMemoryMetricReader()
@@ -238,8 +251,10 @@ class DetectorTelemetry:
     # ---------------------------------------------------------------- recording
 
     def record_verdicts(self, verdicts: Iterable[Verdict]) -> None:
+        alert_changed = False
         for verdict in verdicts:
             self._note_alert_evidence(verdict)
+            alert_changed = alert_changed or verdict.verdict in ALERT_CHANGING_VERDICTS
             self._verdicts.add(1, _placed({
                 "verdict": verdict.verdict, "reason": verdict.reason, contract.STAGE: verdict.stage,
                 contract.RANK: -1 if verdict.rank is None else verdict.rank, contract.JOB_ID: verdict.job_id,
@@ -254,6 +269,8 @@ class DetectorTelemetry:
                     body=verdict_summary(verdict),
                     attributes=verdict_attributes(verdict),
                 )
+        if alert_changed and self._prompt_export is not None:
+            self._prompt_export.request()
 
     def record_ingest_lag(self, seconds: float) -> None:
         self._ingest_lag.record(seconds)
@@ -261,6 +278,8 @@ class DetectorTelemetry:
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Exports what is pending, then stops the providers."""
         millis = int(timeout_s * 1000)
+        if self._prompt_export is not None:
+            self._prompt_export.stop(min(1.0, timeout_s))
         if self._logger_provider is not None:
             self._logger_provider.force_flush(millis)
             self._logger_provider.shutdown()
@@ -343,6 +362,44 @@ class DetectorTelemetry:
         for signal, count in failures.items():
             yield Observation(count, {"signal": signal})
 
+
+class _PromptExport:
+    """Exports the metrics soon after an alert starts or ends, on a thread of its own, so the page
+    does not wait out the rest of the export period (metric_export_interval_s; the periodic export
+    goes on as before). Requests coalesce: at most one extra export per `spacing_s`, the one after
+    a burst taking everything the burst changed (the gauges are read at collection time)."""
+
+    def __init__(self, reader: MetricReader, spacing_s: float) -> None:
+        self._reader = reader
+        self._spacing_s = spacing_s
+        self._wanted = threading.Event()
+        self._stopping = threading.Event()
+        self.exports = 0
+        self._thread = threading.Thread(target=self._run, name="straggler-prompt-export", daemon=True)
+        self._thread.start()
+
+    def request(self) -> None:
+        """Never blocks: the caller (the verdict writer) goes on at once."""
+        self._wanted.set()
+
+    def stop(self, timeout_s: float) -> None:
+        self._stopping.set()
+        self._wanted.set()
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            self._wanted.wait()
+            if self._stopping.is_set():
+                return  # shutdown exports what is left
+            self._wanted.clear()
+            try:
+                self._reader.collect(timeout_millis=10_000)
+                self.exports += 1
+            except Exception:  # noqa: BLE001 - the periodic export still runs; failures are counted by the exporter
+                _log.debug("prompt metric export failed", exc_info=True)
+            if self._stopping.wait(self._spacing_s):
+                return
 
 
 def _rank_attributes(state: Any) -> dict[str, Any]:

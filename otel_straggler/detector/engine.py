@@ -483,23 +483,31 @@ class Engine:
         return self._liveness.jobs_without_stages(now_unix_nano, limit)
 
     def rank_state(self) -> list[RankState]:
-        """Latest slowdown and alert per (job, epoch, cohort, stage, rank) that has been compared."""
+        """Latest slowdown and alert per (job, epoch, cohort, stage, rank) that has been compared.
+
+        A stage has two codes, as a compute stage and as a collective (one found to end at a
+        synchronization point is judged as both in different windows); a (stage, rank) is one
+        series outside, so the two are merged: alerted when either holds an alert, its ratio the
+        alerted code's, else the compute code's where there is one."""
         states = []
         for cohort in self._cohorts.values():
             verdict_state = cohort.verdict_state
             slot_count = len(cohort.slot_entries)
-            code_count = min(2 * len(cohort.stage_names), verdict_state.alert.shape[0])
-            slowdown = verdict_state.slowdown[:code_count, :slot_count]
-            alert = verdict_state.alert[:code_count, :slot_count] | \
-                verdict_state.intermittent.alert[:code_count, :slot_count]
-            codes, slots = np.nonzero(~np.isnan(slowdown) | alert)
-            for code, slot, value, active in zip(codes.tolist(), slots.tolist(),
-                                                 slowdown[codes, slots].tolist(), alert[codes, slots].tolist()):
+            pairs = min(len(cohort.stage_names), verdict_state.alert.shape[0] // 2)
+            slowdown = verdict_state.slowdown[:2 * pairs, :slot_count].reshape(pairs, 2, slot_count)
+            alert = (verdict_state.alert[:2 * pairs, :slot_count]
+                     | verdict_state.intermittent.alert[:2 * pairs, :slot_count]).reshape(pairs, 2, slot_count)
+            as_collective = (alert[:, 1] & ~alert[:, 0]) | (~alert[:, 0] & np.isnan(slowdown[:, 0]))
+            value = np.where(as_collective, slowdown[:, 1], slowdown[:, 0])
+            active = alert.any(axis=1)
+            indices, slots = np.nonzero(~np.isnan(value) | active)
+            for index, slot, ratio, alerted in zip(indices.tolist(), slots.tolist(),
+                                                  value[indices, slots].tolist(), active[indices, slots].tolist()):
                 entry = cohort.slot_entries[slot]
-                stage = cohort.stage_names[code // 2]
+                stage = cohort.stage_names[index]
                 if entry is not None and stage is not None:
                     states.append(RankState(cohort.job_id, cohort.epoch, cohort.name, stage, entry.rank,
-                                            value if math.isfinite(value) else None, active,
+                                            ratio if math.isfinite(ratio) else None, alerted,
                                             *self._liveness.placement(cohort.job_id, cohort.epoch, entry.rank)))
         return states
 

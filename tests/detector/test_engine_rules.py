@@ -1,5 +1,5 @@
-"""One regression test per detection rule of DESIGN §3, named after it, plus every case that must hold
-from issue 3. Where a rule is what keeps a verdict from happening, a control run with the rule
+"""One regression test per detection rule of docs/detection.md, named after it, plus the cases every
+rule must hold together. Where a rule is what keeps a verdict from happening, a control run with the rule
 switched off shows the test would catch its loss."""
 from __future__ import annotations
 
@@ -745,7 +745,7 @@ def test_dedup_memory_is_bounded_and_a_restarted_rank_is_accepted():
     assert engine.stats()["seq_restarts"] == 1
 
 
-# ---------------------------------------------------------------- cases that must hold (issue 3)
+# ---------------------------------------------------------------- cases that must hold
 
 def test_case_lazy_first_use_allocation_in_the_second_window_is_not_a_straggler():
     config = DetectorConfig(persist_windows=1)  # one slow window would be enough to alert
@@ -1002,3 +1002,39 @@ def test_at_a_collective_the_rank_its_peers_wait_for_is_last_to_arrive():
     onsets = select(verdicts, contract.VERDICT_STRAGGLER)
     assert {(v.rank, v.stage, v.reason) for v in onsets} == {(5, "all-grads-sync", judge.REASON_LAST_TO_ARRIVE)}
     assert all(v.slowdown and v.slowdown > 1.3 and v.gap_ms < 0 for v in onsets)
+
+
+def test_a_stage_judged_both_as_compute_and_as_collective_is_one_series_alerted_while_either_alerts():
+    """rank_state (the straggler.alert.active and straggler.rank.slowdown series) names a (stage,
+    rank) once: a stage seen as a collective in some windows (marked so, or ending at a
+    synchronization point) has a second code, whose quiet state must not hide the other's alert."""
+    engine = Engine(DetectorConfig())
+    seq, now = [0] * 4, 1_700_000_000_000_000_000
+
+    def steps(count: int, slow_rank: int = -1, forward_collective: bool = False) -> list:
+        nonlocal now
+        verdicts = []
+        for _ in range(count):
+            step = (now - 1_700_000_000_000_000_000) // (100 * 1_000_000)
+            observations = []
+            for rank in range(4):
+                end = now
+                for name, ms, collective in (("forward-compute", 40.0 * (1.5 if rank == slow_rank else 1.0),
+                                              forward_collective), ("all-reduce", 10.0, True)):
+                    end += int(ms * 1e6)
+                    observations.append(Observation("job", 0, "c", rank, name, step, seq[rank], ms, None, collective,
+                                                    None, None, end))
+                    seq[rank] += 1
+            now += 100 * 1_000_000
+            engine.ingest_many(observations)
+            verdicts += engine.advance(now + 500_000_000)
+        return verdicts
+
+    steps(60, forward_collective=True)  # six windows judged with forward-compute as a collective
+    verdicts = steps(80, slow_rank=1)
+    assert any(v.verdict == contract.VERDICT_STRAGGLER and (v.rank, v.stage) == (1, "forward-compute")
+               for v in verdicts)
+    series = [(s.stage, s.rank) for s in engine.rank_state()]
+    assert len(series) == len(set(series))
+    alerted = {(s.stage, s.rank) for s in engine.rank_state() if s.alert_active}
+    assert ("forward-compute", 1) in alerted

@@ -154,3 +154,4 @@ def test_status_rolls_up_the_alerted_ranks_of_each_host():
     job.run(8)
     quiet = {node.host: node for node in job.engine.node_state()}
     assert quiet["node-1"].slow_ranks == () and quiet["node-1"].ranks == 2  # kept for the report's counts
+

@@ -1,14 +1,13 @@
-"""One kept-alive HTTP/1.1 connection for the rank's OTLP/HTTP span export, in the SDK's
-transport interface (`BaseHTTPTransport`): the SDK's exporter keeps its retries, backoff,
-headers, compression and timeouts, and sends through this instead of a requests Session.
+"""The rank's OTLP/HTTP transports (otlp_exporters.HttpSpanExporter sends through one): one
+kept-alive HTTP/1.1 connection over http.client, or a requests Session where one is needed.
 
 Why: a rank exports every half second, and on a rank whose cores are all busy each export's CPU
 is taken from training. Paced so, an export of 40 spans cost 638 µs of CPU this way, 1,624 through
 a requests Session and 1,946 over gRPC, whose threads also run between exports
 (`python benchmarks/export_transport.py`; docs/overhead.md, "Where the cost is"). Where
 requests would do something this does not (a proxy from the environment, credentials in the URL
-or a netrc file, a credential provider's session), the exporter keeps the SDK's transport
-(`usable_for`)."""
+or a netrc file, a credential provider's session), the exporter sends through a requests Session
+(SessionTransport; `usable_for` decides)."""
 from __future__ import annotations
 
 import http.client
@@ -21,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 from urllib.parse import urlsplit
 
-from opentelemetry.exporter.http.transport._base import BaseHTTPResult, BaseHTTPTransport
 
 
 def usable_for(url: str) -> bool:
@@ -54,15 +52,14 @@ def _requests_ca_bundle() -> Optional[str]:
 
 
 @dataclass(frozen=True)
-class KeptAliveResult(BaseHTTPResult):
+class HTTPResult:
+    """A response (status_code, reason, body, headers; case-insensitive), or the error that
+    kept one from coming (error; status_code None)."""
+    status_code: Optional[int] = None
+    reason: Optional[str] = None
     body: bytes = b""
-    response_headers: Mapping[str, str] = field(default_factory=dict)
-
-    def content(self) -> bytes:
-        return self.body
-
-    def headers(self) -> Mapping[str, str]:
-        return self.response_headers
+    headers: Mapping[str, str] = field(default_factory=dict)
+    error: Optional[Exception] = None
 
 
 class _Headers(dict):
@@ -83,7 +80,7 @@ class ConnectFailed(ConnectionError):
     was sent, so the request can be tried again."""
 
 
-class KeptAliveHTTPTransport(BaseHTTPTransport):
+class KeptAliveHTTPTransport:
     """Requests over one connection to one origin, made on first use and again after any error
     or a response that closes it. Requests are serialized (the batch worker exports, and a flush
     may export from another thread); close() never waits for one in flight."""
@@ -98,7 +95,7 @@ class KeptAliveHTTPTransport(BaseHTTPTransport):
         _LIVE_TRANSPORTS.add(self)
 
     def request(self, method: str, url: str, *, headers: Optional[dict[str, str]] = None,
-                timeout: Optional[float] = None, data: Optional[bytes] = None) -> BaseHTTPResult:
+                timeout: Optional[float] = None, data: Optional[bytes] = None) -> HTTPResult:
         with self._lock:
             try:
                 parts = urlsplit(url)
@@ -113,11 +110,11 @@ class KeptAliveHTTPTransport(BaseHTTPTransport):
                 for key, value in response.getheaders():  # repeated headers joined, as the interface asks
                     key = key.lower()
                     headers_received[key] = f"{headers_received[key]}, {value}" if key in headers_received else value
-                return KeptAliveResult(status_code=response.status, reason=response.reason, body=body,
-                                       response_headers=headers_received)
+                return HTTPResult(status_code=response.status, reason=response.reason, body=body,
+                                  headers=headers_received)
             except Exception as error:
                 self._drop()  # whatever state it is in, the next request starts afresh
-                return KeptAliveResult(error=error)
+                return HTTPResult(error=error)
             finally:
                 if self._closing:  # close() came while this request held the lock
                     self._drop()
@@ -187,6 +184,36 @@ class KeptAliveHTTPTransport(BaseHTTPTransport):
         and the connection is the parent's socket, left for the parent to close."""
         self._lock = threading.Lock()
         self._connection = None
+
+
+class SessionTransport:
+    """Requests through a requests Session: the credential provider's, else one of its own
+    (which applies the proxy variables and netrc credentials as requests does)."""
+
+    def __init__(self, session: Any = None, verify: Union[bool, str] = True,
+                 cert: Union[str, tuple[str, str], None] = None) -> None:
+        import requests
+
+        self._requests = requests
+        self.session = session if session is not None else requests.Session()
+        self._verify, self._cert = verify, cert
+
+    def request(self, method: str, url: str, *, headers: Optional[dict[str, str]] = None,
+                timeout: Optional[float] = None, data: Optional[bytes] = None) -> HTTPResult:
+        try:
+            response = self.session.request(method, url, headers=headers, timeout=timeout, data=data,
+                                            verify=self._verify, cert=self._cert)
+            return HTTPResult(status_code=response.status_code, reason=response.reason, body=response.content,
+                              headers=_Headers((key.lower(), value) for key, value in response.headers.items()))
+        except Exception as error:
+            return HTTPResult(error=error)
+
+    def is_connection_error(self, exception: Optional[Exception]) -> bool:
+        return isinstance(exception, self._requests.exceptions.ConnectionError) and not isinstance(
+            exception, self._requests.exceptions.SSLError)
+
+    def close(self) -> None:
+        self.session.close()
 
 
 _LIVE_TRANSPORTS: "weakref.WeakSet[KeptAliveHTTPTransport]" = weakref.WeakSet()

@@ -1,6 +1,6 @@
 """The rank's OTLP/HTTP span export: our encoding over one kept-alive connection
-(KeptAliveHTTPTransport) with the SDK's retries, headers and compression; the SDK's own
-transport where a proxy or a credential provider is configured."""
+(KeptAliveHTTPTransport) with retries, headers and compression from the environment; a requests
+Session (SessionTransport) where a proxy, credentials or a credential provider need one."""
 from __future__ import annotations
 
 import contextlib
@@ -15,12 +15,12 @@ import time
 from typing import Any, Optional
 
 import pytest
-from opentelemetry.exporter.http.transport._requests import RequestsHTTPTransport
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExportResult
 
 from otel_straggler.instrumentation import http_transport
+from otel_straggler.instrumentation.http_transport import SessionTransport
 from otel_straggler.instrumentation.exporting import span_exporter
 
 PROXY_VARIABLES = ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy",
@@ -119,7 +119,7 @@ def export_batches(exporter, batches: int, per_batch: int = 3) -> list[SpanExpor
 def test_spans_go_out_encoded_by_us_over_one_kept_alive_connection(receiver):
     exporter = span_exporter(receiver.endpoint, "http/protobuf")
     try:
-        assert isinstance(exporter._client._transport, http_transport.KeptAliveHTTPTransport)
+        assert isinstance(exporter.transport, http_transport.KeptAliveHTTPTransport)
         assert export_batches(exporter, 4) == [SpanExportResult.SUCCESS] * 4
     finally:
         exporter.shutdown()
@@ -159,7 +159,7 @@ def test_a_rejected_request_fails_at_once_and_a_throttled_one_is_retried_when_to
         assert export_batches(exporter, 1) == [SpanExportResult.FAILURE]  # 400: not retried
         started = time.monotonic()
         assert export_batches(exporter, 1) == [SpanExportResult.SUCCESS]
-        # sent again as told (Retry-After: 0), not after the SDK's own backoff of about a second
+        # sent again as told (Retry-After: 0), not after the backoff of about a second
         assert time.monotonic() - started < 0.5
     finally:
         exporter.shutdown()
@@ -167,7 +167,7 @@ def test_a_rejected_request_fails_at_once_and_a_throttled_one_is_retried_when_to
     assert receiver.span_names()[-3:] == ["span-0-0", "span-0-1", "span-0-2"]  # the second batch, taken
 
 
-def test_a_proxy_or_a_credential_provider_keeps_the_sdks_transport(receiver, monkeypatch):
+def test_a_proxy_sends_through_a_requests_session(receiver, monkeypatch):
     monkeypatch.setenv("HTTP_PROXY", "http://proxy.example:3128")
     behind_proxy = span_exporter(receiver.endpoint, "http/protobuf")
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
@@ -177,9 +177,9 @@ def test_a_proxy_or_a_credential_provider_keeps_the_sdks_transport(receiver, mon
     monkeypatch.setenv("OTEL_PYTHON_EXPORTER_OTLP_HTTP_TRACES_CREDENTIAL_PROVIDER", "")  # set but blank: not used
     blank_provider = span_exporter(receiver.endpoint, "http/protobuf")
     try:
-        assert isinstance(behind_proxy._client._transport, RequestsHTTPTransport)
-        assert isinstance(bypassing._client._transport, http_transport.KeptAliveHTTPTransport)
-        assert isinstance(blank_provider._client._transport, http_transport.KeptAliveHTTPTransport)
+        assert isinstance(behind_proxy.transport, SessionTransport)
+        assert isinstance(bypassing.transport, http_transport.KeptAliveHTTPTransport)
+        assert isinstance(blank_provider.transport, http_transport.KeptAliveHTTPTransport)
         # the encoding is ours either way
         assert behind_proxy.prewrite is not None
     finally:
@@ -194,7 +194,7 @@ def test_which_endpoints_the_kept_alive_transport_takes(url, usable):
     assert http_transport.usable_for(url) is usable
 
 
-def test_a_netrc_file_keeps_the_sdks_transport(tmp_path):
+def test_a_netrc_file_needs_a_requests_session(tmp_path):
     assert http_transport.usable_for("http://collector:4318/v1/traces")
     (tmp_path / ".netrc").write_text("machine collector login user password token\n")  # HOME is tmp_path
     assert not http_transport.usable_for("http://collector:4318/v1/traces")
@@ -203,10 +203,10 @@ def test_a_netrc_file_keeps_the_sdks_transport(tmp_path):
 def test_an_oversized_batch_is_dropped_unsent_and_a_limit_of_0_is_no_limit(receiver):
     exporter = span_exporter(receiver.endpoint, "http/protobuf")
     try:
-        exporter._max_request_size = 100  # three spans encode to more
+        exporter.max_request_size = 100  # three spans encode to more
         assert export_batches(exporter, 1) == [SpanExportResult.FAILURE]
         assert receiver.requests == []
-        exporter._max_request_size = 0
+        exporter.max_request_size = 0
         assert export_batches(exporter, 1) == [SpanExportResult.SUCCESS]
     finally:
         exporter.shutdown()
@@ -236,7 +236,7 @@ def test_an_unreachable_endpoint_is_a_connection_error_and_the_transport_recover
         body = trace_service_pb2.ExportTraceServiceRequest().SerializeToString()
         answered = transport.request("POST", f"{receiver.endpoint}/v1/traces", data=body, timeout=2.0,
                                      headers={"Content-Type": "application/x-protobuf"})
-        assert answered.status_code == 200 and answered.headers()["CONTENT-TYPE"] == "application/x-protobuf"
+        assert answered.status_code == 200 and answered.headers["CONTENT-TYPE"] == "application/x-protobuf"
     finally:
         transport.close()
 
@@ -262,12 +262,12 @@ def test_https_verifies_the_receiver_against_the_configured_certificate(tls_rece
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_CERTIFICATE", tls_receiver.certificate)
     trusted = span_exporter(tls_receiver.endpoint, "http/protobuf")
     try:
-        assert isinstance(trusted._client._transport, http_transport.KeptAliveHTTPTransport)
+        assert isinstance(trusted.transport, http_transport.KeptAliveHTTPTransport)
         assert export_batches(trusted, 2) == [SpanExportResult.SUCCESS] * 2
         # a certificate no CA it trusts has signed: refused, not retried as a connection error
         started = time.monotonic()
         assert export_batches(unverified, 1) == [SpanExportResult.FAILURE]
-        assert time.monotonic() - started < 5.0  # the SDK would retry a connection error for its 10 s timeout
+        assert time.monotonic() - started < 5.0  # a connection error would be retried for the 10 s timeout
     finally:
         trusted.shutdown()
         unverified.shutdown()
@@ -290,7 +290,7 @@ def test_repeated_response_headers_are_joined_and_read_in_any_case(receiver):
         result = transport.request("POST", f"{receiver.endpoint}/v1/traces", data=b"", timeout=2.0)
     finally:
         transport.close()
-    assert result.status_code == 200 and result.headers().get("X-SEEN") == "a, b"
+    assert result.status_code == 200 and result.headers.get("X-SEEN") == "a, b"
 
 
 def test_close_does_not_wait_for_a_request_in_flight(receiver):
@@ -309,10 +309,10 @@ def test_close_does_not_wait_for_a_request_in_flight(receiver):
     assert answered[0].status_code == 200 and transport._connection is None
 
 
-def test_credentials_in_the_endpoint_keep_the_sdks_transport(receiver):
+def test_credentials_in_the_endpoint_need_a_requests_session(receiver):
     assert not http_transport.usable_for("http://user:token@127.0.0.1:4318/v1/traces")
     exporter = span_exporter(receiver.endpoint.replace("http://", "http://user:token@"), "http/protobuf")
     try:
-        assert isinstance(exporter._client._transport, RequestsHTTPTransport)
+        assert isinstance(exporter.transport, SessionTransport)
     finally:
         exporter.shutdown()

@@ -12,7 +12,7 @@ HTTP: 429, 502, 503, 504 and a connection that could not be made), after the del
 gives (RetryInfo, Retry-After) or an exponential backoff with jitter, and never past its deadline:
 the exporter's timeout, or the earlier one `export_within` is given (the batching processor's
 export timeout or shutdown deadline). A run of failed exports logs one line, and one more when
-exports succeed again.
+exports work again.
 """
 from __future__ import annotations
 
@@ -37,7 +37,6 @@ DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_MAX_REQUEST_SIZE = 64 * 1024 * 1024  # the SDK's HTTP exporter's
 FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 32.0
-LAST_TRY_S = 0.1  # a last try this long before the deadline, where the backoff would pass it
 RETRYABLE_HTTP = frozenset((429, 502, 503, 504))
 CREDENTIAL_PROVIDER_VARIABLES = ("OTEL_PYTHON_EXPORTER_OTLP_HTTP_CREDENTIAL_PROVIDER",
                                  "OTEL_PYTHON_EXPORTER_OTLP_HTTP_TRACES_CREDENTIAL_PROVIDER")
@@ -113,7 +112,6 @@ class _OtlpSpanExporter(SpanExporter):
             _logger.exception("otel-straggler: could not encode %d spans", len(spans))
             return SpanExportResult.FAILURE
         backoff = _Backoff()
-        last_try = False
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -124,25 +122,26 @@ class _OtlpSpanExporter(SpanExporter):
                     self._failing = False
                     _logger.warning("otel-straggler: span export to %s works again", self.endpoint)
                 return SpanExportResult.SUCCESS
-            if not retry or last_try:
-                return self._failed(len(spans), error)
+            if not self._failing:
+                self._failing = True  # one line for a run of failures, at its first error
+                _logger.warning("otel-straggler: span export to %s (%s) failed: %s; %s, spans lost counted in "
+                                "status()['lost']['export_failed'] (not logged again until exports work)",
+                                self.endpoint, self.protocol, error,
+                                "retried within the export's deadline" if retry else "not retried")
+            if not retry:
+                return SpanExportResult.FAILURE
             delay = backoff.next(asked_s)
-            left = deadline - time.monotonic()
-            if delay > left - LAST_TRY_S:
-                # the backoff would end past the deadline: one last try shortly before it, unless
-                # the receiver asked for longer (it would refuse an earlier one)
-                if asked_s is not None or left < 2 * LAST_TRY_S:
-                    return self._failed(len(spans), f"{error}; not retried: the next try would be past the deadline")
-                delay, last_try = left - LAST_TRY_S, True
+            if delay > deadline - time.monotonic():
+                return SpanExportResult.FAILURE  # the next try would be past the deadline
             if self._stopping.wait(delay):
-                return self._failed(len(spans), f"{error}; not retried: shutting down")
+                return SpanExportResult.FAILURE  # shutting down
 
     def _failed(self, count: int, why: str) -> SpanExportResult:
         if not self._failing:
             self._failing = True
-            _logger.warning("otel-straggler: span export to %s (%s) failed, %d spans lost: %s (further failures "
-                            "are counted in status()['lost']['export_failed'], not logged)",
-                            self.endpoint, self.protocol, count, why)
+            _logger.warning("otel-straggler: span export to %s (%s) failed: %s; %d spans lost, counted in "
+                            "status()['lost']['export_failed'] (not logged again until exports work)",
+                            self.endpoint, self.protocol, why, count)
         return SpanExportResult.FAILURE
 
     def _send(self, body: bytes, timeout_s: float) -> tuple[bool, Optional[float], Optional[str]]:

@@ -316,3 +316,50 @@ def test_credentials_in_the_endpoint_need_a_requests_session(receiver):
         assert isinstance(exporter.transport, SessionTransport)
     finally:
         exporter.shutdown()
+
+
+@pytest.mark.parametrize("response, body, kept", [
+    (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", b"ok", True),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nab\r\n3;x=y\r\ncde\r\n0\r\nTrailer: t\r\n\r\n",
+     b"abcde", True),
+    (b"HTTP/1.1 503 Busy\r\nRetry-After: 2\r\nConnection: close\r\nContent-Length: 0\r\n\r\n", b"", False),
+    (b"HTTP/1.0 200 OK\r\n\r\nto the close", b"to the close", False),
+])
+def test_the_response_parser_reads_each_framing(response, body, kept):
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    received = []
+
+    def answer_once():
+        connection, _ = listener.accept()
+        with connection:
+            request = b""
+            while b"\r\n\r\n" not in request:
+                request += connection.recv(65536)
+            head, _, rest = request.partition(b"\r\n\r\n")
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            while len(rest) < length:
+                rest += connection.recv(65536)
+            received.append((head, rest))
+            connection.sendall(response)
+            if not kept:
+                connection.shutdown(socket.SHUT_WR)
+            time.sleep(0.2)
+
+    server = threading.Thread(target=answer_once, daemon=True)
+    server.start()
+    transport = http_transport.KeptAliveHTTPTransport()
+    try:
+        result = transport.request("POST", f"http://127.0.0.1:{listener.getsockname()[1]}/v1/traces",
+                                   headers={"Content-Type": "application/x-protobuf"}, timeout=5.0, data=b"payload")
+        assert result.error is None, result.error
+        assert result.body == body and (transport._connection is not None) is kept
+        head, sent = received[0]
+        assert sent == b"payload" and head.startswith(b"POST /v1/traces HTTP/1.1\r\n")
+        assert b"content-type: application/x-protobuf" in head.lower()
+    finally:
+        transport.close()
+        server.join(5)
+        listener.close()

@@ -1,7 +1,7 @@
 """A launch-bound training loop's proxy on the CPU: what otel-straggler costs a training thread
 whose step is short, GIL-bound Python work, with the library's background threads working.
 
-    python benchmarks/launch_bound.py [--pairs 20] [--steps 300] [--step-ops 4000] [--protocol http/protobuf]
+    python benchmarks/launch_bound.py [--pairs 20] [--steps 300] [--step-ops 40000] [--protocol http/protobuf]
 
 A step is `--step-ops` tiny Python operations (what a launch-bound loop does between kernel
 launches: attribute reads, small arithmetic, dict and list work; about 4 ms on a 2-core VM), in a
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     parser.add_argument("--pairs", type=int, default=20)
     parser.add_argument("--steps", type=int, default=300, help="measured steps per arm")
     parser.add_argument("--warmup", type=int, default=50)
-    parser.add_argument("--step-ops", type=int, default=4000)
+    parser.add_argument("--step-ops", type=int, default=40000)
     parser.add_argument("--protocol", default="http/protobuf", choices=("grpc", "http/protobuf"))
     parser.add_argument("--json", type=Path)
     parser.add_argument("--arm", help=argparse.SUPPRESS)  # "on,warmup,endpoint": one arm, in a child

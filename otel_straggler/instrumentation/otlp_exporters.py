@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from otel_straggler.instrumentation.span_encoding import SpanEncoder
+from otel_straggler.settings import ConfigError
 
 _logger = logging.getLogger("otel_straggler")
 EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
@@ -170,9 +171,17 @@ class GrpcSpanExporter(_OtlpSpanExporter):
         import grpc
 
         self._grpc = grpc
+        source = "endpoint" if endpoint else _endpoint_variable(environ)
         given = endpoint or setting(environ, "ENDPOINT") or "http://localhost:4317"
-        parts = urlsplit(given if "://" in given else f"//{given}")
-        target = parts.netloc or given
+        try:
+            parts = urlsplit(given if "://" in given else f"//{given}")
+            port = parts.port
+        except ValueError:
+            parts, port = None, None
+        if parts is None or parts.scheme not in ("", "http", "https") or not parts.hostname:
+            raise ConfigError(f"{source}: expected host:port or an http:// or https:// URL for OTLP/gRPC, "
+                              f"got {given!r}")
+        target = parts.netloc
         insecure_variable = setting(environ, "INSECURE")
         if parts.scheme == "https":
             insecure = False
@@ -263,6 +272,14 @@ class HttpSpanExporter(_OtlpSpanExporter):
         from otel_straggler.instrumentation import http_transport
 
         url = endpoint or _http_traces_url(environ)
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 (raises on a port that is not a number)
+        except ValueError:
+            parts = None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+            source = "endpoint" if endpoint else _endpoint_variable(environ)
+            raise ConfigError(f"{source}: expected an http:// or https:// URL for OTLP/HTTP, got {url!r}")
         timeout = setting(environ, "TIMEOUT")
         super().__init__(url, float(timeout) if timeout else DEFAULT_TIMEOUT_S)
         self.max_request_size = DEFAULT_MAX_REQUEST_SIZE if max_request_size is None else max_request_size
@@ -302,6 +319,13 @@ class HttpSpanExporter(_OtlpSpanExporter):
 
     def _close(self) -> None:
         self.transport.close()
+
+
+def _endpoint_variable(environ: Mapping[str, str]) -> str:
+    for variable in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+        if environ.get(variable, "").strip():
+            return variable
+    return "the default endpoint"
 
 
 def _http_traces_url(environ: Mapping[str, str]) -> str:

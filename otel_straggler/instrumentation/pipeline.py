@@ -327,8 +327,9 @@ class RankPipeline:
         provider = self.provider
         if provider is None or not hasattr(provider, "force_flush"):
             return True
-        # The SDK's flush ignores its timeout while an exporter retries: run it aside and
-        # wait at most what is left. One such thread at a time: while an earlier flush still
+        # A processor of the chain may not keep to its timeout (the provider's flush goes through
+        # CudaEventSpanProcessor, and a provider may hold others): run it aside and wait at most
+        # what is left. One such thread at a time: while an earlier flush still
         # runs (its export retrying through an outage), a call waits for it, and gives up at its
         # own deadline rather than start another.
         if not self._flush_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):

@@ -153,3 +153,19 @@ def test_the_grpc_request_is_sent_on_the_export_method(scripted):
     finally:
         exporter.shutdown()
     assert names(service.requests[0]) == ["span-0", "span-1", "span-2"]
+
+
+@pytest.mark.parametrize("protocol, endpoint, variable", [
+    ("http/protobuf", None, {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "ftp://collector/v1/traces"}),
+    ("http/protobuf", "http://collector:port", {}),
+    ("grpc", None, {"OTEL_EXPORTER_OTLP_ENDPOINT": "ftp://collector:4317"}),
+    ("grpc", "http://", {}),
+])
+def test_a_malformed_endpoint_fails_in_one_line_naming_where_it_came_from(protocol, endpoint, variable):
+    from otel_straggler.settings import ConfigError
+
+    with pytest.raises(ConfigError) as raised:
+        span_exporter(endpoint, protocol, variable)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith(next(iter(variable)) if variable else "endpoint")

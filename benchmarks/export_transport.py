@@ -5,8 +5,9 @@
 One request of --spans spans (what a rank of the overhead benchmark's 4-rank job exports every
 500 ms), encoded once by the rank's SpanEncoder, is sent to a live detector in another process by:
   gRPC                 the channel's Export taking bytes, as the rank's gRPC exporter sends
-  HTTP, requests       the SDK's OTLP/HTTP client with its default transport, a requests Session
-  HTTP, kept-alive     the same client with the rank's KeptAliveHTTPTransport (http.client)
+  HTTP, requests       a requests Session (http_transport.SessionTransport: what the rank's
+                       HTTP exporter uses behind a proxy, and the SDK's exporter always)
+  HTTP, kept-alive     the rank's KeptAliveHTTPTransport (one connection, its own HTTP/1.1 framing)
 Figures are CPU of the whole process per request (the sender and any threads the transport
 runs), from the process clock: back to back (--requests in a row), and paced as a rank sends, one
 request every 500 ms (--paced of them), where a transport's idle threads and cold caches count.
@@ -65,14 +66,12 @@ def sender(arm: str, endpoints: dict[str, str]):
             "/opentelemetry.proto.collector.trace.v1.TraceService/Export", request_serializer=None,
             response_deserializer=ExportTraceServiceResponse.FromString)
         return lambda body: export(body, timeout=10) is not None
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-    from otel_straggler.instrumentation.http_transport import KeptAliveHTTPTransport
+    from otel_straggler.instrumentation.http_transport import KeptAliveHTTPTransport, SessionTransport
 
     url = f"http://{endpoints['http']}/v1/traces"
-    exporter = (OTLPSpanExporter(endpoint=url) if arm == "HTTP, requests"
-                else OTLPSpanExporter(endpoint=url, _transport=KeptAliveHTTPTransport()))
-    return lambda body: exporter._client.export(body).success
+    transport = SessionTransport() if arm == "HTTP, requests" else KeptAliveHTTPTransport()
+    headers = {"Content-Type": "application/x-protobuf"}
+    return lambda body: transport.request("POST", url, headers=headers, timeout=10.0, data=body).status_code == 200
 
 
 def cpu_per_request_us(send, body: bytes, count: int, pace_s: float) -> float:

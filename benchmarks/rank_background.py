@@ -14,6 +14,11 @@ round by round (the machine is noisy):
                        what a rank installed without a C compiler runs, and what the extension
                        must equal)
   C writer, HTTP       over OTLP/HTTP (one kept-alive connection; no threads of its own)
+  Python writer, HTTP  the same, without the extension
+  stock, gRPC          the reference: the same spans, built the same way, through the SDK's own
+                       BatchSpanProcessor and OTLPSpanExporter (its encoder, its transport)
+  stock, HTTP          the same over the SDK's OTLP/HTTP exporter (a requests Session)
+Our arms run our batching processor and exporters (batching.py, otlp_exporters.py).
 A rank exports every 500 ms (OTEL_BSP_SCHEDULE_DELAY, as the demo's ranks), so the step time sets
 how many spans an export carries: at 4 ms about 600; at 75 ms, about a rank's step in the overhead
 benchmark's 4-rank job, about 33, where the cost of each export itself shows.
@@ -34,8 +39,11 @@ from pathlib import Path
 from detector_process import DetectorProcess
 from thread_cpu import thread_cpu_ns, thread_cpu_since
 
-ARMS = {"C writer, gRPC": "c,grpc", "Python writer, gRPC": "python,grpc", "C writer, HTTP": "c,http/protobuf"}
-REFERENCE = "Python writer, gRPC"
+ARMS = {"C writer, gRPC": "c,grpc", "Python writer, gRPC": "python,grpc", "stock, gRPC": "stock,grpc",
+        "C writer, HTTP": "c,http/protobuf", "Python writer, HTTP": "python,http/protobuf",
+        "stock, HTTP": "stock,http/protobuf"}
+REFERENCE = {"grpc": "stock, gRPC", "http/protobuf": "stock, HTTP"}
+BUILDER_THREAD = "otel-straggler-span-builder"
 STAGES = ("batch-generator", "forward-compute", "backward-compute", "optimizer")
 
 
@@ -45,7 +53,9 @@ def arm(writer: str, protocol: str, steps: int, step_s: float, endpoints: dict[s
     import otel_straggler as ots
     from otel_straggler.instrumentation import span_encoding
 
-    if writer == "python":
+    if writer == "stock":
+        _use_stock_export(protocol, endpoints[protocol])
+    elif writer == "python":
         span_encoding._write_span = None
     elif not span_encoding.writer_built():
         raise SystemExit("the C writer (otel_straggler.instrumentation._otlp_write) is not built here")
@@ -68,6 +78,33 @@ def arm(writer: str, protocol: str, steps: int, step_s: float, endpoints: dict[s
     return {"background_us_per_span": background_ns / spans / 1e3,
             "threads_us_per_span": {name: ns / spans / 1e3 for name, ns in threads.items()},
             "exported": status["exported"], "lost": sum(status["lost"].values())}
+
+
+def _use_stock_export(protocol: str, endpoint: str) -> None:
+    """The pipeline made with the SDK's BatchSpanProcessor and OTLP span exporter in place of ours
+    (the same builder, the same spans, the same counting wrapper around the exporter)."""
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    from otel_straggler.instrumentation import pipeline
+
+    class StockBatchSpanProcessor(BatchSpanProcessor):
+        dropped_queue_full = unexported_at_shutdown = 0  # what status() reads; the SDK does not count them
+        shutdown_deadline = None
+
+        def __init__(self, exporter, environ=None) -> None:
+            super().__init__(exporter)
+
+    def stock_exporter(endpoint_given, protocol_given, environ):
+        if protocol == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            return OTLPSpanExporter(endpoint=endpoint, insecure=True)
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter(endpoint=f"http://{endpoint}/v1/traces")
+
+    pipeline.BatchingSpanProcessor = StockBatchSpanProcessor
+    pipeline.span_exporter = stock_exporter
 
 
 def _step(ots, n: int, step_s: float) -> None:
@@ -109,19 +146,29 @@ def main(argv=None) -> int:
     print(f"\nrank background CPU per span: {args.rounds} rounds x {args.steps} steps x {1 + len(STAGES)} spans,"
           f" {args.step_ms:g} ms a step, fake device events, OTLP to a live detector; {os.cpu_count()} cores,"
           f" load average {os.getloadavg()[0]:.1f}")
-    reference = statistics.median(run["background_us_per_span"] for run in results[REFERENCE])
-    print(f"\n{'arm':20} {'median µs/span':>15} {'min':>7} {'max':>7} {'vs ' + REFERENCE:>24}  threads µs/span")
+    print(f"\n{'arm':20} {'median µs/span':>15} {'min':>7} {'max':>7} {'vs stock':>9} {'builder':>8} {'rest':>6}"
+          f"  threads µs/span")
     summary = {}
     for label, runs in results.items():
         per_span = [run["background_us_per_span"] for run in runs]
         median = statistics.median(per_span)
         threads = {name: statistics.median(run["threads_us_per_span"].get(name, 0.0) for run in runs)
                    for name in sorted({name for run in runs for name in run["threads_us_per_span"]})}
-        shown = ", ".join(f"{name} {value:.1f}" for name, value in threads.items() if value >= 0.05)
-        print(f"{label:20} {median:15.1f} {min(per_span):7.1f} {max(per_span):7.1f} {median / reference:23.2f}x  {shown}")
         summary[label] = {"median_us_per_span": median, "runs": runs, "threads_median_us_per_span": threads}
-    protocols = [summary[label]["median_us_per_span"] for label in ("C writer, HTTP", "C writer, gRPC")]
-    print(f"\nC writer: over HTTP against over gRPC {protocols[0] / protocols[1]:.2f}x")
+    for label, runs in results.items():
+        median = summary[label]["median_us_per_span"]
+        per_span = [run["background_us_per_span"] for run in runs]
+        threads = summary[label]["threads_median_us_per_span"]
+        builder = threads.get(BUILDER_THREAD, 0.0)
+        reference = summary[REFERENCE[ARMS[label].split(",")[1]]]["median_us_per_span"]
+        shown = ", ".join(f"{name} {value:.1f}" for name, value in threads.items() if value >= 0.05)
+        print(f"{label:20} {median:15.1f} {min(per_span):7.1f} {max(per_span):7.1f} {median / reference:8.2f}x"
+              f" {builder:8.1f} {median - builder:6.1f}  {shown}")
+    print("\nbuilder: the span builder thread (building spans, and for our arms encoding them as they are"
+          " queued); rest: every other background thread (batching, export, gRPC's own)")
+    for writer in ("C writer", "Python writer"):
+        protocols = [summary[f"{writer}, {name}"]["median_us_per_span"] for name in ("HTTP", "gRPC")]
+        print(f"{writer}: over HTTP against over gRPC {protocols[0] / protocols[1]:.2f}x")
     lost = sum(run["lost"] for runs in results.values() for run in runs)
     print(f"\nspans lost in all arms: {lost}")
     if args.json:

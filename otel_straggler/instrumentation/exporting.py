@@ -1,17 +1,12 @@
 """Where spans and the rank's own metrics go: OTLP exporters chosen by the standard
 OTEL_EXPORTER_OTLP_* variables (or configure() arguments), behind a counting wrapper so every
-export failure is known by number. Spans are encoded by span_encoding, not the SDK's encoder
-(several times the GIL-holding time per span), over gRPC (the default) and over HTTP, where they
-also go out over one kept-alive connection (http_transport) instead of a requests Session when
-the endpoint allows (no proxy, no credentials)."""
+export failure is known by number. Spans go through our exporters (otlp_exporters: encoded by
+span_encoding, not the SDK's encoder, which costs several times the GIL-holding time per span),
+over gRPC (the default) and over HTTP; the rank's metrics through the SDK's exporters."""
 from __future__ import annotations
 
-import contextlib
-import functools
-import logging
 import os
 import threading
-import types
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from opentelemetry.sdk.trace import ReadableSpan
@@ -19,11 +14,6 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from otel_straggler.otlp_environ import check_exporter_environ, resolve_protocol
 
-_EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
-# set: the SDK's HTTP exporter sends through that provider's requests Session, which stays
-_HTTP_CREDENTIAL_PROVIDER_VARIABLES = ("OTEL_PYTHON_EXPORTER_OTLP_HTTP_CREDENTIAL_PROVIDER",
-                                       "OTEL_PYTHON_EXPORTER_OTLP_HTTP_TRACES_CREDENTIAL_PROVIDER")
-_logger = logging.getLogger(__name__)
 
 
 def _http_url(endpoint: str, path: str) -> str:
@@ -32,57 +22,14 @@ def _http_url(endpoint: str, path: str) -> str:
 
 
 def span_exporter(endpoint: Optional[str], protocol: Optional[str], environ: Mapping[str, str] = os.environ) -> SpanExporter:
-    """An OTLP span exporter; an explicit endpoint wins over the env, which the exporters read."""
+    """An OTLP span exporter of ours (otlp_exporters); an explicit endpoint wins over the env."""
     protocol = resolve_protocol(protocol, environ, "TRACES")
     check_exporter_environ("traces", protocol, environ)
+    from otel_straggler.instrumentation.otlp_exporters import GrpcSpanExporter, HttpSpanExporter
+
     if protocol == "grpc":
-        return _grpc_span_exporter_class()(endpoint=endpoint, insecure=_insecure(endpoint))
-    return _http_span_exporter_class()(endpoint=_http_url(endpoint, "/v1/traces") if endpoint else None)
-
-
-@functools.cache
-def _grpc_span_exporter_class() -> type:
-    """The SDK's OTLP/gRPC span exporter (its channel, headers, TLS, retries and timeouts),
-    encoding with our SpanEncoder instead of the SDK's encoder, which costs several times more
-    GIL-holding time per span. Made on first use: grpc is imported only when it is needed."""
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTraceServiceRequest,
-                                                                          ExportTraceServiceResponse)
-
-    from otel_straggler.instrumentation.span_encoding import SpanEncoder
-
-    class EncodedExport:
-        """TraceService/Export taking the request as encoded bytes: the stub's own method would
-        take a message, which the bytes would first be parsed into and then serialized from
-        again (1.2 µs a span, holding the GIL)."""
-
-        def __init__(self, channel) -> None:
-            self.Export = channel.unary_unary(_EXPORT_METHOD, request_serializer=None,
-                                              response_deserializer=ExportTraceServiceResponse.FromString)
-
-    class PrewrittenOTLPSpanExporter(OTLPSpanExporter):
-        """Exports ReadableSpans and spans already encoded by `prewrite` (SpanEncoder.prewrite)."""
-
-        def __init__(self, **kwargs) -> None:
-            super().__init__(**kwargs)
-            self._encoder = SpanEncoder()
-            self.prewrite = self._encoder.prewrite
-
-        def _initialize_channel_and_stub(self) -> None:
-            # the SDK makes its channel and stub here, in __init__ and again to reconnect after
-            # UNAVAILABLE: each new channel gets the bytes-taking Export
-            super()._initialize_channel_and_stub()
-            self._client = EncodedExport(self._channel)
-
-        def _translate_data(self, data: Sequence[Any]) -> Any:
-            encoded = self._encoder.encode(data)
-            if isinstance(self._client, EncodedExport):
-                return encoded
-            # a stub we did not replace (an SDK that makes it elsewhere): parsing the bytes back
-            # is C code, far cheaper than building the message in Python
-            return ExportTraceServiceRequest.FromString(encoded)
-
-    return PrewrittenOTLPSpanExporter
+        return GrpcSpanExporter(endpoint, environ)
+    return HttpSpanExporter(_http_url(endpoint, "/v1/traces") if endpoint else None, environ)
 
 
 def metric_exporter(endpoint: Optional[str], protocol: Optional[str], environ: Mapping[str, str] = os.environ):
@@ -95,77 +42,6 @@ def metric_exporter(endpoint: Optional[str], protocol: Optional[str], environ: M
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as HTTPMetricExporter
 
     return HTTPMetricExporter(endpoint=_http_url(endpoint, "/v1/metrics") if endpoint else None)
-
-
-@functools.cache
-def _http_span_exporter_class() -> type:
-    """The SDK's OTLP/HTTP span exporter (its endpoint, headers, TLS, compression, retries and
-    timeouts), encoding with our SpanEncoder and sending over a KeptAliveHTTPTransport. Where the
-    SDK's transport must stay (a proxy, credentials in the URL or a netrc file, a credential
-    provider's session), only the encoding is ours; where the SDK is not shaped as this expects
-    (its `_client` sending encoded bytes), the SDK's own export runs, unchanged."""
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-    from otel_straggler.instrumentation.span_encoding import SpanEncoder
-
-    try:
-        from otel_straggler.instrumentation import http_transport
-    except ImportError:  # the SDK's transport interface (a private module of a beta package) moved
-        http_transport = None
-    try:
-        from opentelemetry.exporter.otlp.proto.http._common import RequestPayloadTooLargeError
-    except ImportError:
-        RequestPayloadTooLargeError = ValueError
-
-    class PrewrittenHTTPSpanExporter(OTLPSpanExporter):
-        """Exports ReadableSpans and spans already encoded by `prewrite` (SpanEncoder.prewrite)."""
-
-        def __init__(self, **kwargs) -> None:
-            super().__init__(**kwargs)
-            self._encoder: Optional[SpanEncoder] = None
-            client = getattr(self, "_client", None)
-            sends_bytes = callable(getattr(client, "export", None))
-            if not sends_bytes or not isinstance(getattr(self, "_max_request_size", None), int):
-                return
-            self._encoder = SpanEncoder()
-            self.prewrite = self._encoder.prewrite
-            session = getattr(getattr(client, "_transport", None), "_session", None)
-            credential_session = any(os.environ.get(variable) for variable in _HTTP_CREDENTIAL_PROVIDER_VARIABLES)
-            if (http_transport is not None and session is not None and not credential_session
-                    and http_transport.usable_for(self._endpoint)):
-                client._transport.close()
-                client._transport = http_transport.KeptAliveHTTPTransport(verify=session.verify, cert=session.cert)
-
-        def export(self, spans: Sequence[Any]) -> SpanExportResult:
-            if self._encoder is None:
-                return super().export(spans)
-            if getattr(self, "_shutdown", False):
-                return SpanExportResult.FAILURE
-            metrics = getattr(self, "_metrics", None)  # the SDK's own exporter metrics, where it keeps them
-            with (metrics.export_operation(len(spans)) if metrics is not None
-                  else contextlib.nullcontext(types.SimpleNamespace())) as outcome:
-                try:
-                    body = self._encoder.encode(spans)
-                except Exception as error:
-                    _logger.exception("otel-straggler: could not encode %d spans", len(spans))
-                    outcome.error = error
-                    return SpanExportResult.FAILURE
-                if 0 < self._max_request_size < len(body):  # 0 or less: no limit, as in the SDK
-                    _logger.warning("otel-straggler: dropping %d spans, %d bytes encoded, over the exporter's "
-                                    "max_request_size of %d", len(spans), len(body), self._max_request_size)
-                    outcome.error = RequestPayloadTooLargeError(
-                        f"Serialized span request size {len(body)} bytes exceeds max_request_size "
-                        f"{self._max_request_size} bytes.")
-                    return SpanExportResult.FAILURE
-                sent = self._client.export(body)
-                if not sent.success:  # recorded as the SDK's own export records it
-                    outcome.error = sent.error
-                    if sent.status_code is not None:
-                        outcome.error_attrs = {"http.response.status_code": sent.status_code}
-                    return SpanExportResult.FAILURE
-            return SpanExportResult.SUCCESS
-
-    return PrewrittenHTTPSpanExporter
 
 
 def _insecure(endpoint: Optional[str]) -> Optional[bool]:
@@ -181,13 +57,23 @@ class CountingSpanExporter(SpanExporter):
         self.exporter = exporter
         # spans may be queued encoded where the exporter can take them so (see SpanEncoder.prewrite)
         self.prewrite: Optional[Callable[[ReadableSpan], Any]] = getattr(exporter, "prewrite", None)
+        inner_within = getattr(exporter, "export_within", None)
+        # export by a deadline, where the exporter can (the batching processor gives one)
+        self.export_within: Optional[Callable[[Sequence[Any], Optional[float]], SpanExportResult]] = (
+            None if inner_within is None else self._export_within)
         self.exported = 0
         self.export_failed = 0
         self._lock = threading.Lock()
 
     def export(self, spans: Sequence[Any]) -> SpanExportResult:
+        return self._export_within(spans, None)
+
+    def _export_within(self, spans: Sequence[Any], deadline: Optional[float]) -> SpanExportResult:
         try:
-            result = self.exporter.export(spans)
+            if deadline is None or getattr(self.exporter, "export_within", None) is None:
+                result = self.exporter.export(spans)
+            else:
+                result = self.exporter.export_within(spans, deadline)
         except Exception:
             result = SpanExportResult.FAILURE
         with self._lock:

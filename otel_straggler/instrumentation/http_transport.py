@@ -1,14 +1,13 @@
-"""One kept-alive HTTP/1.1 connection for the rank's OTLP/HTTP span export, in the SDK's
-transport interface (`BaseHTTPTransport`): the SDK's exporter keeps its retries, backoff,
-headers, compression and timeouts, and sends through this instead of a requests Session.
+"""The rank's OTLP/HTTP transports (otlp_exporters.HttpSpanExporter sends through one): one
+kept-alive HTTP/1.1 connection over http.client, or a requests Session where one is needed.
 
 Why: a rank exports every half second, and on a rank whose cores are all busy each export's CPU
 is taken from training. Paced so, an export of 40 spans cost 638 µs of CPU this way, 1,624 through
 a requests Session and 1,946 over gRPC, whose threads also run between exports
 (`python benchmarks/export_transport.py`; docs/overhead.md, "Where the cost is"). Where
 requests would do something this does not (a proxy from the environment, credentials in the URL
-or a netrc file, a credential provider's session), the exporter keeps the SDK's transport
-(`usable_for`)."""
+or a netrc file, a credential provider's session), the exporter sends through a requests Session
+(SessionTransport; `usable_for` decides)."""
 from __future__ import annotations
 
 import http.client
@@ -21,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 from urllib.parse import urlsplit
 
-from opentelemetry.exporter.http.transport._base import BaseHTTPResult, BaseHTTPTransport
 
 
 def usable_for(url: str) -> bool:
@@ -54,15 +52,14 @@ def _requests_ca_bundle() -> Optional[str]:
 
 
 @dataclass(frozen=True)
-class KeptAliveResult(BaseHTTPResult):
+class HTTPResult:
+    """A response (status_code, reason, body, headers; case-insensitive), or the error that
+    kept one from coming (error; status_code None)."""
+    status_code: Optional[int] = None
+    reason: Optional[str] = None
     body: bytes = b""
-    response_headers: Mapping[str, str] = field(default_factory=dict)
-
-    def content(self) -> bytes:
-        return self.body
-
-    def headers(self) -> Mapping[str, str]:
-        return self.response_headers
+    headers: Mapping[str, str] = field(default_factory=dict)
+    error: Optional[Exception] = None
 
 
 class _Headers(dict):
@@ -83,7 +80,63 @@ class ConnectFailed(ConnectionError):
     was sent, so the request can be tried again."""
 
 
-class KeptAliveHTTPTransport(BaseHTTPTransport):
+class _ClosedUnanswered(ConnectionResetError):
+    """The server closed the connection before any byte of a response."""
+
+
+class _Reader:
+    """Buffered reads from a socket, for the response parser."""
+
+    def __init__(self, sock) -> None:
+        self.sock = sock
+        self.buffer = b""
+
+    def _more(self) -> bool:
+        chunk = self.sock.recv(65536)
+        self.buffer += chunk
+        return bool(chunk)
+
+    def line(self) -> Optional[bytes]:
+        """The next line without its CRLF; None at the close before any byte of it."""
+        while b"\r\n" not in self.buffer:
+            if len(self.buffer) > 65536:
+                raise http.client.LineTooLong("header line")
+            if not self._more():
+                if self.buffer:
+                    raise ConnectionResetError("the connection was closed within a line")
+                return None
+        line, _, self.buffer = self.buffer.partition(b"\r\n")
+        return line
+
+    def exactly(self, count: int) -> bytes:
+        while len(self.buffer) < count:
+            if not self._more():
+                raise http.client.IncompleteRead(self.buffer, count - len(self.buffer))
+        data, self.buffer = self.buffer[:count], self.buffer[count:]
+        return data
+
+    def chunked(self) -> bytes:
+        parts = []
+        while True:
+            size_line = self.line()
+            if size_line is None:
+                raise http.client.IncompleteRead(b"".join(parts))
+            size = int(size_line.split(b";")[0].strip(), 16)
+            if size == 0:
+                while self.line():  # trailers, up to the empty line
+                    pass
+                return b"".join(parts)
+            parts.append(self.exactly(size))
+            self.exactly(2)  # the chunk's CRLF
+
+    def to_close(self) -> bytes:
+        while self._more():
+            pass
+        data, self.buffer = self.buffer, b""
+        return data
+
+
+class KeptAliveHTTPTransport:
     """Requests over one connection to one origin, made on first use and again after any error
     or a response that closes it. Requests are serialized (the batch worker exports, and a flush
     may export from another thread); close() never waits for one in flight."""
@@ -98,29 +151,88 @@ class KeptAliveHTTPTransport(BaseHTTPTransport):
         _LIVE_TRANSPORTS.add(self)
 
     def request(self, method: str, url: str, *, headers: Optional[dict[str, str]] = None,
-                timeout: Optional[float] = None, data: Optional[bytes] = None) -> BaseHTTPResult:
+                timeout: Optional[float] = None, data: Optional[bytes] = None) -> HTTPResult:
         with self._lock:
             try:
                 parts = urlsplit(url)
-                connection = self._connection_to(parts, timeout)
                 path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-                connection.request(method, path, body=data, headers=headers or {})
-                response = connection.getresponse()
-                body = response.read()
-                if response.will_close:
+                kept = self._connection is not None
+                connection = self._connection_to(parts, timeout)
+                try:
+                    status, reason, headers_received, body, will_close = self._exchange(
+                        connection, method, parts, path, headers or {}, data or b"")
+                except _ClosedUnanswered:
+                    if not kept:
+                        raise
+                    # a kept connection the server had closed while idle: the request was not taken,
+                    # send it once more on a new one, as requests does
                     self._drop()
-                headers_received = _Headers()
-                for key, value in response.getheaders():  # repeated headers joined, as the interface asks
-                    key = key.lower()
-                    headers_received[key] = f"{headers_received[key]}, {value}" if key in headers_received else value
-                return KeptAliveResult(status_code=response.status, reason=response.reason, body=body,
-                                       response_headers=headers_received)
+                    connection = self._connection_to(parts, timeout)
+                    status, reason, headers_received, body, will_close = self._exchange(
+                        connection, method, parts, path, headers or {}, data or b"")
+                if will_close:
+                    self._drop()
+                return HTTPResult(status_code=status, reason=reason, body=body, headers=headers_received)
             except Exception as error:
                 self._drop()  # whatever state it is in, the next request starts afresh
-                return KeptAliveResult(error=error)
+                return HTTPResult(error=error)
             finally:
                 if self._closing:  # close() came while this request held the lock
                     self._drop()
+
+    @staticmethod
+    def _exchange(connection: http.client.HTTPConnection, method: str, parts, path: str, headers: Mapping[str, str],
+                  data: bytes) -> tuple[int, str, "_Headers", bytes, bool]:
+        """One request and its response over the connection's socket: the request written in one
+        send, the response read with a minimal HTTP/1.1 parser (status line, headers, a body by
+        Content-Length, chunked or to the close). http.client's own request and response objects
+        cost about twice the CPU per export (its header parsing goes through the email package)."""
+        host = parts.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        if parts.port:
+            host = f"{host}:{parts.port}"
+        lines = [f"{method} {path} HTTP/1.1", f"Host: {host}", f"Content-Length: {len(data)}"]
+        lines += [f"{key}: {value}" for key, value in headers.items() if key.lower() not in ("host", "content-length")]
+        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        sock = connection.sock
+        sock.sendall(head + data if len(data) < 65536 else head)
+        if len(data) >= 65536:
+            sock.sendall(data)
+        reader = _Reader(sock)
+        while True:
+            status_line = reader.line()
+            if status_line is None:
+                raise _ClosedUnanswered("the connection was closed before a response")
+            version, _, rest = status_line.partition(b" ")
+            code_text, _, reason = rest.partition(b" ")
+            if not version.startswith(b"HTTP/") or not code_text.isdigit():
+                raise http.client.BadStatusLine(status_line.decode("latin-1", "replace"))
+            status = int(code_text)
+            received = _Headers()
+            while True:
+                line = reader.line()
+                if line is None:
+                    raise ConnectionResetError("the connection was closed within a response's headers")
+                if not line:
+                    break
+                key, _, value = line.decode("latin-1").partition(":")
+                key, value = key.strip().lower(), value.strip()
+                received[key] = f"{received[key]}, {value}" if key in received else value
+            if 100 <= status < 200:
+                continue  # an interim response: the final one follows
+            break
+        connection_header = received.get("connection", "").lower()
+        will_close = "close" in connection_header or (version == b"HTTP/1.0" and "keep-alive" not in connection_header)
+        if "chunked" in received.get("transfer-encoding", "").lower():
+            body = reader.chunked()
+        elif "content-length" in received:
+            body = reader.exactly(int(received["content-length"]))
+        elif status in (204, 304):
+            body = b""
+        else:
+            body, will_close = reader.to_close(), True
+        return status, reason.decode("latin-1"), received, body, will_close
 
     def _connection_to(self, parts, timeout: Optional[float]) -> http.client.HTTPConnection:
         scheme, host = parts.scheme, parts.hostname or ""
@@ -187,6 +299,36 @@ class KeptAliveHTTPTransport(BaseHTTPTransport):
         and the connection is the parent's socket, left for the parent to close."""
         self._lock = threading.Lock()
         self._connection = None
+
+
+class SessionTransport:
+    """Requests through a requests Session: the credential provider's, else one of its own
+    (which applies the proxy variables and netrc credentials as requests does)."""
+
+    def __init__(self, session: Any = None, verify: Union[bool, str] = True,
+                 cert: Union[str, tuple[str, str], None] = None) -> None:
+        import requests
+
+        self._requests = requests
+        self.session = session if session is not None else requests.Session()
+        self._verify, self._cert = verify, cert
+
+    def request(self, method: str, url: str, *, headers: Optional[dict[str, str]] = None,
+                timeout: Optional[float] = None, data: Optional[bytes] = None) -> HTTPResult:
+        try:
+            response = self.session.request(method, url, headers=headers, timeout=timeout, data=data,
+                                            verify=self._verify, cert=self._cert)
+            return HTTPResult(status_code=response.status_code, reason=response.reason, body=response.content,
+                              headers=_Headers((key.lower(), value) for key, value in response.headers.items()))
+        except Exception as error:
+            return HTTPResult(error=error)
+
+    def is_connection_error(self, exception: Optional[Exception]) -> bool:
+        return isinstance(exception, self._requests.exceptions.ConnectionError) and not isinstance(
+            exception, self._requests.exceptions.SSLError)
+
+    def close(self) -> None:
+        self.session.close()
 
 
 _LIVE_TRANSPORTS: "weakref.WeakSet[KeptAliveHTTPTransport]" = weakref.WeakSet()

@@ -1,7 +1,7 @@
 """Everything the rank side runs off the training thread, wired together:
 
   IntervalRecorder.completed --(builder thread)--> SpanBuilder --> TracerProvider
-    --> CudaEventSpanProcessor --> CountingBatchSpanProcessor --> CountingSpanExporter (OTLP)
+    --> CudaEventSpanProcessor --> BatchingSpanProcessor --> CountingSpanExporter --> our OTLP exporter
 
 The same thread samples the recorder every heartbeat interval (heartbeat.py) and sends a
 `train.heartbeat` span, on its own schedule, not the build interval's, with the rank's GPU
@@ -26,11 +26,11 @@ from typing import Any, Callable, Mapping, Optional
 
 from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
 from otel_straggler import contract
 from otel_straggler.instrumentation import gpu_health, heartbeat, identity
+from otel_straggler.instrumentation.batching import BatchingSpanProcessor
 from otel_straggler.instrumentation.exporting import CountingSpanExporter, span_exporter, start_rank_metrics
 from otel_straggler.instrumentation.recorder import INTERVAL, IntervalRecorder
 from otel_straggler.instrumentation.span_builder import (COUNTER_NAMES, DerivedIdGenerator, ProcessorSpans, SpanBuilder,
@@ -45,63 +45,6 @@ BUILD_BURST_RECORDS = 16  # records built while holding the GIL, 10-15 us each
 BUILD_PAUSE_S = 0.0005  # between bursts: long enough for a thread waiting on the GIL to wake and take it
 _IDENTITY_KEYS_ON_SPANS = (contract.JOB_ID, contract.RANK, contract.COHORT, contract.TOPOLOGY_EPOCH,
                            contract.RESTART_COUNT, contract.WORLD_SIZE, contract.LOCAL_RANK)
-
-
-class CountingBatchSpanProcessor(BatchSpanProcessor):
-    """The SDK's BatchSpanProcessor, counting the spans it drops because its queue is full
-    (the SDK only logs them), shutting down by a given deadline, and counting what it
-    leaves unexported then (the SDK drops that silently). With a CountingSpanExporter that
-    can `prewrite`, spans wait in the queue already encoded (SpanEncoder.prewrite says why)."""
-
-    def __init__(self, exporter, **kwargs: Any) -> None:
-        super().__init__(exporter, **kwargs)
-        self.dropped_queue_full = 0
-        self.unexported_at_shutdown = 0
-        self.shutdown_deadline: Optional[float] = None  # time.monotonic(); None: the SDK's 30 s
-        self._prewrite = getattr(exporter, "prewrite", None)
-
-    def on_end(self, span) -> None:
-        batch = getattr(self, "_batch_processor", None)
-        queue = getattr(batch, "_queue", None)
-        full = queue is not None and queue.maxlen is not None and len(queue) >= queue.maxlen
-        if full:
-            self.dropped_queue_full += 1
-        if self._prewrite is None or batch is None or not (span.context and span.context.trace_flags.sampled):
-            super().on_end(span)
-            return
-        try:
-            item = self._prewrite(span)
-        except Exception:
-            item = span  # the exporter encodes it then
-        awaken = getattr(batch, "_worker_awaken", None)
-        if full and awaken is not None and not getattr(batch, "_shutdown", True):
-            # What the SDK's emit() does with a full queue (the oldest span makes room, the worker
-            # is woken), without its "Queue full" warning: making that log record (duplicates are
-            # filtered only afterwards) cost the builder more than the span itself, on every span
-            # of an exporter outage. The loss is counted above, and in the SDK's own processor
-            # metrics where it keeps them (otel.sdk.processor.span.processed, error.type queue_full).
-            queue.appendleft(item)
-            if not awaken.is_set():
-                awaken.set()
-            try:
-                batch._metrics.drop_items(1)
-            except Exception:
-                pass  # an SDK without them: the loss is counted above all the same
-            return
-        batch.emit(item)
-
-    def shutdown(self) -> None:
-        batch = getattr(self, "_batch_processor", None)
-        if batch is None:
-            super().shutdown()
-            return
-        deadline = self.shutdown_deadline or time.monotonic() + 30.0
-        # Export until shortly before the deadline, keeping the rest to see the export the SDK
-        # abandons (its exporter is told to stop) return and be counted by the exporter.
-        margin_s = min(0.5, max(0.0, deadline - time.monotonic()) / 4)
-        batch.shutdown(timeout_millis=max(0.0, deadline - margin_s - time.monotonic()) * 1000)
-        batch._worker_thread.join(max(0.0, deadline - time.monotonic()))
-        self.unexported_at_shutdown = len(batch._queue)
 
 
 class RankPipeline:
@@ -124,7 +67,7 @@ class RankPipeline:
         self.protocol = protocol
         self.user_provider = tracer_provider
         self.exporter: Optional[CountingSpanExporter] = None
-        self.batch_processor: Optional[CountingBatchSpanProcessor] = None
+        self.batch_processor: Optional[BatchingSpanProcessor] = None
         self.metrics_provider = None
         self.metrics_errors = 0  # the rank's metrics could not be started: not a loss of spans
         self.heartbeat_errors = 0  # heartbeats lost to an unexpected error (counted in internal_error)
@@ -144,7 +87,7 @@ class RankPipeline:
             if options["export_metrics"]:
                 check_exporter_environ("metrics", resolve_protocol(protocol, self._environ(), "METRICS"), self._environ())
             self.exporter = CountingSpanExporter(span_exporter(endpoint, protocol, self._environ()))
-            self.batch_processor = CountingBatchSpanProcessor(self.exporter)
+            self.batch_processor = BatchingSpanProcessor(self.exporter, environ=self._environ())
             if self.backend is not None:
                 self.device_processor = CudaEventSpanProcessor(
                     self.batch_processor, self.backend,
@@ -384,8 +327,9 @@ class RankPipeline:
         provider = self.provider
         if provider is None or not hasattr(provider, "force_flush"):
             return True
-        # The SDK's flush ignores its timeout while an exporter retries: run it aside and
-        # wait at most what is left. One such thread at a time: while an earlier flush still
+        # A processor of the chain may not keep to its timeout (the provider's flush goes through
+        # CudaEventSpanProcessor, and a provider may hold others): run it aside and wait at most
+        # what is left. One such thread at a time: while an earlier flush still
         # runs (its export retrying through an outage), a call waits for it, and gives up at its
         # own deadline rather than start another.
         if not self._flush_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):

@@ -1,6 +1,6 @@
 """The rank's OTLP/HTTP span export: our encoding over one kept-alive connection
-(KeptAliveHTTPTransport) with the SDK's retries, headers and compression; the SDK's own
-transport where a proxy or a credential provider is configured."""
+(KeptAliveHTTPTransport) with retries, headers and compression from the environment; a requests
+Session (SessionTransport) where a proxy, credentials or a credential provider need one."""
 from __future__ import annotations
 
 import contextlib
@@ -15,12 +15,12 @@ import time
 from typing import Any, Optional
 
 import pytest
-from opentelemetry.exporter.http.transport._requests import RequestsHTTPTransport
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExportResult
 
 from otel_straggler.instrumentation import http_transport
+from otel_straggler.instrumentation.http_transport import SessionTransport
 from otel_straggler.instrumentation.exporting import span_exporter
 
 PROXY_VARIABLES = ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy",
@@ -119,7 +119,7 @@ def export_batches(exporter, batches: int, per_batch: int = 3) -> list[SpanExpor
 def test_spans_go_out_encoded_by_us_over_one_kept_alive_connection(receiver):
     exporter = span_exporter(receiver.endpoint, "http/protobuf")
     try:
-        assert isinstance(exporter._client._transport, http_transport.KeptAliveHTTPTransport)
+        assert isinstance(exporter.transport, http_transport.KeptAliveHTTPTransport)
         assert export_batches(exporter, 4) == [SpanExportResult.SUCCESS] * 4
     finally:
         exporter.shutdown()
@@ -159,7 +159,7 @@ def test_a_rejected_request_fails_at_once_and_a_throttled_one_is_retried_when_to
         assert export_batches(exporter, 1) == [SpanExportResult.FAILURE]  # 400: not retried
         started = time.monotonic()
         assert export_batches(exporter, 1) == [SpanExportResult.SUCCESS]
-        # sent again as told (Retry-After: 0), not after the SDK's own backoff of about a second
+        # sent again as told (Retry-After: 0), not after the backoff of about a second
         assert time.monotonic() - started < 0.5
     finally:
         exporter.shutdown()
@@ -167,7 +167,7 @@ def test_a_rejected_request_fails_at_once_and_a_throttled_one_is_retried_when_to
     assert receiver.span_names()[-3:] == ["span-0-0", "span-0-1", "span-0-2"]  # the second batch, taken
 
 
-def test_a_proxy_or_a_credential_provider_keeps_the_sdks_transport(receiver, monkeypatch):
+def test_a_proxy_sends_through_a_requests_session(receiver, monkeypatch):
     monkeypatch.setenv("HTTP_PROXY", "http://proxy.example:3128")
     behind_proxy = span_exporter(receiver.endpoint, "http/protobuf")
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
@@ -177,9 +177,9 @@ def test_a_proxy_or_a_credential_provider_keeps_the_sdks_transport(receiver, mon
     monkeypatch.setenv("OTEL_PYTHON_EXPORTER_OTLP_HTTP_TRACES_CREDENTIAL_PROVIDER", "")  # set but blank: not used
     blank_provider = span_exporter(receiver.endpoint, "http/protobuf")
     try:
-        assert isinstance(behind_proxy._client._transport, RequestsHTTPTransport)
-        assert isinstance(bypassing._client._transport, http_transport.KeptAliveHTTPTransport)
-        assert isinstance(blank_provider._client._transport, http_transport.KeptAliveHTTPTransport)
+        assert isinstance(behind_proxy.transport, SessionTransport)
+        assert isinstance(bypassing.transport, http_transport.KeptAliveHTTPTransport)
+        assert isinstance(blank_provider.transport, http_transport.KeptAliveHTTPTransport)
         # the encoding is ours either way
         assert behind_proxy.prewrite is not None
     finally:
@@ -194,7 +194,7 @@ def test_which_endpoints_the_kept_alive_transport_takes(url, usable):
     assert http_transport.usable_for(url) is usable
 
 
-def test_a_netrc_file_keeps_the_sdks_transport(tmp_path):
+def test_a_netrc_file_needs_a_requests_session(tmp_path):
     assert http_transport.usable_for("http://collector:4318/v1/traces")
     (tmp_path / ".netrc").write_text("machine collector login user password token\n")  # HOME is tmp_path
     assert not http_transport.usable_for("http://collector:4318/v1/traces")
@@ -203,10 +203,10 @@ def test_a_netrc_file_keeps_the_sdks_transport(tmp_path):
 def test_an_oversized_batch_is_dropped_unsent_and_a_limit_of_0_is_no_limit(receiver):
     exporter = span_exporter(receiver.endpoint, "http/protobuf")
     try:
-        exporter._max_request_size = 100  # three spans encode to more
+        exporter.max_request_size = 100  # three spans encode to more
         assert export_batches(exporter, 1) == [SpanExportResult.FAILURE]
         assert receiver.requests == []
-        exporter._max_request_size = 0
+        exporter.max_request_size = 0
         assert export_batches(exporter, 1) == [SpanExportResult.SUCCESS]
     finally:
         exporter.shutdown()
@@ -236,7 +236,7 @@ def test_an_unreachable_endpoint_is_a_connection_error_and_the_transport_recover
         body = trace_service_pb2.ExportTraceServiceRequest().SerializeToString()
         answered = transport.request("POST", f"{receiver.endpoint}/v1/traces", data=body, timeout=2.0,
                                      headers={"Content-Type": "application/x-protobuf"})
-        assert answered.status_code == 200 and answered.headers()["CONTENT-TYPE"] == "application/x-protobuf"
+        assert answered.status_code == 200 and answered.headers["CONTENT-TYPE"] == "application/x-protobuf"
     finally:
         transport.close()
 
@@ -262,12 +262,12 @@ def test_https_verifies_the_receiver_against_the_configured_certificate(tls_rece
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_CERTIFICATE", tls_receiver.certificate)
     trusted = span_exporter(tls_receiver.endpoint, "http/protobuf")
     try:
-        assert isinstance(trusted._client._transport, http_transport.KeptAliveHTTPTransport)
+        assert isinstance(trusted.transport, http_transport.KeptAliveHTTPTransport)
         assert export_batches(trusted, 2) == [SpanExportResult.SUCCESS] * 2
         # a certificate no CA it trusts has signed: refused, not retried as a connection error
         started = time.monotonic()
         assert export_batches(unverified, 1) == [SpanExportResult.FAILURE]
-        assert time.monotonic() - started < 5.0  # the SDK would retry a connection error for its 10 s timeout
+        assert time.monotonic() - started < 5.0  # a connection error would be retried for the 10 s timeout
     finally:
         trusted.shutdown()
         unverified.shutdown()
@@ -290,7 +290,7 @@ def test_repeated_response_headers_are_joined_and_read_in_any_case(receiver):
         result = transport.request("POST", f"{receiver.endpoint}/v1/traces", data=b"", timeout=2.0)
     finally:
         transport.close()
-    assert result.status_code == 200 and result.headers().get("X-SEEN") == "a, b"
+    assert result.status_code == 200 and result.headers.get("X-SEEN") == "a, b"
 
 
 def test_close_does_not_wait_for_a_request_in_flight(receiver):
@@ -309,10 +309,57 @@ def test_close_does_not_wait_for_a_request_in_flight(receiver):
     assert answered[0].status_code == 200 and transport._connection is None
 
 
-def test_credentials_in_the_endpoint_keep_the_sdks_transport(receiver):
+def test_credentials_in_the_endpoint_need_a_requests_session(receiver):
     assert not http_transport.usable_for("http://user:token@127.0.0.1:4318/v1/traces")
     exporter = span_exporter(receiver.endpoint.replace("http://", "http://user:token@"), "http/protobuf")
     try:
-        assert isinstance(exporter._client._transport, RequestsHTTPTransport)
+        assert isinstance(exporter.transport, SessionTransport)
     finally:
         exporter.shutdown()
+
+
+@pytest.mark.parametrize("response, body, kept", [
+    (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", b"ok", True),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nab\r\n3;x=y\r\ncde\r\n0\r\nTrailer: t\r\n\r\n",
+     b"abcde", True),
+    (b"HTTP/1.1 503 Busy\r\nRetry-After: 2\r\nConnection: close\r\nContent-Length: 0\r\n\r\n", b"", False),
+    (b"HTTP/1.0 200 OK\r\n\r\nto the close", b"to the close", False),
+])
+def test_the_response_parser_reads_each_framing(response, body, kept):
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    received = []
+
+    def answer_once():
+        connection, _ = listener.accept()
+        with connection:
+            request = b""
+            while b"\r\n\r\n" not in request:
+                request += connection.recv(65536)
+            head, _, rest = request.partition(b"\r\n\r\n")
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            while len(rest) < length:
+                rest += connection.recv(65536)
+            received.append((head, rest))
+            connection.sendall(response)
+            if not kept:
+                connection.shutdown(socket.SHUT_WR)
+            time.sleep(0.2)
+
+    server = threading.Thread(target=answer_once, daemon=True)
+    server.start()
+    transport = http_transport.KeptAliveHTTPTransport()
+    try:
+        result = transport.request("POST", f"http://127.0.0.1:{listener.getsockname()[1]}/v1/traces",
+                                   headers={"Content-Type": "application/x-protobuf"}, timeout=5.0, data=b"payload")
+        assert result.error is None, result.error
+        assert result.body == body and (transport._connection is not None) is kept
+        head, sent = received[0]
+        assert sent == b"payload" and head.startswith(b"POST /v1/traces HTTP/1.1\r\n")
+        assert b"content-type: application/x-protobuf" in head.lower()
+    finally:
+        transport.close()
+        server.join(5)
+        listener.close()

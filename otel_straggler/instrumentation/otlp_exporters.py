@@ -29,6 +29,12 @@ from urllib.parse import urlsplit
 
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+try:  # where an instrumentor could see our own sends (opentelemetry-instrument with grpc or requests
+    # instrumentation): its public switch keeps them from becoming spans, each exported in turn
+    from opentelemetry.instrumentation.utils import suppress_instrumentation
+except ImportError:  # no instrumentation package, so no instrumentor either
+    from contextlib import nullcontext as suppress_instrumentation
+
 from otel_straggler.instrumentation.span_encoding import SpanEncoder
 from otel_straggler.settings import ConfigError
 
@@ -117,7 +123,8 @@ class _OtlpSpanExporter(SpanExporter):
             left = deadline - time.monotonic()
             if left <= 0:
                 return self._failed(len(spans), "no time left to send (export deadline)")
-            retry, asked_s, error = self._send(body, left)
+            with suppress_instrumentation():
+                retry, asked_s, error = self._send(body, left)
             if error is None:
                 if self._failing:
                     self._failing = False

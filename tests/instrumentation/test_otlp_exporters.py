@@ -169,3 +169,20 @@ def test_a_malformed_endpoint_fails_in_one_line_naming_where_it_came_from(protoc
     message = str(raised.value)
     assert "\n" not in message
     assert message.startswith(next(iter(variable)) if variable else "endpoint")
+
+
+def test_an_export_is_sent_with_instrumentation_suppressed(scripted):
+    """Under opentelemetry-instrument a grpc or requests instrumentor would make each of our sends a
+    span, exported in turn: the send runs under the instrumentation package's public switch."""
+    from opentelemetry.instrumentation.utils import is_instrumentation_enabled
+
+    service = scripted([])
+    exporter = span_exporter(service.endpoint, "grpc")
+    seen = []
+    send = exporter._send
+    exporter._send = lambda body, timeout_s: (seen.append(is_instrumentation_enabled()), send(body, timeout_s))[1]
+    try:
+        assert exporter.export(spans(exporter)) == SpanExportResult.SUCCESS
+    finally:
+        exporter.shutdown()
+    assert seen == [False] and is_instrumentation_enabled()

@@ -64,9 +64,19 @@ def grouped_medians_signed(groups: np.ndarray, values: np.ndarray) -> tuple[np.n
     slower (a lexsort), for the few per-window statistics of deviations."""
     if groups.size == 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0)
-    order = np.lexsort((values, groups))
+    order = _order_by_group_then_value(groups, values)
     sorted_groups, sorted_values = groups[order], values[order]
     starts, ends, _ = run_bounds(sorted_groups)
     low = starts + (ends - starts - 1) // 2
     high = starts + (ends - starts) // 2
     return sorted_groups[starts], (sorted_values[low] + sorted_values[high]) / 2
+
+
+def _order_by_group_then_value(groups: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """A permutation sorting by group, then value; ties of both in any order (medians do not see it).
+    Group ids that fit 16 bits (dense ids, slots) take a value sort then a stable radix sort by
+    group, 2-5x faster than lexsort's two merge sorts."""
+    if int(groups.min()) >= 0 and int(groups.max()) <= np.iinfo(np.uint16).max:
+        by_value = np.argsort(values)
+        return by_value[np.argsort(groups[by_value].astype(np.uint16), kind="stable")]
+    return np.lexsort((values, groups))

@@ -20,8 +20,9 @@ Arms, interleaved round by round because the machine is shared, timed in CPU sec
                   Python view-schema decoder where it declines; one Observation per stage span
   ... Python only the same two arms with the Python decoder alone (what runs without a C compiler;
                   with --python-only)
-  end to end      decode, engine.ingest_placements and ingest_many, engine.advance after each round of every rank's
-                  request (the service advances every 0.1 s), drain at the end: verdicts out
+  end to end      decode, engine.ingest_placements and ingest_many (its C loop, _ingest, when built),
+                  engine.advance after each round of every rank's request (the service advances
+                  every 0.1 s), drain at the end: verdicts out
 Memory: a fresh child process streams --memory-ranks ranks x 10 stages through decode and the engine
 (one step of requests in flight at a time) and reports its peak RSS over its RSS before the run.
 """

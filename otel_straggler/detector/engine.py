@@ -5,6 +5,8 @@ replayed.
 - `ingest_many` is the hot path. Per observation it de-duplicates by (job, epoch, rank, seq) in a
   per-rank ring of the last `dedup_horizon` sequence numbers, finds the open window of its step and
   appends four numbers to that window's columns. Statistics wait until the window is judged.
+  Where the optional C extension `_ingest` is built (setup.py), its loop takes every observation
+  that needs only that bookkeeping, with the same effect, and hands the rest to the Python loop.
 - `advance(now)` closes the windows the cohort has moved past or that stayed idle for
   `window_grace_s` (windows.py) and judges them (judge.py); `drain(now)` judges every open window.
 - Everything is bounded: jobs, cohorts, ranks per cohort, stage names per cohort and open windows

@@ -71,6 +71,13 @@ def grouped_medians_signed(groups: np.ndarray, values: np.ndarray) -> tuple[np.n
     slower (a lexsort), for the few per-window statistics of deviations."""
     if groups.size == 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0)
+    equal = _equal_groups(groups)
+    if equal is not None:
+        present, by_group = equal
+        rows = values[by_group].reshape(present.size, -1)
+        rows.sort(axis=1)
+        size = rows.shape[1]
+        return present, (rows[:, (size - 1) // 2] + rows[:, size // 2]) / 2
     order = _order_by_group_then_value(groups, values)
     sorted_groups, sorted_values = groups[order], values[order]
     _, starts, ends = _runs(sorted_groups)
@@ -87,3 +94,18 @@ def _order_by_group_then_value(groups: np.ndarray, values: np.ndarray) -> np.nda
         by_value = np.argsort(values)
         return by_value[np.argsort(groups[by_value].astype(np.uint16), kind="stable")]
     return np.lexsort((values, groups))
+
+
+def _equal_groups(groups: np.ndarray):
+    """(distinct groups ascending, a permutation sorting rows by group) when every group has as
+    many rows (a window where every rank has every step) and the ids fit 16 bits; else None. Then
+    each group's values are one row of a matrix, sorted row by row: about twice as fast as one
+    sort of them all."""
+    if groups.dtype.kind not in "iu" or int(groups.min()) < 0 or int(groups.max()) > MAX_UINT16:
+        return None
+    counts = np.bincount(groups)
+    present = counts.nonzero()[0]
+    sizes = counts[present]
+    if sizes.min() != sizes.max():
+        return None
+    return present, np.argsort(groups.astype(np.uint16), kind="stable")

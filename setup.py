@@ -10,6 +10,8 @@ from setuptools import Extension, setup
 setup(ext_modules=[
     Extension("otel_straggler.detector._otlp_scan", ["otel_straggler/detector/_otlp_scan.c"],
               extra_compile_args=["-O2"], optional=True),
+    Extension("otel_straggler.detector._ingest", ["otel_straggler/detector/_ingest.c"],
+              extra_compile_args=["-O2"], optional=True),
     Extension("otel_straggler.instrumentation._otlp_write", ["otel_straggler/instrumentation/_otlp_write.c"],
               extra_compile_args=["-O2"], optional=True),
     Extension("otel_straggler.instrumentation._hot_path", ["otel_straggler/instrumentation/_hot_path.c"],

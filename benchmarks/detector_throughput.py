@@ -2,21 +2,27 @@
 the protobuf parse-only rate of the same payloads, and the detector's peak memory at 10,000 ranks.
 
     python benchmarks/detector_throughput.py [--ranks 1024] [--steps 60] [--steps-per-request 5]
-                                             [--rounds 5] [--memory-ranks 10000] [--memory-steps 30]
+                                             [--rounds 5] [--small-cohorts 8] [--python-only]
+                                             [--memory-ranks 10000] [--memory-steps 30]
 
 Payloads are what the rank side sends: each rank's stage spans encoded by the OTel SDK's own OTLP
 encoder (trace/span/parent ids, kind, status, scope, resource and every contract attribute), one
 request per rank per `--steps-per-request` steps (a BatchSpanProcessor flush). Durations come from
 the engine's synthetic job (tests/detector/synthetic.py) with one rank 10% slow, 10 stages.
+Layouts, each with its own table: one cohort of all ranks (data parallel), and the same ranks as
+cohorts of `--small-cohorts` (a TP x PP grid: many small windows, where per-window costs show),
+each cohort with one rank 10% slow.
 
 Arms, interleaved round by round because the machine is shared, timed in CPU seconds of this
 (single-threaded) process, so the rate is per core:
   parse only      ExportTraceServiceRequest.FromString: the ceiling for Python (the reference)
   decode          decode.py as the detector runs it: the C scanner (_otlp_scan) when built, the
                   Python view-schema decoder where it declines; one Observation per stage span
-  ... Python only the same two arms with the Python decoder alone (what runs without a C compiler)
-  end to end      decode, engine.ingest_placements and ingest_many, engine.advance after each round of every rank's
-                  request (the service advances every 0.1 s), drain at the end: verdicts out
+  ... Python only the same two arms with the Python decoder alone (what runs without a C compiler;
+                  with --python-only)
+  end to end      decode, engine.ingest_placements and ingest_many (its C loop, _ingest, when built),
+                  engine.advance after each round of every rank's request (the service advances
+                  every 0.1 s), drain at the end: verdicts out
 Memory: a fresh child process streams --memory-ranks ranks x 10 stages through decode and the engine
 (one step of requests in flight at a time) and reports its peak RSS over its RSS before the run.
 """
@@ -45,6 +51,7 @@ from tests.detector.otlp_spans import rank_resource, readable_span  # noqa: E402
 from tests.detector.synthetic import TEN_STAGES, SyntheticJob  # noqa: E402
 
 STEP_NS = 100_000_000
+TARGET = 1_000_000  # spans/s/core end to end, per layout
 
 
 class RequestFactory:
@@ -92,10 +99,15 @@ def rounds_of_requests(job: SyntheticJob, steps: int, steps_per_request: int, fa
         yield [factory.request(rank, by_rank[rank]) for rank in sorted(by_rank)]
 
 
-def workload(ranks: int, steps: int, steps_per_request: int) -> tuple[list[list[bytes]], int]:
-    job = SyntheticJob(ranks=ranks, stages=TEN_STAGES, seed=3).slow(7, 1.1)
-    factory = RequestFactory(job, steps_per_request * len(TEN_STAGES))
-    rounds = list(rounds_of_requests(job, steps, steps_per_request, factory))
+def workload(ranks: int, steps: int, steps_per_request: int, cohort_size: int) -> tuple[list[list[bytes]], int]:
+    """Cohorts of `cohort_size` ranks (the last one smaller when it does not divide), each with its
+    first rank 10% slow; a round holds every cohort's requests, cohort after cohort."""
+    jobs = [SyntheticJob(ranks=min(cohort_size, ranks - first), stages=TEN_STAGES, seed=3 + first,
+                         cohort=f"cohort-{first // cohort_size}", first_rank=first).slow(first + (7 % cohort_size), 1.1)
+            for first in range(0, ranks, cohort_size)]
+    per_job = [rounds_of_requests(job, steps, steps_per_request, RequestFactory(job, steps_per_request * len(TEN_STAGES)))
+               for job in jobs]
+    rounds = [[payload for requests in job_rounds for payload in requests] for job_rounds in zip(*per_job)]
     return rounds, ranks * len(TEN_STAGES) * steps
 
 
@@ -139,20 +151,22 @@ def end_to_end(rounds: list[list[bytes]], spans: int | None = None, python_only:
     return verdicts
 
 
-def throughput(args) -> None:
+def throughput(args, cohort_size: int) -> float:
+    """Prints one layout's table; returns its end-to-end rate over the parse-only ceiling."""
     started = time.perf_counter()
-    rounds, spans = workload(args.ranks, args.steps, args.steps_per_request)
+    rounds, spans = workload(args.ranks, args.steps, args.steps_per_request, cohort_size)
     payload_bytes = sum(len(payload) for requests in rounds for payload in requests)
     requests = sum(len(requests) for requests in rounds)
-    print(f"detector throughput: {args.ranks:,} ranks x {len(TEN_STAGES)} stages x {args.steps} steps = "
+    layout = f"1 cohort of {args.ranks:,} ranks" if cohort_size >= args.ranks else \
+        f"{-(-args.ranks // cohort_size)} cohorts of {cohort_size} ranks"
+    print(f"\n{layout}: {args.ranks:,} ranks x {len(TEN_STAGES)} stages x {args.steps} steps = "
           f"{spans:,} spans in {requests:,} requests of {spans // requests} spans "
           f"({payload_bytes / spans:.0f} B/span; built in {time.perf_counter() - started:.1f} s)")
     arms = {"parse only (FromString)": parse_only, "decode": decode_only,
             "decode -> engine -> verdicts": lambda r: end_to_end(r, spans)}
-    if scanner_built():
+    if scanner_built() and args.python_only:
         arms.update({"decode, Python only": lambda r: decode_only(r, python_only=True),
                      "Python decode -> engine -> verdicts": lambda r: end_to_end(r, spans, python_only=True)})
-    print(f"decode: {'the C scanner (_otlp_scan), Python where it declines' if scanner_built() else 'Python only (_otlp_scan not built)'}")
     cpu_seconds = {name: [] for name in arms}
     verdicts = 0
     for _ in range(args.rounds):
@@ -164,14 +178,15 @@ def throughput(args) -> None:
     reference = spans / statistics.median(cpu_seconds["parse only (FromString)"])
     print(f"median (best) of {args.rounds} interleaved rounds, CPU time of one thread; "
           f"end to end made {verdicts} verdicts per round")
-    print(f"{'arm':<32}{'spans/s/core':>14}{'best':>14}{'us/span':>10}{'vs parse only':>16}")
+    print(f"{'arm':<36}{'spans/s/core':>14}{'best':>14}{'us/span':>10}{'vs parse only':>16}")
     for name, seconds in cpu_seconds.items():
         median_rate, best_rate = spans / statistics.median(seconds), spans / min(seconds)
-        print(f"{name:<32}{median_rate:>14,.0f}{best_rate:>14,.0f}{1e6 / median_rate:>10.2f}"
+        print(f"{name:<36}{median_rate:>14,.0f}{best_rate:>14,.0f}{1e6 / median_rate:>10.2f}"
               f"{median_rate / reference:>15.2f}x")
     end_to_end_rate = spans / statistics.median(cpu_seconds["decode -> engine -> verdicts"])
-    print(f"target >= 500,000 spans/s/core end to end: {'met' if end_to_end_rate >= 500_000 else 'NOT met'} "
-          f"({end_to_end_rate:,.0f}; {end_to_end_rate / reference:.2f}x the parse-only ceiling, a third was expected)")
+    print(f"target >= {TARGET:,} spans/s/core end to end: {'met' if end_to_end_rate >= TARGET else 'NOT met'} "
+          f"({end_to_end_rate:,.0f}; {end_to_end_rate / reference:.2f}x the parse-only ceiling)")
+    return end_to_end_rate / reference
 
 
 def scanner_built() -> bool:
@@ -235,6 +250,10 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--steps-per-request", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--small-cohorts", type=int, default=8,
+                        help="the second layout: the same ranks as cohorts of this many (0: one cohort only)")
+    parser.add_argument("--python-only", action="store_true",
+                        help="also time the Python decoder alone (what runs without a C compiler)")
     parser.add_argument("--memory-ranks", type=int, default=10_000)
     parser.add_argument("--memory-steps", type=int, default=30)
     parser.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
@@ -244,7 +263,9 @@ def main() -> int:
         return 0
     if args.steps % args.steps_per_request:
         parser.error("--steps must be a multiple of --steps-per-request")
-    throughput(args)
+    print(f"detector throughput; decode: {'the C scanner (_otlp_scan), Python where it declines' if scanner_built() else 'Python only (_otlp_scan not built)'}")
+    for cohort_size in (args.ranks, args.small_cohorts) if args.small_cohorts else (args.ranks,):
+        throughput(args, cohort_size)
     if args.memory_ranks:
         peak_memory(args)
     return 0

@@ -18,7 +18,7 @@ PYTHON=$python "$repo/scripts/setup_venv.sh" "$venv" instrument "pytest>=8" "hyp
 cd "$repo"
 # the extensions are optional at install and their tests skip without them outside CI: here they
 # must import (a build that does not import on this Python is what this check is for)
-"$venv/bin/python" -c 'import otel_straggler.instrumentation._hot_path, otel_straggler.instrumentation._otlp_write, otel_straggler.detector._otlp_scan' \
+"$venv/bin/python" -c 'import otel_straggler.instrumentation._hot_path, otel_straggler.instrumentation._otlp_write, otel_straggler.detector._otlp_scan, otel_straggler.detector._ingest' \
   || { echo "python floor check: the C extensions do not import on $("$venv/bin/python" --version)" >&2; exit 1; }
 echo "torch-free tests on $("$venv/bin/python" --version)"
 PATH="$venv/bin:$PATH" "$venv/bin/python" -m pytest -q -p no:cacheprovider \

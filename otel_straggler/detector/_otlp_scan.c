@@ -166,7 +166,29 @@ static int read_value(const Slice *slice, Value *v) {
     return r.p == r.end ? 0 : -1;
 }
 
-static PyObject *new_str(const Value *v) { return PyUnicode_DecodeUTF8((const char *)v->s, v->n, NULL); }
+/* Strings that come again in every request (stage names, job ids, cohorts): the latest ones
+   decoded, handed out again for the same bytes, which saves decoding and allocating one per span and
+   lets the engine compare them by identity. Bounded: STR_CACHE entries replaced in turn, each at
+   most STR_CACHE_MAX_BYTES long; a stream of ever new names only misses. */
+#define STR_CACHE 64
+#define STR_CACHE_MAX_BYTES 64
+static struct { Py_ssize_t n; char bytes[STR_CACHE_MAX_BYTES]; PyObject *str; } str_cache[STR_CACHE];
+static int str_cache_next;
+
+static PyObject *new_str(const Value *v) {
+    if (v->n > STR_CACHE_MAX_BYTES) return PyUnicode_DecodeUTF8((const char *)v->s, v->n, NULL);
+    for (int i = 0; i < STR_CACHE; i++)
+        if (str_cache[i].str != NULL && str_cache[i].n == v->n && memcmp(str_cache[i].bytes, v->s, v->n) == 0)
+            return Py_NewRef(str_cache[i].str);
+    PyObject *str = PyUnicode_DecodeUTF8((const char *)v->s, v->n, NULL);
+    if (str == NULL) return NULL;
+    int slot = str_cache_next;
+    str_cache_next = (slot + 1) % STR_CACHE;
+    Py_XSETREF(str_cache[slot].str, Py_NewRef(str));
+    memcpy(str_cache[slot].bytes, v->s, v->n);
+    str_cache[slot].n = v->n;
+    return str;
+}
 
 /* decode._positive_count: a positive int, a finite float >= 1 truncated, else None. */
 static PyObject *positive_count(const Value *v) {
@@ -182,11 +204,33 @@ typedef struct {
     Py_ssize_t ignored;
     Slice resource; /* raw Resource bytes (found: 0 when the ResourceSpans has none) */
     int observed;
+    /* the latest span's identity values and the objects made of them: the spans of a request
+       mostly share one (their rank's resource) */
+    Value identity_values[N_IDENTITY];
+    PyObject *identity[N_IDENTITY];
 } Scan;
+
+static int same_value(const Value *a, const Value *b) {
+    if (a->kind != b->kind) return 0;
+    if (a->kind == V_STR) return a->n == b->n && memcmp(a->s, b->s, a->n) == 0;
+    return a->kind == V_ABSENT || a->i == b->i;
+}
+
+static void forget_identity(Scan *scan) {
+    for (int i = 0; i < N_IDENTITY; i++) Py_CLEAR(scan->identity[i]);
+}
 
 /* The identity of a span, resource values first: 0 and five new references (job, epoch, cohort,
    rank, restart count), or -1: decline. */
-static int read_identity(const Value *given, PyObject **out) {
+static int read_identity(Scan *scan, const Value *given, PyObject **out) {
+    if (scan->identity[0] != NULL) {
+        int same = 1;
+        for (int i = 0; i < N_IDENTITY && same; i++) same = same_value(&given[i], &scan->identity_values[i]);
+        if (same) {
+            for (int i = 0; i < N_IDENTITY; i++) out[i] = Py_NewRef(scan->identity[i]);
+            return 0;
+        }
+    }
     const Value *job = &given[0], *epoch = &given[1], *cohort = &given[2], *rank = &given[3], *restart = &given[4];
     if (job->kind != V_STR || job->n == 0 || rank->kind != V_INT || rank->i < 0) return -1;
     if (!(epoch->kind == V_ABSENT || (epoch->kind == V_INT && epoch->i >= 0))) return -1;
@@ -199,6 +243,10 @@ static int read_identity(const Value *given, PyObject **out) {
     else if ((out[2] = new_str(cohort)) == NULL) goto fail;
     if ((out[3] = PyLong_FromLongLong(rank->i)) == NULL) goto fail;
     if ((out[4] = PyLong_FromLongLong(restart->kind == V_ABSENT ? 0 : restart->i)) == NULL) goto fail;
+    for (int i = 0; i < N_IDENTITY; i++) {
+        Py_XSETREF(scan->identity[i], Py_NewRef(out[i]));
+        scan->identity_values[i] = given[i];
+    }
     return 0;
 fail:
     for (int i = 0; i < 5; i++) Py_CLEAR(out[i]);
@@ -271,10 +319,15 @@ static int read_span(Reader *span, const Slice *resource_identity, Scan *scan) {
         has_device_ms = 1;
     }
 
+#if PY_VERSION_HEX < 0x030E0000
+    /* an Observation filled in place: before 3.14 a tuple is its items and nothing else */
+    PyObject *items = observation_type->tp_alloc(observation_type, 14);
+#else
     PyObject *items = PyTuple_New(14); /* the fields, then an Observation made from them */
+#endif
     if (items == NULL) return -1;
     PyObject *identity[5] = {NULL};
-    if (read_identity(&v[K_JOB], identity)) goto fail;
+    if (read_identity(scan, &v[K_JOB], identity)) goto fail;
     for (int i = 0; i < 4; i++) PyTuple_SET_ITEM(items, i, identity[i]);
     PyTuple_SET_ITEM(items, 13, identity[4]);
     /* each field only if the one before succeeded: no C-API call may run with an exception set */
@@ -290,6 +343,9 @@ static int read_span(Reader *span, const Slice *resource_identity, Scan *scan) {
     SET_FIELD(11, positive_count(&v[K_SAMPLES]));
     SET_FIELD(12, PyLong_FromUnsignedLongLong(end));
 #undef SET_FIELD
+#if PY_VERSION_HEX < 0x030E0000
+    PyObject *observation = items;
+#else
     /* tuple.__new__(Observation, items), through the tuple type itself: it sets whatever a tuple
        needs besides its items (3.14 caches its hash in it) */
     PyObject *args = PyTuple_Pack(1, items);
@@ -297,6 +353,7 @@ static int read_span(Reader *span, const Slice *resource_identity, Scan *scan) {
     PyObject *observation = PyTuple_Type.tp_new(observation_type, args, NULL);
     Py_DECREF(args);
     Py_DECREF(items);
+#endif
     if (observation == NULL) return -1;
     int appended = PyList_Append(scan->observations, observation);
     Py_DECREF(observation);
@@ -371,7 +428,7 @@ static PyObject *scan(PyObject *Py_UNUSED(module), PyObject *payload) {
     if (!PyBytes_Check(payload)) Py_RETURN_NONE;
     Reader request = {(const uint8_t *)PyBytes_AS_STRING(payload),
                       (const uint8_t *)PyBytes_AS_STRING(payload) + PyBytes_GET_SIZE(payload)};
-    Scan scan = {PyList_New(0), PyList_New(0), 0, {0}, 0};
+    Scan scan = {PyList_New(0), PyList_New(0), 0, {0}, 0, {{0}}, {NULL}};
     PyObject *resources = PyList_New(0);
     if (scan.observations == NULL || scan.heartbeats == NULL || resources == NULL) goto decline;
     while (request.p < request.end) {
@@ -383,12 +440,14 @@ static PyObject *scan(PyObject *Py_UNUSED(module), PyObject *payload) {
             || read_resource_spans(resource_spans, &scan, resources))
             goto decline;
     }
+    forget_identity(&scan);
     /* takes the three lists, even on failure */
     PyObject *answer = Py_BuildValue("(NnNN)", scan.observations, scan.ignored, resources, scan.heartbeats);
     if (answer != NULL) return answer;
     PyErr_Clear();
     Py_RETURN_NONE;
 decline:
+    forget_identity(&scan);
     Py_XDECREF(scan.observations);
     Py_XDECREF(scan.heartbeats);
     Py_XDECREF(resources);

@@ -5,6 +5,8 @@ replayed.
 - `ingest_many` is the hot path. Per observation it de-duplicates by (job, epoch, rank, seq) in a
   per-rank ring of the last `dedup_horizon` sequence numbers, finds the open window of its step and
   appends four numbers to that window's columns. Statistics wait until the window is judged.
+  Where the optional C extension `_ingest` is built (setup.py), its loop takes every observation
+  that needs only that bookkeeping, with the same effect, and hands the rest to the Python loop.
 - `advance(now)` closes the windows the cohort has moved past or that stayed idle for
   `window_grace_s` (windows.py) and judges them (judge.py); `drain(now)` judges every open window.
 - Everything is bounded: jobs, cohorts, ranks per cohort, stage names per cohort and open windows
@@ -63,6 +65,11 @@ if Observation._fields != _OBSERVATION_FIELDS:
     raise ImportError(f"engine.ingest_many unpacks Observation{_OBSERVATION_FIELDS}; it now has {Observation._fields}")
 # a seq this far below what the rank's ring holds means the rank's process started over
 RESTART_HORIZONS = 4
+
+try:  # the intake loop's common case in C (setup.py builds it where a compiler is)
+    from otel_straggler.detector._ingest import append_rows as _append_rows
+except ImportError:
+    _append_rows = None
 
 
 class JobSlowdownState(NamedTuple):
@@ -147,6 +154,38 @@ class Engine:
 
     def ingest_many(self, observations: Iterable[Observation]) -> dict[str, int]:
         """The fast path: outcome counts of a batch."""
+        if _append_rows is None or not isinstance(observations, (list, tuple)):
+            accepted, duplicate, late, malformed, dropped = self._ingest_rows(observations)
+        else:
+            # the C loop takes every observation that needs bookkeeping only and stops at the first
+            # that needs more (a new rank, stage or window...), which the Python loop takes
+            accepted = duplicate = late = malformed = dropped = 0
+            index, count = 0, len(observations)
+            seq_mask = self._dedup_horizon - 1
+            restart_span = RESTART_HORIZONS * self._dedup_horizon
+            while index < count:
+                index, fast_accepted, fast_duplicate, fast_malformed = _append_rows(
+                    observations, index, self._ranks, seq_mask, self._layout.window_steps,
+                    self._layout.collective_offset, restart_span)
+                accepted += fast_accepted
+                duplicate += fast_duplicate
+                malformed += fast_malformed
+                if index < count:
+                    one = self._ingest_rows(observations[index:index + 1])
+                    accepted, duplicate, late, malformed, dropped = (
+                        accepted + one[0], duplicate + one[1], late + one[2], malformed + one[3], dropped + one[4])
+                    index += 1
+        totals = self._counts  # item by item: Counter.update is a Python loop, paid per request
+        totals["accepted"] += accepted
+        totals["duplicate"] += duplicate
+        totals["late"] += late
+        totals["malformed"] += malformed
+        totals["dropped"] += dropped
+        return {"accepted": accepted, "duplicate": duplicate, "late": late, "malformed": malformed, "dropped": dropped}
+
+    def _ingest_rows(self, observations: Iterable[Observation]) -> tuple[int, int, int, int, int]:
+        """The intake loop in Python: (accepted, duplicate, late, malformed, dropped). It alone
+        handles new ranks, stages, windows and every unusual value; _ingest.c repeats its common case."""
         ranks = self._ranks
         window_steps = self._layout.window_steps
         collective_offset = self._layout.collective_offset
@@ -202,10 +241,7 @@ class Engine:
                 malformed += 1
                 if rows is not None:
                     rows.repair()
-        counts = {"accepted": accepted, "duplicate": duplicate, "late": late,
-                  "malformed": malformed, "dropped": dropped}
-        self._counts.update(counts)
-        return counts
+        return accepted, duplicate, late, malformed, dropped
 
     def _restarted(self, entry: RankEntry, seq: int, remembered: int) -> bool:
         """A seq far below the one remembered in its ring slot: the rank's process started over."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 MAX_GROUP = (1 << 31) - 1  # group ids must fit the high half of an int64 without its sign bit
+MAX_UINT16 = (1 << 16) - 1
 
 
 def _packed(groups: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -20,14 +21,20 @@ def _packed(groups: np.ndarray, values: np.ndarray) -> np.ndarray:
 
 def run_bounds(sorted_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(start, end, run number of each element) of the runs of equal ids in a sorted array."""
+    first, starts, ends = _runs(sorted_ids)
+    return starts, ends, np.cumsum(first) - 1
+
+
+def _runs(sorted_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(whether each element starts a run, run starts, run ends) of a sorted array."""
     first = np.empty(sorted_ids.size, dtype=bool)
     first[:1] = True
     np.not_equal(sorted_ids[1:], sorted_ids[:-1], out=first[1:])
-    starts = np.flatnonzero(first)
+    starts = first.nonzero()[0]  # flatnonzero's wrapper costs more than the work on a small window
     ends = np.empty_like(starts)
     ends[:-1] = starts[1:]
     ends[-1:] = sorted_ids.size
-    return starts, ends, np.cumsum(first) - 1
+    return first, starts, ends
 
 
 def dense_groups(groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -52,7 +59,7 @@ def grouped_medians(groups: np.ndarray, values: np.ndarray) -> tuple[np.ndarray,
     packed = np.sort(_packed(groups, values))
     sorted_groups = packed >> 32
     sorted_values = (packed & 0xFFFFFFFF).astype(np.uint32).view(np.float32).astype(np.float64)
-    starts, ends, _ = run_bounds(sorted_groups)
+    _, starts, ends = _runs(sorted_groups)
     sizes = ends - starts
     low = sorted_values[starts + (sizes - 1) // 2]
     high = sorted_values[starts + sizes // 2]
@@ -64,9 +71,41 @@ def grouped_medians_signed(groups: np.ndarray, values: np.ndarray) -> tuple[np.n
     slower (a lexsort), for the few per-window statistics of deviations."""
     if groups.size == 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0)
-    order = np.lexsort((values, groups))
+    equal = _equal_groups(groups)
+    if equal is not None:
+        present, by_group = equal
+        rows = values[by_group].reshape(present.size, -1)
+        rows.sort(axis=1)
+        size = rows.shape[1]
+        return present, (rows[:, (size - 1) // 2] + rows[:, size // 2]) / 2
+    order = _order_by_group_then_value(groups, values)
     sorted_groups, sorted_values = groups[order], values[order]
-    starts, ends, _ = run_bounds(sorted_groups)
+    _, starts, ends = _runs(sorted_groups)
     low = starts + (ends - starts - 1) // 2
     high = starts + (ends - starts) // 2
     return sorted_groups[starts], (sorted_values[low] + sorted_values[high]) / 2
+
+
+def _order_by_group_then_value(groups: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """A permutation sorting by group, then value; ties of both in any order (medians do not see it).
+    Group ids that fit 16 bits (dense ids, slots) take a value sort then a stable radix sort by
+    group, 2-5x faster than lexsort's two merge sorts."""
+    if int(groups.min()) >= 0 and int(groups.max()) <= MAX_UINT16:
+        by_value = np.argsort(values)
+        return by_value[np.argsort(groups[by_value].astype(np.uint16), kind="stable")]
+    return np.lexsort((values, groups))
+
+
+def _equal_groups(groups: np.ndarray):
+    """(distinct groups ascending, a permutation sorting rows by group) when every group has as
+    many rows (a window where every rank has every step) and the ids fit 16 bits; else None. Then
+    each group's values are one row of a matrix, sorted row by row: about twice as fast as one
+    sort of them all."""
+    if groups.dtype.kind not in "iu" or int(groups.min()) < 0 or int(groups.max()) > MAX_UINT16:
+        return None
+    counts = np.bincount(groups)
+    present = counts.nonzero()[0]
+    sizes = counts[present]
+    if sizes.min() != sizes.max():
+        return None
+    return present, np.argsort(groups.astype(np.uint16), kind="stable")

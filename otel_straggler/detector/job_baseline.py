@@ -79,18 +79,13 @@ def window_pace(rows, layout, slot_count: int, tokens_by_slot: np.ndarray, prese
     np.maximum.at(step_end, bins, end)
     step_end = step_end.reshape(slot_count, steps)
     if steps > 1:
-        period_slots, period_ms = [], []
-        previous_end = np.zeros(slot_count, dtype=np.int64)
-        previous_step = np.full(slot_count, -1)
-        for offset in range(steps):
-            here = step_end[:, offset] > 0
-            follows = np.flatnonzero(here & (previous_step >= 0))
-            period_slots.append(follows)
-            period_ms.append((step_end[follows, offset] - previous_end[follows])
-                             / (offset - previous_step[follows]) / 1e6)
-            previous_end[here] = step_end[here, offset]
-            previous_step[here] = offset
-        groups, medians = grouped_medians_signed(np.concatenate(period_slots), np.concatenate(period_ms))
+        # each step a rank has after another of its steps: the time between their ends, per step
+        # between them (in slot then step order, one pass, instead of a loop over the steps)
+        has_slot, has_step = np.nonzero(step_end > 0)
+        ends = step_end[has_slot, has_step]
+        follows = has_slot[1:] == has_slot[:-1]
+        period_ms = (ends[1:][follows] - ends[:-1][follows]) / (has_step[1:][follows] - has_step[:-1][follows]) / 1e6
+        groups, medians = grouped_medians_signed(has_slot[1:][follows], period_ms)
         per_slot = np.full(slot_count, np.nan)
         per_slot[groups] = medians
     else:  # one step per window: the time its intervals cover

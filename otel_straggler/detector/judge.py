@@ -360,8 +360,12 @@ def _mark_synchronization_points(state: CohortVerdictState, keys: np.ndarray, co
     # end (of several micro-batches, only the one that synchronizes does)
     cells, index = dense_groups(keys[stage_rows])
     finite = np.isfinite(end_ms) & np.isfinite(start_ms)
-    order = np.lexsort((np.where(finite, end_ms, -np.inf), index))
-    last = order[np.r_[index[order][1:] != index[order][:-1], True]]  # per cell, its row with the latest end
+    if cells.size == index.size:  # one interval per cell (no micro-batches): it is the last
+        last = np.empty_like(index)
+        last[index] = np.arange(index.size)
+    else:
+        order = np.lexsort((np.where(finite, end_ms, -np.inf), index))
+        last = order[np.r_[index[order][1:] != index[order][:-1], True]]  # per cell, its row with the latest end
     cell_end = np.where(finite[last], end_ms[last], np.inf)
     cell_start = np.where(finite[last], start_ms[last], np.inf)
     _, cell_code, cell_slot, cell_step = layout.unpack(cells)

@@ -1,0 +1,125 @@
+"""The C intake loop (_ingest.c) against the Python one (engine._ingest_rows): the same streams, clean
+and mangled, leave both engines in the same state (outcome counts, every open window's columns, each
+cohort's progress) and give the same verdicts."""
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from otel_straggler.detector import engine as engine_module
+from otel_straggler.detector.config import DetectorConfig
+from otel_straggler.detector.engine import Engine
+from otel_straggler.detector.observation import Observation
+
+from .synthetic import TEN_STAGES, SyntheticJob
+
+pytestmark = pytest.mark.skipif(engine_module._append_rows is None, reason="_ingest not built")
+
+STEP_NS = 100_000_000
+
+
+def python_only_engine(monkeypatch) -> Engine:
+    """An engine whose ingest_many runs the Python loop alone."""
+    engine = Engine(DetectorConfig())
+    python_loop = engine._ingest_rows
+
+    def ingest_many(observations):
+        counts = dict(zip(("accepted", "duplicate", "late", "malformed", "dropped"), python_loop(observations)))
+        engine._counts.update(counts)
+        return counts
+
+    monkeypatch.setattr(engine, "ingest_many", ingest_many)
+    return engine
+
+
+def state(engine: Engine) -> list:
+    cohorts = []
+    for key, cohort in sorted(engine._cohorts.items()):
+        windows = [(window, rows.keys.tolist(), rows.host_ms.tobytes(), rows.device_ms.tobytes(),
+                    rows.tokens.tolist(), rows.end_unix_nano.tolist())
+                   for window, rows in sorted(cohort.open_windows.items())]
+        entries = [(entry.rank, entry.latest_window, entry.recent_seqs.tolist())
+                   for entry in cohort.slot_entries if entry is not None]
+        cohorts.append((key, cohort.latest_end_unix_nano, windows, entries,
+                        cohort.latest_windows(len(cohort.slot_entries)).tolist()))
+    return cohorts
+
+
+def mangle(observations: list, rng: random.Random) -> list:
+    """Duplicates, replays, restarts, bad and unusual values, new stages and ranks, mixed in."""
+    out = []
+    for observation in observations:
+        roll = rng.random()
+        if roll < 0.03:
+            out.append(observation)
+            out.append(observation)  # a duplicate
+        elif roll < 0.05:
+            out.append(observation._replace(host_ms=rng.choice([-1.0, math.nan, math.inf, "7", None])))
+        elif roll < 0.07:
+            out.append(observation._replace(host_ms=int(observation.host_ms), tokens=rng.choice([5, -3, 2.5, math.nan]),
+                                            device_ms=rng.choice([None, 3, np.float64(2.0), "x"])))
+        elif roll < 0.08:
+            out.append(observation._replace(stage=rng.choice(["new-stage", 7, "extra"])))
+        elif roll < 0.09:
+            out.append(observation._replace(seq=observation.seq - rng.choice([1, 10_000, 1 << 20])))  # replay, restart
+        elif roll < 0.10:
+            out.append(observation._replace(step=rng.choice([observation.step - 40, 2.0, 1 << 70, -3])))
+        elif roll < 0.11:
+            out.append(observation._replace(rank=observation.rank + 1000, cohort=rng.choice([observation.cohort, "other"])))
+        elif roll < 0.12:
+            out.append(observation._replace(end_unix_nano=rng.choice([1 << 64, 0, -5]), collective=rng.choice([1, 0, None])))
+        elif roll < 0.125:
+            out.append(observation._replace(restart=observation.restart + 1))
+        elif roll < 0.13:
+            out.append(tuple(observation)[:5])  # not an observation at all
+        else:
+            out.append(observation)
+    return out
+
+
+def run(engine: Engine, batches: list) -> tuple:
+    verdicts, counts, now = [], [], 0
+    for step_batches in batches:
+        for batch in step_batches:
+            counts.append(engine.ingest_many(batch))
+        now += STEP_NS
+        verdicts += engine.advance(now)
+    snapshot = state(engine)
+    verdicts += engine.drain(now + STEP_NS)
+    return counts, snapshot, verdicts, engine.stats()
+
+
+@pytest.mark.parametrize("seed,mangled,cohort_size", [(0, False, 16), (1, True, 16), (2, True, 4), (3, True, 32)])
+def test_the_c_loop_leaves_the_engine_as_the_python_loop_does(monkeypatch, seed, mangled, cohort_size):
+    rng = random.Random(seed)
+    jobs = [SyntheticJob(ranks=cohort_size, stages=TEN_STAGES, seed=seed + first, cohort=f"c{first}",
+                         first_rank=first).slow(first + 1, 1.2) for first in range(0, 32, cohort_size)]
+    batches = []
+    for first_step in range(0, 40, 2):
+        step_batches = []
+        for job in jobs:
+            observations = job.observations(2, first_step=first_step, seq_start=first_step * len(TEN_STAGES))
+            if mangled:
+                observations = mangle(observations, rng)
+            for start in range(0, len(observations), 37):
+                step_batches.append(observations[start:start + 37])
+        batches.append(step_batches)
+    fast = run(Engine(DetectorConfig()), batches)
+    python = run(python_only_engine(monkeypatch), batches)
+    assert fast[0] == python[0]
+    assert fast[1] == python[1]
+    assert fast[2] == python[2]
+    assert fast[3] == python[3]
+    assert sum(counts["accepted"] for counts in fast[0]) > 0
+
+
+def test_tuples_and_iterables_take_the_same_loop_results():
+    job = SyntheticJob(ranks=8, stages=TEN_STAGES, seed=4)
+    observations = job.observations(3)
+    from_list, from_generator = Engine(DetectorConfig()), Engine(DetectorConfig())
+    assert from_list.ingest_many(tuple(observations)) == from_generator.ingest_many(o for o in observations)
+    assert state(from_list) == state(from_generator)
+    assert isinstance(observations[0], Observation)

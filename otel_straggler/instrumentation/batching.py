@@ -193,14 +193,20 @@ class BatchingSpanProcessor(SpanProcessor):
             if self._shutdown:
                 self._export_all(until=self._stop_exporting_at)
                 return
-            if flushes or time.monotonic() >= next_export:
+            if flushes:
                 self._export_all()  # everything queued before each flush request, and since
                 next_export = time.monotonic() + self.schedule_delay_s
                 for done in flushes:
                     done.set()
-            else:  # woken by a full batch: export full batches only
-                while len(self._queue) >= self.max_export_batch_size and not self._shutdown:
-                    self._export_batch()
+                continue
+            if time.monotonic() >= next_export:
+                # one batch of what is queued, as the SDK's processor does: the spans that came
+                # while it was sent wait for the next, not a second export right after (a
+                # receiver that learns an exporter's pace from its deliveries saw a burst of two)
+                self._export_batch()
+                next_export = time.monotonic() + self.schedule_delay_s
+            while len(self._queue) >= self.max_export_batch_size and not self._shutdown:
+                self._export_batch()  # full batches, whenever there are
 
     def _export_all(self, until: Optional[float] = None) -> None:
         while self._queue and (until is None or time.monotonic() < until):

@@ -123,3 +123,27 @@ def test_otel_bsp_variables_are_read_as_the_sdk_reads_them(caplog):
         processor.shutdown()
     with pytest.raises(ValueError, match="max_export_batch_size must be less than or equal to max_queue_size"):
         BatchingSpanProcessor(HeldExporter(), environ={"OTEL_BSP_MAX_QUEUE_SIZE": "8"})
+
+
+def test_spans_that_came_during_a_scheduled_export_wait_for_the_next_one():
+    """As in the SDK's processor: one batch per schedule, not a second export right after for
+    what came meanwhile (a receiver that learns a rank's pace from its deliveries would see a
+    burst of two, a fraction of a second apart)."""
+    exporter = HeldExporter()
+    sizes: list[int] = []
+    export = exporter.export
+    exporter.export = lambda spans: (sizes.append(len(spans)), export(spans))[1]
+    processor = BatchingSpanProcessor(exporter, schedule_delay_millis=1000, environ={})
+    try:
+        end_spans(processor, 3)
+        assert exporter.exporting.wait(5)  # the scheduled export, held
+        end_spans(processor, 2)
+        exporter.released.set()
+        time.sleep(0.2)  # a fifth of a schedule
+        assert sizes == [3] and processor.queue_length() == 2
+        deadline = time.monotonic() + 5
+        while len(exporter.exported) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sizes == [3, 2]
+    finally:
+        processor.shutdown()

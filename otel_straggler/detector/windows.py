@@ -8,7 +8,9 @@ A window closes, at the caller's `advance(now)`, when
 - every reporting rank of the cohort has reported a later window (the cohort moved past it), or
 - every reporting rank that has not moved past it is overdue: its last new window came longer ago
   than its own delivery gap allows (twice the largest recent gap between its deliveries, plus a
-  second; `max_export_lag_s` before a gap is known, and never more). Ranks export in bursts (the
+  second; `max_export_lag_s` until it has shown `GAPS_BEFORE_TRUSTED` gaps, and never more: one
+  gap says little, as a batch processor's full-batch export just before its scheduled one makes a
+  gap of a fraction of its period). Ranks export in bursts (the
   SDK's batch processor waits 5 s by default), so a rank 2-3 windows behind its peers is usually
   one export away, not stuck: the window waits for it, bounded, instead of judging without it, or
 - more than half of them have reported a window `window_close_lag` later (a bound in steps), or
@@ -34,6 +36,7 @@ from otel_straggler.detector.judge import CohortVerdictState
 NEVER_REPORTED = -(1 << 62)  # a rank's latest window before its first accepted row
 SEQ_UNSEEN = -(1 << 63)  # de-duplication slot never written
 OUT_OF_ORDER_JUDGED_KEPT = 64  # windows judged while an older one was still open, remembered for `late`
+GAPS_BEFORE_TRUSTED = 3  # delivery gaps a rank shows before its own pace sets its patience
 GAP_DECAY = 0.8  # a rank's largest recent delivery gap shrinks by this at each delivery, so it follows a faster exporter
 DELIVERY_MARGIN_NS = 1_000_000_000  # beyond twice the gap: one transfer and one detector tick
 STARTUP_HOLD_NS = 1_000_000_000  # a cohort's windows wait this long after its first data for ranks not seen yet
@@ -141,9 +144,10 @@ class Cohort:
         self._free_slots: list[int] = []
         self._latest_window_by_slot = np.zeros(0, dtype=np.int64)
         # delivery timing by the caller's clock: when each rank last reached a new window, and its
-        # largest recent gap between such deliveries (0: not known yet)
+        # largest recent gap between such deliveries, and how many gaps it has shown (capped)
         self._reached_ns_by_slot = np.zeros(0, dtype=np.int64)
         self._delivery_gap_ns_by_slot = np.zeros(0, dtype=np.int64)
+        self._delivery_gaps_seen_by_slot = np.zeros(0, dtype=np.int64)
         self._reached_since_advance: list[int] = []
         self._last_delivery_ns = 0  # when any rank last reached a new window
         self._first_advance_unix_nano: Optional[int] = None
@@ -194,7 +198,7 @@ class Cohort:
                 grown = np.full(size, NEVER_REPORTED, dtype=np.int64)
                 grown[:self._latest_window_by_slot.size] = self._latest_window_by_slot
                 self._latest_window_by_slot = grown
-                for name in ("_reached_ns_by_slot", "_delivery_gap_ns_by_slot"):
+                for name in ("_reached_ns_by_slot", "_delivery_gap_ns_by_slot", "_delivery_gaps_seen_by_slot"):
                     old = getattr(self, name)
                     setattr(self, name, np.concatenate((old, np.zeros(size - old.size, dtype=np.int64))))
             self.verdict_state.ensure(len(self.stage_names), slot + 1)
@@ -203,6 +207,7 @@ class Cohort:
         self._entries_by_rank[rank] = entry
         self._latest_window_by_slot[slot] = NEVER_REPORTED
         self._reached_ns_by_slot[slot] = self._delivery_gap_ns_by_slot[slot] = 0
+        self._delivery_gaps_seen_by_slot[slot] = 0
         self.verdict_state.reset_slot(slot)
         return entry, evicted
 
@@ -454,6 +459,8 @@ class Cohort:
             if previous:
                 gap = min(max(0, now_unix_nano - previous), self._max_lag_ns)
                 self._delivery_gap_ns_by_slot[slot] = max(gap, int(self._delivery_gap_ns_by_slot[slot] * GAP_DECAY))
+                if self._delivery_gaps_seen_by_slot[slot] < GAPS_BEFORE_TRUSTED:
+                    self._delivery_gaps_seen_by_slot[slot] += 1
             self._reached_ns_by_slot[slot] = now_unix_nano
 
     def delivery_clocks_paused(self, paused_ns: int) -> None:
@@ -476,7 +483,8 @@ class Cohort:
 
     def _patience_ns(self, slots: np.ndarray) -> np.ndarray:
         gap = self._delivery_gap_ns_by_slot[slots]
-        return np.where(gap > 0, np.minimum(2 * gap + DELIVERY_MARGIN_NS, self._max_lag_ns), self._max_lag_ns)
+        trusted = self._delivery_gaps_seen_by_slot[slots] >= GAPS_BEFORE_TRUSTED
+        return np.where(trusted, np.minimum(2 * gap + DELIVERY_MARGIN_NS, self._max_lag_ns), self._max_lag_ns)
 
     def _reporting_slots(self) -> np.ndarray:
         count = len(self.slot_entries)

@@ -246,6 +246,28 @@ def test_windows_close_without_a_rank_once_it_is_overdue_for_its_own_delivery_ga
     assert engine.ingest(observation(3, 40, seq[3])) == "late"
 
 
+def test_windows_do_not_judge_a_rank_by_its_first_short_delivery_gap():
+    """A batch processor exports a full batch and, a moment later, its scheduled one: a rank's
+    first gap can be a fraction of its period. Learned from that one gap, the rank would be
+    overdue a second later and its next export (5 s on) late; it is waited for instead."""
+    engine = Engine(DetectorConfig())
+    feed_steps, _ = _feeder(engine, 4)
+    feed_steps(range(4), range(0, 10))
+    engine.advance(START_NS)
+    feed_steps([3], [10])  # rank 3's second export, 10 ms after its first, reaches window 1
+    engine.advance(START_NS + SECOND // 100)
+    now = START_NS
+    for window in range(1, 5):  # the others deliver a window a second
+        feed_steps(range(3), range(10 * window, 10 * window + 10))
+        now += SECOND
+        engine.advance(now)
+    feed_steps([3], range(11, 50))  # rank 3's next export, at its period
+    engine.advance(now + SECOND // 10)
+    stats = engine.stats()
+    assert stats["late"] == 0 and stats["coverage_gaps"] == 0
+    assert stats["windows_closed"] >= 3  # windows 1-3 were judged, with rank 3 in them
+
+
 def test_windows_a_pause_every_rank_takes_leaves_none_of_them_overdue():
     """Every rank pauses together (a checkpoint save) longer than any may lag: when they resume,
     the first to deliver does not close the windows on the others, who are one export behind."""

@@ -12,6 +12,11 @@ HOST_NAME = "host.name"
 COHORT = "training.cohort"
 TOPOLOGY_EPOCH = "training.topology.epoch"
 RESTART_COUNT = "training.restart.count"  # v1.1: a new value is a new incarnation
+# v1.2 (§5), OTel semantic conventions: on Kubernetes the node (a verdict's `host`: the node to
+# cordon, not the pod's host.name), the pod and its namespace
+K8S_NODE_NAME = "k8s.node.name"
+K8S_POD_NAME = "k8s.pod.name"
+K8S_NAMESPACE_NAME = "k8s.namespace.name"
 PARALLEL_DIMS = ("tp", "pp", "cp", "ep", "dp", "vpp")
 
 
@@ -97,6 +102,7 @@ VERDICT_FIELDS = (
     "host", "local_rank", "gpu", "stalled_s",  # v1.1
     "slow_steps",  # v1.2: an intermittent straggler's slow steps (docs/detection.md)
     "also_slow",  # v1.2: the rank's other slow stages that the verdict's stage explains
+    "pod", "namespace",  # v1.2: k8s.pod.name, k8s.namespace.name of the rank, where it sent them
 )
 
 ATTRIBUTION_GPU = "gpu_stream_stall"

@@ -173,13 +173,27 @@ def _identity(job_id: Any, epoch: Any, cohort: Any, rank: Any, restart: Any = No
     return job_id, epoch, cohort, rank, restart
 
 
-def _placement(identity: tuple | Rejection, host: Any, local_rank: Any, world_size: Any = None) -> Optional[Placement]:
+def _placement(identity: tuple | Rejection, host: Any, local_rank: Any, world_size: Any = None, node: Any = None,
+               pod: Any = None, namespace: Any = None) -> Optional[Placement]:
+    """Where a rank runs; on Kubernetes its host is the node (k8s.node.name: the one to cordon),
+    not host.name (the pod's name there)."""
     if type(identity) is not tuple:
         return None
     job_id, epoch, cohort, rank, restart = identity
+    if type(node) is str and node:
+        host = node
+    else:
+        node = None
     return Placement(job_id, epoch, restart, rank, host if type(host) is str and host else None,
                      local_rank if type(local_rank) is int and local_rank >= 0 else None,
-                     cohort, world_size if type(world_size) is int and world_size > 0 else None)
+                     cohort, world_size if type(world_size) is int and world_size > 0 else None,
+                     pod if type(pod) is str and pod else None,
+                     namespace if type(namespace) is str and namespace else None, node)
+
+
+def _shown_host(where: tuple) -> Any:
+    """The host a rejection names: the node where the resource has one, else host.name."""
+    return where[3] if where[3] is not None else where[0]
 
 
 def _heartbeat(identity: tuple | Rejection, step: Any, open_stages: Any, open_since: Any,
@@ -263,7 +277,9 @@ def _observation(
 
 
 _IDENTITY_KEYS = (contract.JOB_ID, contract.TOPOLOGY_EPOCH, contract.COHORT, contract.RANK, contract.RESTART_COUNT)
-_PLACEMENT_KEYS = (contract.HOST_NAME, contract.LOCAL_RANK, contract.WORLD_SIZE)  # read once per resource
+# read once per resource, in _placement's order
+_PLACEMENT_KEYS = (contract.HOST_NAME, contract.LOCAL_RANK, contract.WORLD_SIZE, contract.K8S_NODE_NAME,
+                   contract.K8S_POD_NAME, contract.K8S_NAMESPACE_NAME)
 _new_observation = tuple.__new__  # Observation(...) without its Python-level __new__: decode's hot path
 
 
@@ -464,15 +480,14 @@ class ProtobufDecoder:
         result = _heartbeat(identity, _int_any_value(get(contract.STEP)),
                             _array_any_value(get(contract.HEARTBEAT_OPEN_STAGES)),
                             _array_any_value(get(contract.HEARTBEAT_OPEN_SINCE)), span.end_time_unix_nano)
-        host, local_rank, world_size = (value if value is not None else self._value(get(key))
-                                        for value, key in zip(where, _PLACEMENT_KEYS))
+        where = tuple(value if value is not None else self._value(get(key)) for value, key in zip(where, _PLACEMENT_KEYS))
         if type(result) is Rejection:
-            batch.reject(span.name, result, values[0], values[3], host)
+            batch.reject(span.name, result, values[0], values[3], _shown_host(where))
             return
         gpu, invalid = _gpu_sample(tuple(self._value(get(key)) for key in GPU_KEYS))
         batch.gpu_fields_invalid += invalid
         batch.heartbeats.append(result if gpu is None else result._replace(gpu=gpu))
-        placement = _placement(identity, host, local_rank, world_size)
+        placement = _placement(identity, *where)
         if placement is not None:
             batch.placements.append(placement)
 
@@ -500,7 +515,7 @@ class ProtobufDecoder:
             if type(identity) is tuple:
                 job, epoch, cohort, rank, restart = identity
             where = tuple(value_of(resource.get(key)) for key in _PLACEMENT_KEYS)
-            host = where[0]
+            host = _shown_host(where)
             placement = _placement(identity, *where)
             observed = len(batch.observations)
             for scope_spans in resource_spans.scope_spans:
@@ -701,7 +716,7 @@ def decode_json_request(request: Any) -> DecodedBatch:
                     attributes = _json_attributes(span.get("attributes", []))
                 except MalformedPayload as error:
                     batch.reject(name, Rejection(BAD_ATTRIBUTES_KIND, str(error)), resource.get(contract.JOB_ID),
-                                 resource.get(contract.RANK), resource.get(contract.HOST_NAME))
+                                 resource.get(contract.RANK), resource.get(contract.K8S_NODE_NAME) or resource.get(contract.HOST_NAME))
                     continue
                 values = [attributes.get(key) if resource.get(key) is None else resource[key]
                           for key in (*_IDENTITY_KEYS, contract.HOST_NAME)]

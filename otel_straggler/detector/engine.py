@@ -92,6 +92,7 @@ class RankState(NamedTuple):
     alert_active: bool
     host: Optional[str] = None  # where the rank runs, when its resource said
     local_rank: Optional[int] = None
+    k8s_node_name: Optional[str] = None  # where it sent k8s.node.name (then also its host)
 
 
 class _JobView(NamedTuple):
@@ -373,14 +374,15 @@ class Engine:
         return verdicts
 
     def _placed(self, verdicts: list[Verdict], epoch: int) -> list[Verdict]:
-        """Per-rank verdicts with where the rank runs (CONTRACT v1.1 §3a host, local_rank) and its
+        """Per-rank verdicts with where the rank runs (CONTRACT v1.1 §3a host, local_rank; v1.2 §5 pod,
+        namespace, and the node as host) and its
         GPU's health over the verdict's window (`gpu`)."""
         placed = []
         for verdict in verdicts:
             if verdict.rank is not None and verdict.host is None and verdict.local_rank is None:
-                host, local_rank = self._liveness.placement(verdict.job_id, epoch, verdict.rank)
-                if host is not None or local_rank is not None:
-                    verdict = dataclasses.replace(verdict, host=host, local_rank=local_rank)
+                where = self._liveness.placement(verdict.job_id, epoch, verdict.rank)
+                if any(value is not None for value in where.values()):
+                    verdict = dataclasses.replace(verdict, **where)
             placed.append(self._with_gpu(verdict, epoch))
         self._flag_hosts(placed, epoch)
         return placed
@@ -542,9 +544,10 @@ class Engine:
                 entry = cohort.slot_entries[slot]
                 stage = cohort.stage_names[index]
                 if entry is not None and stage is not None:
+                    where = self._liveness.placement(cohort.job_id, cohort.epoch, entry.rank)
                     states.append(RankState(cohort.job_id, cohort.epoch, cohort.name, stage, entry.rank,
-                                            ratio if math.isfinite(ratio) else None, alerted,
-                                            *self._liveness.placement(cohort.job_id, cohort.epoch, entry.rank)))
+                                            ratio if math.isfinite(ratio) else None, alerted, where["host"],
+                                            where["local_rank"], where["k8s_node_name"]))
         return states
 
     def node_state(self) -> list[NodeRollup]:
@@ -558,7 +561,7 @@ class Engine:
             for slot in np.nonzero(alert.any(axis=0))[0].tolist():
                 entry = cohort.slot_entries[slot]
                 if entry is not None:
-                    host, _ = self._liveness.placement(cohort.job_id, cohort.epoch, entry.rank)
+                    host = self._liveness.placement(cohort.job_id, cohort.epoch, entry.rank)["host"]
                     slow.append((cohort.job_id, host, entry.rank))
         epochs = {}
         for job_id, epoch, host in self._flagged_hosts:

@@ -68,14 +68,24 @@ class HangState(NamedTuple):
     active: bool
 
 
+def _where(record: Optional["RankRecord"]) -> dict:
+    if record is None:
+        return {"host": None, "local_rank": None, "pod": None, "namespace": None, "k8s_node_name": None}
+    return {"host": record.host, "local_rank": record.local_rank, "pod": record.pod, "namespace": record.namespace,
+            "k8s_node_name": record.node}
+
+
 class RankRecord:
-    __slots__ = ("cohort", "host", "local_rank", "heartbeat_ns", "heard_ns", "gap_ns", "open_stages", "open_since",
+    __slots__ = ("cohort", "host", "local_rank", "pod", "namespace", "node", "heartbeat_ns", "heard_ns", "gap_ns", "open_stages", "open_since",
                  "step", "touched_ns")
 
     def __init__(self, cohort: str, now: int) -> None:
         self.cohort = cohort
         self.host: Optional[str] = None
         self.local_rank: Optional[int] = None
+        self.pod: Optional[str] = None  # on Kubernetes (host is then the node)
+        self.namespace: Optional[str] = None
+        self.node: Optional[str] = None  # k8s.node.name as sent (then also the host)
         self.heartbeat_ns = 0  # its latest heartbeat's time on the rank's clock; 0: no heartbeat yet
         self.heard_ns = 0  # when that heartbeat arrived, on the detector's clock
         self.gap_ns = 0  # largest recent gap between its heartbeats (rank clock); 0: unknown
@@ -134,6 +144,7 @@ class Liveness:
             record = self._record(job, placement.rank, None, now)
             if record is not None:
                 record.host, record.local_rank = placement.host, placement.local_rank
+                record.pod, record.namespace, record.node = placement.pod, placement.namespace, placement.k8s_node_name
             if placement.cohort is not None and placement.cohort != DEFAULT_COHORT:
                 job.names_cohorts = True
             if placement.world_size is not None:
@@ -178,10 +189,12 @@ class Liveness:
         job = self._jobs.get((job_id, epoch))
         return job.world_size if job is not None and not job.names_cohorts else None
 
-    def placement(self, job_id: str, epoch: int, rank: int) -> tuple[Optional[str], Optional[int]]:
+    def placement(self, job_id: str, epoch: int, rank: int) -> dict:
+        """The verdict fields that say where the rank runs: host, local_rank, pod, namespace (and
+        k8s_node_name, its metrics' label)."""
         job = self._jobs.get((job_id, epoch))
         record = job.ranks.get(rank) if job is not None else None
-        return (record.host, record.local_rank) if record is not None else (None, None)
+        return _where(record)
 
     def ranks_on_host(self, job_id: str, epoch: int, host: str) -> int:
         """How many of the job's ranks report `host` as theirs (a scan of the job's records)."""
@@ -251,8 +264,7 @@ class Liveness:
                 gap_ms=None, rank_ms=_ms(open_ms), reference_ms=_ms(waited_ms), reference_ranks=waiting_ranks,
                 timing="host",
                 attribution=contract.ATTRIBUTION_WAITING if rank is None and waiting else contract.ATTRIBUTION_UNKNOWN,
-                workload_comparable=None, host=record.host if record is not None else None,
-                local_rank=record.local_rank if record is not None else None,
+                workload_comparable=None, **_where(record),
                 stalled_s=round((now - stalled_from) / 1e9, 3),
             )
             job.hang.verdicts[key] = verdict
@@ -267,7 +279,8 @@ class Liveness:
             time_unix_nano=now, job_id=v.job_id, cohort=v.cohort, stage=v.stage, rank=v.rank, window=v.window,
             verdict=contract.VERDICT_RECOVERED, reason=contract.HANG_PROGRESS_RESUMED, slowdown=None, gap_ms=None,
             rank_ms=None, reference_ms=None, reference_ranks=(), timing=v.timing, attribution=v.attribution,
-            workload_comparable=None, host=v.host, local_rank=v.local_rank, stalled_s=None,
+            workload_comparable=None, host=v.host, local_rank=v.local_rank, pod=v.pod, namespace=v.namespace,
+            k8s_node_name=v.k8s_node_name, stalled_s=None,
         ) for v in ended]
 
     def _never_heard(self, job: JobLiveness) -> list[int]:

@@ -76,6 +76,9 @@ class Placement(NamedTuple):
     local_rank: Optional[int]
     cohort: Optional[str] = None
     world_size: Optional[int] = None  # None: not reported, or not a positive int
+    pod: Optional[str] = None  # k8s.pod.name (host is k8s.node.name where the rank sent it)
+    namespace: Optional[str] = None  # k8s.namespace.name
+    k8s_node_name: Optional[str] = None  # as sent: the k8s_node_name metric label
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +101,7 @@ class Verdict:
     timing: str
     attribution: str
     workload_comparable: Optional[bool]
-    host: Optional[str] = None  # v1.1: host.name of the rank, None for job-level verdicts
+    host: Optional[str] = None  # v1.1: k8s.node.name, else host.name of the rank; None for job-level verdicts
     local_rank: Optional[int] = None  # v1.1: its slot on the node (which GPU)
     # v1.1: GPU evidence from heartbeats' GPU samples (§2c); null while ranks send none
     gpu: Optional[dict] = None
@@ -107,9 +110,15 @@ class Verdict:
     slow_steps: Optional[dict] = None
     # v1.2: other stages of the rank slow in the same window that `stage` explains (it leads)
     also_slow: tuple[str, ...] = ()
+    # v1.2: where the rank runs on Kubernetes (k8s.pod.name, k8s.namespace.name), else None
+    pod: Optional[str] = None
+    namespace: Optional[str] = None
+    # not a verdicts.jsonl field (`host` says the node there): the k8s_node_name label of its metrics
+    k8s_node_name: Optional[str] = None
 
     def to_dict(self) -> dict:
         record = asdict(self)
+        del record["k8s_node_name"]
         record["reference_ranks"] = list(self.reference_ranks)
         record["also_slow"] = list(self.also_slow)
         return record

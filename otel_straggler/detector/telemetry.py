@@ -413,4 +413,6 @@ def _placed(attributes: dict[str, Any], where: Any) -> dict[str, Any]:
         attributes[contract.HOST_NAME] = where.host
     if getattr(where, "local_rank", None) is not None:
         attributes[contract.LOCAL_RANK] = where.local_rank
+    if getattr(where, "k8s_node_name", None) is not None:  # v1.2 §5: label k8s_node_name
+        attributes[contract.K8S_NODE_NAME] = where.k8s_node_name
     return attributes

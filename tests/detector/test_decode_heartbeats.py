@@ -108,3 +108,27 @@ def test_a_placement_carries_the_world_size_its_resource_reports(decode, world_s
     batch = decode(sized)
     assert batch.placements == [Placement("job-1", 0, 0, 1, "node-0", None, "tp0", read)]
     assert len(batch.observations) == 2 and batch.malformed == 0  # a bad one is unknown, not a rejection
+
+
+def test_on_kubernetes_a_placement_names_the_node_as_host_and_carries_pod_and_namespace(decode):
+    """CONTRACT v1.2 §5: host.name is the pod's name there; the node is the one to cordon."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import ReadableSpan
+    spans = stage_spans(1, 2)
+    k8s = Resource({contract.K8S_NODE_NAME: "gpu-node-17", contract.K8S_POD_NAME: "train-worker-1",
+                    contract.K8S_NAMESPACE_NAME: "ml"})
+    placed = [readable_span(o, spans[0].resource.merge(k8s))
+              for o in ProtobufDecoder().decode_in_python(request_bytes(spans)).observations]
+    beat = heartbeat_span(2, T, ())  # a heartbeat places its rank too
+    placed.append(ReadableSpan(name=beat.name, context=beat.context, resource=beat.resource.merge(k8s),
+                               attributes=beat.attributes, start_time=T, end_time=T,
+                               instrumentation_scope=beat.instrumentation_scope))
+    batch = decode(placed)
+    where = {(p.rank, p.host, p.pod, p.namespace, p.k8s_node_name) for p in batch.placements}
+    assert where == {(1, "gpu-node-17", "train-worker-1", "ml", "gpu-node-17"),
+                     (2, "gpu-node-17", "train-worker-1", "ml", "gpu-node-17")}
+    # an empty node name is no node: host.name stays the host
+    blank = [readable_span(o, spans[0].resource.merge(Resource({contract.K8S_NODE_NAME: ""})))
+             for o in ProtobufDecoder().decode_in_python(request_bytes(spans)).observations]
+    assert [(p.host, p.pod, p.k8s_node_name) for p in decode(blank).placements] == [("node-0", None, None)]
+

@@ -2,8 +2,8 @@
 
 This is the example to copy: the only straggler-specific lines are `ots.configure()`,
 `ots.step(...)` at the top of each optimizer step, and one `with ots.stage(...)` around each
-part of the step. Everything else is plain PyTorch, but for the `straggler` lines: the demo's rank
-made slow on purpose (straggler.py, the flags from --slow-rank on); leave them out when copying.
+part of the step. Everything else is plain PyTorch, except the `straggler` lines: the demo's rank
+made slow on purpose (straggler.py, the flags from --slow-rank on), to leave out when copying.
 
 `otel-straggler demo` starts it once per rank; it also runs on its own under torchrun:
 

@@ -139,7 +139,6 @@ class Job:
             "OTEL_SERVICE_NAME": "training", "OTEL_BSP_SCHEDULE_DELAY": "500",
             "OTEL_STRAGGLER_BUILD_INTERVAL_MS": "250", "OTEL_STRAGGLER_HEARTBEAT_INTERVAL_MS": "1000",
             "OTEL_STRAGGLER_EXPORT_METRICS": "false", "OTEL_STRAGGLER_DEVICE_TIMING": "off",
-            "OTEL_STRAGGLER_INJECT_RANK": "-1",
         }
         self.processes = [context.Process(target=rank_main, daemon=True, name=f"{job_id}-rank{rank}", args=(
             job_id, rank, env, self.control, self.barrier, self.steps_done, self.stop, str(self.log_paths[rank])))

@@ -4,7 +4,7 @@ LOCAL_RANK, MASTER_ADDR, MASTER_PORT, OTEL_* for the exporter, OTEL_STRAGGLER_JO
 
     python benchmarks/field_job.py --steps 160 --slow forward --slow-rank 1 --from-step 60
 
-The slowdowns are real work, not the instrumentation's injection knob:
+The slowdowns are real work in the job's own code (field_jobs/slowdowns.py):
 - forward: extra matrix products inside the model's forward on the slow rank;
 - backward: extra matrix products inside autograd's backward (a custom Function), so under DDP
   they sit inside `loss.backward()` together with the gradient all-reduce;

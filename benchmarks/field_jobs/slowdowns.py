@@ -1,7 +1,7 @@
 """Slowdowns made in a training job's own code, for the field jobs beside this file: extra work in
 a model's forward, extra work inside autograd's backward (so under DDP it sits inside
-`loss.backward()` together with the gradient all-reduce), and a slower data source. Not the
-instrumentation's injection knobs: the jobs that use these import nothing of otel_straggler.
+`loss.backward()` together with the gradient all-reduce), and a slower data source. Nothing here
+comes from otel_straggler: the instrumentation only times this work, as a real straggler's.
 
 Work is sized in CPU time of the rank's thread, calibrated once at start-up (see
 SlowSwitch.calibrate); each rank runs torch on one thread.

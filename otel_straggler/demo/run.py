@@ -22,6 +22,7 @@ from otel_straggler.demo import evidence as evidence_files
 from otel_straggler.demo.evidence import Injection, RunRecord, WindowMedian
 from otel_straggler.demo.launcher import LaunchPlan, RankFailure, RankGroup
 from otel_straggler.demo.live_view import LiveView
+from otel_straggler.demo.straggler import BLOCK_FOR_GOOD_S, slow_rank_args
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.service import DetectorService
 
@@ -34,7 +35,6 @@ MIN_GAP_MS = 5.0
 WINDOW_GRACE_S = 5.0  # the last window closes this long after the last span, not 30 s
 SPAN_EXPORT_DELAY_MS = 500  # the ranks' batch span export period (OTEL_BSP_SCHEDULE_DELAY; SDK default 5 s)
 HEARTBEAT_INTERVAL_MS = 1000  # the ranks' heartbeats (OTEL_STRAGGLER_HEARTBEAT_INTERVAL_MS; default 5 s)
-BLOCK_FOR_GOOD_S = 1e9  # --hang: the injected rank blocks this long, i.e. until the demo ends it
 HANG_LINGER_S = 2.0  # after the hang verdict: the live view shows it before the ranks are ended
 STALL_SHOWN_S = 3.0  # a pause in progress longer than this shows in the live view
 POLL_INTERVAL_S = 0.25
@@ -81,17 +81,21 @@ def rank_environment(settings: DemoSettings, endpoint: Optional[str], environ: M
                     "OTEL_STRAGGLER_EXPORT_METRICS": "false"})  # the embedded detector takes spans only
     if settings.simulate_gpu:
         env["OTEL_STRAGGLER_GPU_HEALTH"] = "fake"
-    injection = settings.injection
-    if injection is None:
-        env["OTEL_STRAGGLER_INJECT_RANK"] = "-1"  # off, even if this shell exported an injection
-    else:
-        env.update({
-            "OTEL_STRAGGLER_INJECT_RANK": str(injection.rank), "OTEL_STRAGGLER_INJECT_STAGE": injection.stage,
-            "OTEL_STRAGGLER_INJECT_FROM_STEP": str(injection.from_step),
-            "OTEL_STRAGGLER_INJECT_SLOWDOWN": repr(injection.slowdown),
-            "OTEL_STRAGGLER_INJECT_BLOCK_S": repr(BLOCK_FOR_GOOD_S if injection.hang else 0.0),
-        })
     return env
+
+
+def trainer_arguments(settings: DemoSettings, collective_timeout_s: Optional[float] = None) -> tuple[str, ...]:
+    """The trainer's flags, the same for every rank: the injection is the trainer's own slowed rank
+    (straggler.py), slow in its own code as a real straggler is."""
+    arguments = ("--steps", str(settings.steps), "--log-every", "1")
+    if collective_timeout_s is not None:
+        arguments += ("--collective-timeout-s", f"{collective_timeout_s:g}")
+    injection = settings.injection
+    if injection is not None:
+        arguments += slow_rank_args(injection.rank, injection.stage, injection.from_step,
+                                    0.0 if injection.hang else injection.slowdown,
+                                    BLOCK_FOR_GOOD_S if injection.hang else 0.0)
+    return arguments
 
 
 def header(settings: DemoSettings, endpoint: str) -> str:
@@ -198,8 +202,7 @@ def run(settings: DemoSettings, stream: TextIO) -> RunResult:
     # a stall, outlast the hang timeout
     patience_s = settings.hang_timeout_s + 60.0 if hang_run else None
     plan = LaunchPlan(ranks=settings.ranks,
-                      trainer_args=("--steps", str(settings.steps), "--log-every", "1",
-                                    *(("--collective-timeout-s", f"{patience_s + 60:g}") if hang_run else ())),
+                      trainer_args=trainer_arguments(settings, patience_s + 60 if hang_run else None),
                       env=rank_environment(settings, None if service is None else endpoint, os.environ),
                       log_dir=settings.out_dir / "ranks",
                       **({"stall_timeout_s": patience_s} if hang_run else {}))

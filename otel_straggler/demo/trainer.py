@@ -2,7 +2,8 @@
 
 This is the example to copy: the only straggler-specific lines are `ots.configure()`,
 `ots.step(...)` at the top of each optimizer step, and one `with ots.stage(...)` around each
-part of the step. Everything else is plain PyTorch.
+part of the step. Everything else is plain PyTorch, except the `straggler` lines: the demo's rank
+made slow on purpose (straggler.py, the flags from --slow-rank on), to leave out when copying.
 
 `otel-straggler demo` starts it once per rank; it also runs on its own under torchrun:
 
@@ -21,9 +22,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import otel_straggler as ots
+from otel_straggler.demo import straggler as slow_rank
 
 INPUT_FEATURES = 128
 CLASSES = 10
+STAGES = ("batch-generator", "forward-compute", "backward-compute", "all-grads-sync", "optimizer")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -35,6 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-every", type=int, default=10, help="rank 0 prints the loss every this many steps")
     parser.add_argument("--collective-timeout-s", type=float, default=60.0,
                         help="a collective waiting longer than this for a peer fails instead of hanging")
+    slow_rank.add_arguments(parser, STAGES)
     return parser.parse_args(argv)
 
 
@@ -81,19 +85,21 @@ def train(args: argparse.Namespace) -> None:
     parameters = list(model.parameters())
     optimizer = torch.optim.SGD(parameters, lr=0.05, momentum=0.9)
     batches = synthetic_batches(args.seed, rank, args.batch_size)
+    straggler = slow_rank.Straggler.from_args(args, rank, telemetry)
 
     for step in range(args.steps):
         ots.step(step, samples=args.batch_size)
-        with ots.stage("batch-generator"):
+        straggler.begin_step(step)
+        with ots.stage("batch-generator"), straggler.inside("batch-generator"):
             inputs, labels = next(batches)
-        with ots.stage("forward-compute"):
+        with ots.stage("forward-compute"), straggler.inside("forward-compute"):
             loss = F.cross_entropy(model(inputs), labels)
-        with ots.stage("backward-compute"):
+        with ots.stage("backward-compute"), straggler.inside("backward-compute"):
             optimizer.zero_grad()
             loss.backward()
-        with ots.stage("all-grads-sync", collective=True):  # waits for the slowest rank
+        with ots.stage("all-grads-sync", collective=True), straggler.inside("all-grads-sync"):  # waits for the slowest rank
             average_gradients(parameters, world_size)
-        with ots.stage("optimizer"):
+        with ots.stage("optimizer"), straggler.inside("optimizer"):
             optimizer.step()
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"step {step + 1}/{args.steps} loss {loss.item():.4f}", flush=True)

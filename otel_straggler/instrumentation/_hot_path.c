@@ -30,7 +30,7 @@ enum { INTERVAL = 0, STEP_BEGIN = 1, STEP_END = 2 };
 #define MAX_OPEN_INTERVALS 256
 enum { NAME, COLLECTIVE, ENCLOSING, START_STEP, START_NS, START_EVENT, OPEN_INTERVAL_SIZE };
 
-static PyObject *str_record, *str_release, *str_stretch;
+static PyObject *str_record, *str_release;
 static PyObject *kind_interval, *kind_step_begin, *kind_step_end;
 
 typedef struct {
@@ -41,7 +41,6 @@ typedef struct {
     PyObject *event_pool;       /* None until the first step() makes it (device timing on) */
     PyObject *pool_take;        /* the pool's record() in two calls, where it offers them (EventPool */
     PyObject *pool_record_event;/* does): a Python frame less per event; else NULL */
-    PyObject *injection;        /* test-only SlowdownInjection, or None */
     PyObject *open_intervals;   /* list, innermost last */
     PyObject *binding;          /* (step, tokens, samples), replaced whole */
     PyObject *on_first_step;
@@ -216,13 +215,6 @@ static int recorder_stop_interval(Recorder *self, PyObject *interval, int64_t *d
         PyErr_SetString(PyExc_AttributeError, "an interval with a device event but no event pool");
         goto failed;
     }
-    if (is_set(self->injection)) {
-        PyObject *result = PyObject_CallMethodObjArgs(self->injection, str_stretch, PyTuple_GET_ITEM(interval, NAME),
-                                                      PyTuple_GET_ITEM(interval, START_NS),
-                                                      PyTuple_GET_ITEM(self->binding, 0), NULL);
-        if (result == NULL) goto failed;
-        Py_DECREF(result);
-    }
     int64_t end;
     if (now_ns(&end) < 0) goto failed;
     long long start = PyLong_AsLongLong(PyTuple_GET_ITEM(interval, START_NS));
@@ -311,10 +303,10 @@ static PyObject *deque_type;
 static int Recorder_set_event_pool(Recorder *self, PyObject *pool, void *closure);
 
 static int Recorder_init(Recorder *self, PyObject *args, PyObject *kwds) {
-    static char *keywords[] = {"capacity", "event_pool", "injection", NULL};
+    static char *keywords[] = {"capacity", "event_pool", NULL};
     Py_ssize_t capacity;
-    PyObject *event_pool = Py_None, *injection = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "n|OO:IntervalRecorder", keywords, &capacity, &event_pool, &injection))
+    PyObject *event_pool = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "n|O:IntervalRecorder", keywords, &capacity, &event_pool))
         return -1;
     PyObject *completed = PyObject_CallNoArgs(deque_type);
     if (completed == NULL) return -1;
@@ -333,7 +325,6 @@ static int Recorder_init(Recorder *self, PyObject *args, PyObject *kwds) {
     Py_XSETREF(self->open_intervals, opened);
     Py_XSETREF(self->binding, binding);
     if (Recorder_set_event_pool(self, event_pool, NULL) < 0) return -1;
-    Py_XSETREF(self->injection, Py_NewRef(injection));
     Py_XSETREF(self->on_first_step, Py_NewRef(Py_None));
     self->capacity = capacity;
     self->dropped_queue_full = self->dropped_step_records = self->internal_errors = 0;
@@ -347,7 +338,6 @@ static int Recorder_traverse(Recorder *self, visitproc visit, void *arg) {
     Py_VISIT(self->event_pool);
     Py_VISIT(self->pool_take);
     Py_VISIT(self->pool_record_event);
-    Py_VISIT(self->injection);
     Py_VISIT(self->open_intervals);
     Py_VISIT(self->binding);
     Py_VISIT(self->on_first_step);
@@ -360,7 +350,6 @@ static int Recorder_clear(Recorder *self) {
     Py_CLEAR(self->event_pool);
     Py_CLEAR(self->pool_take);
     Py_CLEAR(self->pool_record_event);
-    Py_CLEAR(self->injection);
     Py_CLEAR(self->open_intervals);
     Py_CLEAR(self->binding);
     Py_CLEAR(self->on_first_step);
@@ -434,7 +423,6 @@ static PyMethodDef Recorder_methods[] = {
 static PyMemberDef Recorder_members[] = {
     {"completed", T_OBJECT, offsetof(Recorder, completed), READONLY},
     {"capacity", T_PYSSIZET, offsetof(Recorder, capacity), READONLY},
-    {"injection", T_OBJECT, offsetof(Recorder, injection), 0},
     {"open_intervals", T_OBJECT, offsetof(Recorder, open_intervals), READONLY},
     {"binding", T_OBJECT, offsetof(Recorder, binding), READONLY},
     {"on_first_step", T_OBJECT, offsetof(Recorder, on_first_step), 0},
@@ -475,7 +463,7 @@ static PyGetSetDef Recorder_getset[] = {
 static PyTypeObject RecorderType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "otel_straggler.instrumentation._hot_path.IntervalRecorder",
-    .tp_doc = "recorder.IntervalRecorder in C: IntervalRecorder(capacity, event_pool=None, injection=None)",
+    .tp_doc = "recorder.IntervalRecorder in C: IntervalRecorder(capacity, event_pool=None)",
     .tp_basicsize = sizeof(Recorder),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_new = PyType_GenericNew,
@@ -726,11 +714,10 @@ PyMODINIT_FUNC PyInit__hot_path(void) {
     if (deque_type == NULL) return NULL;
     str_record = PyUnicode_InternFromString("record");
     str_release = PyUnicode_InternFromString("release");
-    str_stretch = PyUnicode_InternFromString("stretch");
     kind_interval = PyLong_FromLong(INTERVAL);
     kind_step_begin = PyLong_FromLong(STEP_BEGIN);
     kind_step_end = PyLong_FromLong(STEP_END);
-    if (!str_record || !str_release || !str_stretch || !kind_interval || !kind_step_begin || !kind_step_end) return NULL;
+    if (!str_record || !str_release || !kind_interval || !kind_step_begin || !kind_step_end) return NULL;
     if (PyType_Ready(&RecorderType) < 0 || PyType_Ready(&StageType) < 0 || PyType_Ready(&StepType) < 0) return NULL;
     PyObject *module = PyModule_Create(&hot_path_module);
     if (module == NULL) return NULL;

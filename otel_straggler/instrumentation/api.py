@@ -14,7 +14,6 @@ from typing import Any, Callable, Mapping, Optional
 from otel_straggler import contract
 from otel_straggler.instrumentation import hot_path, identity
 from otel_straggler.instrumentation.hot_path import IntervalRecorder
-from otel_straggler.instrumentation.recorder import SlowdownInjection
 from otel_straggler.instrumentation.settings import DEFAULTS, SETTINGS
 from otel_straggler.settings import ConfigError, parse_bool, resolve
 
@@ -125,7 +124,7 @@ def configure(
         from otel_straggler.instrumentation.pipeline import RankPipeline  # the SDK, exporters, threads
 
         handle = Instrumentation(True, options, attributes)
-        handle.recorder = IntervalRecorder(options["queue_size"], injection=_injection(options, attributes))
+        handle.recorder = IntervalRecorder(options["queue_size"])
         handle._pipeline = RankPipeline(handle.recorder, options, attributes, endpoint, protocol,
                                         tracer_provider, device_processor, environ)
         _use(handle, handle.recorder)
@@ -164,13 +163,3 @@ def _use(handle: Optional[Instrumentation], recorder: Optional[IntervalRecorder]
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
-
-
-def _injection(options: dict, attributes: dict) -> Optional[SlowdownInjection]:
-    if options["inject_rank"] < 0 or not options["inject_stage"] or (
-            options["inject_slowdown"] <= 0 and options["inject_block_s"] <= 0):
-        return None
-    if attributes.get(contract.RANK) != options["inject_rank"]:
-        return None
-    return SlowdownInjection(options["inject_stage"], options["inject_from_step"], options["inject_slowdown"],
-                             options["inject_block_s"])

@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -78,7 +78,6 @@ class RankPipeline:
             self.backend = make_backend(options["device_timing"]) if tracer_provider is None else None
         self.event_pool: Optional[EventPool] = None
         self.device_processor = device_processor
-        self._simulated_throttle: Optional[Callable[[], None]] = None  # gpu_health=fake on an injected rank
         self.gpu_health = self._make_gpu_health(options)
         self._detected_resource: Optional[Resource] = None  # _detect_resource()
         if tracer_provider is None:
@@ -133,11 +132,6 @@ class RankPipeline:
             from otel_straggler.instrumentation.fake_nvml import FakeNvml
 
             nvml = FakeNvml()
-            injection = self.recorder.injection
-            if injection is not None:
-                # the rank slowed on purpose (demo, tests): its simulated GPU reads throttled from then on
-                self._simulated_throttle = lambda: nvml.throttle(
-                    (self.recorder.binding[0] or 0) >= injection.from_step)
         return gpu_health.GpuHealth(mode, locate, self._environ(), memory=metrics, nvml=nvml)
 
     def _make_event_pool(self) -> None:
@@ -262,8 +256,6 @@ class RankPipeline:
             if self.builder is None and not recorder.completed and recorder.binding[0] is None:
                 return  # nothing recorded yet (see the module doc)
             # outside the build lock: NVML's calls (and its first load) keep no flush() waiting
-            if self._simulated_throttle is not None:
-                self._simulated_throttle()
             gpu = self.gpu_health.sample() if self.gpu_health is not None else None
             with self._build_lock:
                 if self._stopping:

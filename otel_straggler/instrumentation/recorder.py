@@ -34,47 +34,15 @@ OpenInterval = tuple
 NAME, COLLECTIVE, ENCLOSING, START_STEP, START_NS, START_EVENT = range(6)
 
 
-class SlowdownInjection:
-    """Test-only: stretches one stage on one rank from one step on, by sleeping inside it for
-    `slowdown` x the stage's own elapsed host time; or, with `block_s`, blocks inside it that long
-    once (a hang, or a pause such as a checkpoint's). Built only when it targets this rank. The
-    stage is still open while it sleeps, as a stuck stage is."""
-
-    __slots__ = ("stage", "from_step", "slowdown", "block_s")
-
-    def __init__(self, stage: str, from_step: int, slowdown: float, block_s: float = 0.0) -> None:
-        self.stage = stage
-        self.from_step = from_step
-        self.slowdown = slowdown
-        self.block_s = block_s
-
-    def stretch(self, name: str, start_ns: int, step: Optional[int]) -> None:
-        if name != self.stage or step is None or step < self.from_step:
-            return
-        if self.block_s > 0:
-            block_s, self.block_s = self.block_s, 0.0  # once
-            deadline = time.monotonic() + block_s
-            while time.monotonic() < deadline:  # short sleeps: a signal's handler runs between them
-                time.sleep(min(1.0, deadline - time.monotonic()))
-            return
-        time.sleep(self.slowdown * (time.time_ns() - start_ns) / 1e9)
-
-
 class IntervalRecorder:
     # slots: the hot path reads several attributes per call, and slot reads are the cheapest
-    __slots__ = ("completed", "capacity", "event_pool", "injection", "open_intervals", "binding", "on_first_step",
+    __slots__ = ("completed", "capacity", "event_pool", "open_intervals", "binding", "on_first_step",
                  "dropped_queue_full", "dropped_step_records", "internal_errors", "untracked_open_intervals")
 
-    def __init__(
-        self,
-        capacity: int,
-        event_pool: Optional[EventPool] = None,
-        injection: Optional[SlowdownInjection] = None,
-    ) -> None:
+    def __init__(self, capacity: int, event_pool: Optional[EventPool] = None) -> None:
         self.completed: collections.deque = collections.deque()
         self.capacity = capacity
         self.event_pool = event_pool
-        self.injection = injection
         self.open_intervals: list[OpenInterval] = []  # innermost last: the timers' nesting
         self.binding: tuple = (None, None, None)  # (step, tokens, samples), replaced whole
         self.on_first_step = None  # called once, at the first step(): the pipeline makes the event pool
@@ -106,8 +74,6 @@ class IntervalRecorder:
             if type(interval) is not tuple or len(interval) != 6:
                 raise TypeError("not an interval start() returned")  # as the C recorder checks
             end_event = None if interval[5] is None else self.event_pool.record()
-            if self.injection is not None:
-                self.injection.stretch(interval[0], interval[4], self.binding[0])
             end_ns = _time_ns()
             duration = end_ns - interval[4]  # before it is queued: a failure here queues nothing
             opened = self.open_intervals
@@ -123,7 +89,7 @@ class IntervalRecorder:
             self.internal_errors += 1
             self._end_failed(interval, end_event)
             return 0
-        except BaseException:  # KeyboardInterrupt in the injection's sleep: cleaned up, then raised
+        except BaseException:  # KeyboardInterrupt (a signal's handler, a fake clock): cleaned up, then raised
             self._end_failed(interval, end_event)
             raise
         # the queue is full: the interval is dropped and its events go back, once (not again if

@@ -32,12 +32,6 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("gpu_metrics", parse_bool, False, "also export the GPU health samples as the OTel hardware metrics "
                                               "hw.gpu.utilization, hw.gpu.memory.usage, hw.power, hw.temperature "
                                               "(needs export_metrics)"),
-    # test-only slow-rank injection: inert unless inject_rank and inject_stage are set
-    Setting("inject_rank", int, -1, "sleep inside a stage on this rank (test only; -1: off)", -1, 1 << 30),
-    Setting("inject_stage", str, "", "the stage to slow down (test only)"),
-    Setting("inject_from_step", int, 0, "slow down from this step on (test only)", 0, 1 << 62),
-    Setting("inject_slowdown", float, 0.0, "sleep this fraction of the stage's own elapsed time (test only)", 0.0, 100.0),
-    Setting("inject_block_s", float, 0.0, "instead: block inside the stage this long, once, at the first step from inject_from_step on (test only; 1e9: for good, a hang)", 0.0, 1e9),
 )
 
 DEFAULTS = {setting.name: setting.default for setting in SETTINGS}

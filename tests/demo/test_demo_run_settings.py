@@ -1,7 +1,9 @@
 from pathlib import Path
 
+import pytest
+
 from otel_straggler.demo.evidence import Injection, WindowMedian
-from otel_straggler.demo.run import DemoSettings, detector_config, medians_by_rank, rank_environment
+from otel_straggler.demo.run import DemoSettings, detector_config, medians_by_rank, rank_environment, trainer_arguments
 from otel_straggler.detector.config import DetectorConfig
 
 
@@ -10,14 +12,29 @@ def settings(injection=Injection(2, "forward-compute", 20, 0.3)):
                         job_id="demo-1", external_endpoint=None)
 
 
-def test_ranks_export_to_the_embedded_detector_with_the_injection():
+def test_ranks_export_to_the_embedded_detector():
     env = rank_environment(settings(), "http://127.0.0.1:5555", environ={})
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://127.0.0.1:5555"
     assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "grpc"
     assert env["OTEL_STRAGGLER_JOB_ID"] == "demo-1"
-    assert (env["OTEL_STRAGGLER_INJECT_RANK"], env["OTEL_STRAGGLER_INJECT_STAGE"], env["OTEL_STRAGGLER_INJECT_FROM_STEP"],
-            float(env["OTEL_STRAGGLER_INJECT_SLOWDOWN"])) == ("2", "forward-compute", "20", 0.3)
     assert env["OTEL_BSP_SCHEDULE_DELAY"] == "500"
+
+
+def trainer_parse_args(arguments):
+    pytest.importorskip("torch")
+    from otel_straggler.demo.trainer import parse_args
+
+    return parse_args(list(arguments))
+
+
+def test_the_injection_is_the_trainers_own_slowed_rank():
+    args = trainer_parse_args(trainer_arguments(settings()))
+    assert (args.steps, args.log_every) == (70, 1)
+    assert (args.slow_rank, args.slow_stage, args.from_step, args.slowdown, args.block_s) == (
+        2, "forward-compute", 20, 0.3, 0.0)
+    hang = trainer_parse_args(trainer_arguments(settings(injection=Injection(1, "optimizer", 30, 0.3, hang=True)), 150.0))
+    assert (hang.slow_rank, hang.slow_stage, hang.from_step, hang.block_s) == (1, "optimizer", 30, 1e9)
+    assert hang.collective_timeout_s == 150.0
 
 
 def test_an_outside_endpoint_and_the_users_export_period_are_left_alone():
@@ -26,10 +43,9 @@ def test_an_outside_endpoint_and_the_users_export_period_are_left_alone():
     assert "OTEL_BSP_SCHEDULE_DELAY" not in env
 
 
-def test_healthy_runs_turn_an_inherited_injection_off():
-    env = rank_environment(settings(injection=None), "http://127.0.0.1:5555", environ={})
-    assert env["OTEL_STRAGGLER_INJECT_RANK"] == "-1"
-    assert "OTEL_STRAGGLER_INJECT_STAGE" not in env
+def test_healthy_runs_slow_no_rank():
+    arguments = trainer_arguments(settings(injection=None))
+    assert "--slow-rank" not in arguments and trainer_parse_args(arguments).slow_rank == -1
 
 
 def test_simulated_gpus_are_the_fake_nvml_on_every_rank_and_said_in_the_header():

@@ -23,7 +23,7 @@ from otel_straggler.settings import ConfigError
     ("OTEL_STRAGGLER_READOUT_TIMEOUT_MS", "nan", "finite"),
     ("OTEL_STRAGGLER_DEVICE_TIMING", "gpu", "must be one of auto, cuda, fake, off"),
     ("OTEL_STRAGGLER_EXPORT_METRICS", "sometimes", "expected bool"),
-    ("OTEL_STRAGGLER_INJECT_SLOWDOWN", "-0.5", ">= 0"),
+    ("OTEL_STRAGGLER_READOUT_TIMEOUT_MS", "0.5", ">= 1"),
     ("OTEL_STRAGGLER_HEARTBEAT_INTERVAL_MS", "50", "must be >= 100 or 0 (off), got 50"),
     ("OTEL_STRAGGLER_HEARTBEAT_INTERVAL_MS", "-1", "must be >= 100 or 0 (off)"),
     ("OTEL_STRAGGLER_HEARTBEAT_INTERVAL_MS", "4000000", "must be <= 3.6e+06 or 0 (off)"),

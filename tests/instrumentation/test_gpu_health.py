@@ -295,16 +295,22 @@ def test_hardware_metrics_only_when_turned_on(configure, grpc_receiver, wait_unt
     assert points["hw.temperature"] == [(device, 45)]
 
 
-def test_the_slowed_ranks_simulated_gpu_reads_throttled_from_its_first_slowed_step(in_memory, wait_until):
-    """gpu_health=fake on the rank an injection slows (the demo's --simulate-gpu): its GPU reads at
-    its thermal limit from the injected step on, and as made before it."""
-    handle, nvml = configure_fake(in_memory, rank=0, inject_rank=0, inject_stage="forward-compute",
-                                  inject_from_step=5, inject_slowdown=0.01)
+def test_the_demos_slowed_rank_reads_throttled_on_heartbeats_from_its_first_slowed_step(in_memory, wait_until):
+    """gpu_health=fake on the rank the demo's trainer slows (its --simulate-gpu): the trainer's
+    straggler throttles the fake NVML the heartbeats read, which then read its GPU at its thermal
+    limit from the slowed step on, and as made before it."""
+    from otel_straggler.demo.straggler import Straggler, simulated_gpu
+
+    handle, nvml = configure_fake(in_memory, rank=0)
+    assert simulated_gpu(handle) is nvml
+    straggler = Straggler("forward-compute", from_step=5, slowdown=0.01, gpu=simulated_gpu(handle))
     otel_straggler.step(4)
+    straggler.begin_step(4)
     assert wait_until(lambda: in_memory.heartbeats(), timeout_s=5.0)
     before = gpu_attributes(in_memory.heartbeats()[-1])
     assert (before[contract.GPU_SM_CLOCK_MHZ], before[contract.GPU_CLOCK_EVENT_REASONS]) == (1980, 0)
     otel_straggler.step(5)
+    straggler.begin_step(5)
     in_memory.exporter.clear()
     assert wait_until(lambda: in_memory.heartbeats(), timeout_s=5.0)
     after = gpu_attributes(in_memory.heartbeats()[-1])
@@ -313,8 +319,14 @@ def test_the_slowed_ranks_simulated_gpu_reads_throttled_from_its_first_slowed_st
 
 
 def test_an_unslowed_ranks_simulated_gpu_stays_as_made(in_memory, wait_until):
-    handle, nvml = configure_fake(in_memory, rank=1, inject_rank=0, inject_stage="forward-compute",
-                                  inject_from_step=5, inject_slowdown=0.01)
+    from types import SimpleNamespace
+
+    from otel_straggler.demo.straggler import Straggler
+
+    handle, nvml = configure_fake(in_memory, rank=1)
+    flags = SimpleNamespace(slow_rank=0, slow_stage="forward-compute", from_step=5, slowdown=0.01, block_s=0.0)
+    straggler = Straggler.from_args(flags, rank=1, telemetry=handle)
     otel_straggler.step(9)
+    straggler.begin_step(9)
     assert wait_until(lambda: in_memory.heartbeats(), timeout_s=5.0)
     assert gpu_attributes(in_memory.heartbeats()[-1])[contract.GPU_SM_CLOCK_MHZ] == 1980

@@ -42,6 +42,8 @@ from typing import Optional
 
 import pytest
 
+from otel_straggler.demo.straggler import slow_rank_args
+
 from . import services
 from .training import TrainingRanks, clean_environment
 
@@ -522,13 +524,11 @@ def test_two_shards_own_whole_cohorts_and_agree_with_one_detector(pipeline_binar
             "JAEGER_SAMPLING_PERCENTAGE": "0", "OTELCOL_SPANS_PATH": str(spans_path)})
 
     def rank_env(rank: int) -> dict:
-        cohort = rank % len(COHORTS)
-        env = {"OTEL_STRAGGLER_COHORT": COHORTS[cohort]}
-        if slow_ranks[cohort] == rank:
-            env.update({"OTEL_STRAGGLER_INJECT_RANK": str(rank), "OTEL_STRAGGLER_INJECT_STAGE": SLOW_STAGE,
-                        "OTEL_STRAGGLER_INJECT_FROM_STEP": str(from_step),
-                        "OTEL_STRAGGLER_INJECT_SLOWDOWN": str(SLOWDOWN)})
-        return env
+        return {"OTEL_STRAGGLER_COHORT": COHORTS[rank % len(COHORTS)]}
+
+    def rank_args(rank: int) -> tuple[str, ...]:
+        slowed = slow_ranks[rank % len(COHORTS)] == rank
+        return slow_rank_args(rank, SLOW_STAGE, from_step, SLOWDOWN) if slowed else ()
 
     started = time.monotonic()
     try:
@@ -536,7 +536,7 @@ def test_two_shards_own_whole_cohorts_and_agree_with_one_detector(pipeline_binar
             shard.start()
         gateway.start()
         with TrainingRanks(tmp_path / "ranks", world_size, gateway.grpc_endpoint, job_id, steps,
-                           rank_env=rank_env, env=PROMPT_RANKS) as ranks:
+                           rank_env=rank_env, rank_args=rank_args, env=PROMPT_RANKS) as ranks:
             codes = ranks.wait(RUN_TIMEOUT_S)
             assert codes == [0] * world_size, f"exit codes {codes}\n{ranks.log_tails()}"
             statuses = ranks.statuses()
@@ -624,13 +624,12 @@ def test_gateway_restart_mid_run_loses_only_counted_spans_and_detection_resumes(
     gateway = services.Collector([services.CONFIG_DIR / "gateway.yaml"], tmp_path, name="gateway", env={
         "DETECTOR_ENDPOINTS": f"[{services.LOOPBACK}:{detector.grpc_port}]", "JAEGER_SAMPLING_PERCENTAGE": "0"})
     job_id = f"e2e-restart-{uuid.uuid4().hex[:8]}"
-    injection = {"OTEL_STRAGGLER_INJECT_RANK": str(slow_rank), "OTEL_STRAGGLER_INJECT_STAGE": SLOW_STAGE,
-                 "OTEL_STRAGGLER_INJECT_FROM_STEP": str(from_step), "OTEL_STRAGGLER_INJECT_SLOWDOWN": str(SLOWDOWN)}
     try:
         detector.start()
         gateway.start()
         with TrainingRanks(tmp_path / "ranks", world_size, gateway.grpc_endpoint, job_id, steps,
-                           env={**injection, "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": str(RANK_EXPORT_TIMEOUT_S)}) as ranks:
+                           env={"OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": str(RANK_EXPORT_TIMEOUT_S)},
+                           trainer_args=slow_rank_args(slow_rank, SLOW_STAGE, from_step, SLOWDOWN)) as ranks:
             ranks.wait_for_step(down_at, RUN_TIMEOUT_S)
             services.wait_until(lambda: detector_status(detector).get("spans", {}).get("accepted"), DEADLINE_S,
                                 what="spans at the detector before the restart")

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from otel_straggler import contract
+from otel_straggler.demo.straggler import BLOCK_FOR_GOOD_S, slow_rank_args
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.service import DetectorService
 from otel_straggler.detector.windows import Cohort
@@ -83,18 +84,17 @@ class Detector:
         self.service.stop(timeout_s=15.0)
 
 
-def ranks(tmp_path: Path, detector: Detector, steps: int, rank_env=None, trainer_args=()) -> TrainingRanks:
+def ranks(tmp_path: Path, detector: Detector, steps: int, rank_env=None, trainer_args=(), rank_args=None) -> TrainingRanks:
     return TrainingRanks(tmp_path / "ranks", RANKS, detector.endpoint, f"hang-{uuid.uuid4().hex[:8]}", steps,
-                         rank_env=rank_env, env={"OTEL_STRAGGLER_HEARTBEAT_INTERVAL_MS": "1000",
+                         rank_env=rank_env, rank_args=rank_args, env={"OTEL_STRAGGLER_HEARTBEAT_INTERVAL_MS": "1000",
                                                  "OTEL_STRAGGLER_EXPORT_METRICS": "false"},
                          trainer_args=("--batch-size", "64", "--hidden", "256", *trainer_args))
 
 
 def pause_every_rank(from_step: int, seconds: float):
-    """rank_env for every rank sitting `seconds` in the optimizer stage at `from_step`."""
-    def pause(rank: int) -> dict:
-        return {"OTEL_STRAGGLER_INJECT_RANK": str(rank), "OTEL_STRAGGLER_INJECT_STAGE": "optimizer",
-                "OTEL_STRAGGLER_INJECT_FROM_STEP": str(from_step), "OTEL_STRAGGLER_INJECT_BLOCK_S": str(seconds)}
+    """rank_args for every rank sitting `seconds` in the optimizer stage at `from_step`."""
+    def pause(rank: int) -> tuple[str, ...]:
+        return slow_rank_args(rank, "optimizer", from_step, block_s=seconds)
     return pause
 
 
@@ -116,10 +116,9 @@ def wait_for_hang(detector: Detector, job: TrainingRanks, timeout_s: float) -> l
 
 
 def test_a_rank_that_never_reaches_the_all_reduce_is_named(tmp_path):
-    block = {"OTEL_STRAGGLER_INJECT_RANK": "1", "OTEL_STRAGGLER_INJECT_STAGE": "forward-compute",
-             "OTEL_STRAGGLER_INJECT_FROM_STEP": "15", "OTEL_STRAGGLER_INJECT_BLOCK_S": "1e9"}
-    with Detector(tmp_path) as detector, ranks(tmp_path, detector, 10_000, rank_env=lambda rank: block,
-                                               trainer_args=("--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S))) as job:
+    block = slow_rank_args(1, "forward-compute", 15, block_s=BLOCK_FOR_GOOD_S)
+    with Detector(tmp_path) as detector, ranks(tmp_path, detector, 10_000,
+                                               trainer_args=("--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S), *block)) as job:
         job.wait_for_step(14, timeout=120)
         blocked_at = time.monotonic()
         hangs = wait_for_hang(detector, job, HANG_TIMEOUT_S + 30)
@@ -140,14 +139,11 @@ def test_a_rank_never_heard_from_is_named_from_the_world_size_its_peers_report(t
     nowhere = f"http://{services.LOOPBACK}:{services.free_port()}"
 
     def rank_env(rank: int) -> dict:
-        if rank != 1:
-            return {}
-        return {"OTEL_EXPORTER_OTLP_ENDPOINT": nowhere, "OTEL_STRAGGLER_INJECT_RANK": "1",
-                "OTEL_STRAGGLER_INJECT_STAGE": "forward-compute", "OTEL_STRAGGLER_INJECT_FROM_STEP": "15",
-                "OTEL_STRAGGLER_INJECT_BLOCK_S": "1e9"}
+        return {"OTEL_EXPORTER_OTLP_ENDPOINT": nowhere} if rank == 1 else {}
 
+    block = slow_rank_args(1, "forward-compute", 15, block_s=BLOCK_FOR_GOOD_S)
     with Detector(tmp_path) as detector, ranks(tmp_path, detector, 10_000, rank_env=rank_env,
-                                               trainer_args=("--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S))) as job:
+                                               trainer_args=("--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S), *block)) as job:
         job.wait_for_step(14, timeout=120)
         hangs = wait_for_hang(detector, job, HANG_TIMEOUT_S + 30)
         known = detector.liveness()
@@ -200,7 +196,7 @@ def test_a_pause_of_every_rank_shorter_than_the_timeout_is_no_hang(tmp_path, mon
     # every rank sits 20 s in the optimizer stage at step 15, as at a checkpoint; windows wait out
     # the pause (window_grace_s at its default, longer than it)
     with Detector(tmp_path, hang_timeout_s=60.0, window_grace_s=30.0) as detector, \
-            ranks(tmp_path, detector, 40, rank_env=pause_every_rank(15, 20)) as job:
+            ranks(tmp_path, detector, 40, rank_args=pause_every_rank(15, 20)) as job:
         codes, took_s, status = run_to_the_end(job, detector, timeout=180)
     assert codes == [0] * RANKS, job.log_tails()
     assert took_s > 20  # the pause happened
@@ -219,13 +215,11 @@ def test_a_rank_whose_first_export_comes_seconds_after_its_peers_is_judged_not_l
     max_export_lag_s, 15 s as by default) instead of closing without it a second after the first
     data, its spans then late. (The job ends with the pause: after it, ranks starved of CPU would
     test how long windows wait for a rank's next burst, another rule.)"""
-    pause = pause_every_rank(45, 12)
-
     def slow_first_export(rank: int) -> dict:
-        return {**pause(rank), "OTEL_BSP_SCHEDULE_DELAY": "8000"} if rank == 0 else pause(rank)
+        return {"OTEL_BSP_SCHEDULE_DELAY": "8000"} if rank == 0 else {}
 
     with Detector(tmp_path, max_export_lag_s=15.0, window_grace_s=30.0) as detector, \
-            ranks(tmp_path, detector, 46, rank_env=slow_first_export) as job:
+            ranks(tmp_path, detector, 46, rank_env=slow_first_export, rank_args=pause_every_rank(45, 12)) as job:
         codes, took_s, status = run_to_the_end(job, detector, timeout=120)
     assert codes == [0] * RANKS, job.log_tails()
     assert took_s > 12  # the pause happened, after rank 0's first export was due

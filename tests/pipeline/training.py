@@ -2,7 +2,7 @@
 rank, exporting over OTLP wherever the test points them.
 
     with TrainingRanks(workdir, world_size=4, endpoint=gateway.grpc_endpoint, job_id=job,
-                       steps=40, rank_env=lambda rank: {...}) as ranks:
+                       steps=40, rank_env=lambda rank: {...}, rank_args=lambda rank: (...)) as ranks:
         ranks.wait_for_step(10, timeout=120)
         ...
         codes = ranks.wait(timeout=240)
@@ -42,9 +42,11 @@ def clean_environment() -> dict[str, str]:
 class TrainingRanks:
     def __init__(self, workdir: Path, world_size: int, endpoint: str, job_id: str, steps: int,
                  rank_env: Optional[Callable[[int], Mapping[str, str]]] = None,
-                 env: Optional[Mapping[str, str]] = None, trainer_args: tuple[str, ...] = ()) -> None:
+                 env: Optional[Mapping[str, str]] = None, trainer_args: tuple[str, ...] = (),
+                 rank_args: Optional[Callable[[int], tuple[str, ...]]] = None) -> None:
         """endpoint: host:port of an OTLP/gRPC receiver; rank_env(rank) adds per-rank variables
-        (cohort, injection); env adds variables for every rank."""
+        (cohort); env adds variables for every rank. trainer_args go to every rank's trainer,
+        rank_args(rank) to that rank's only (a slowed rank's flags: slow_rank_args)."""
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.world_size = world_size
@@ -57,7 +59,6 @@ class TrainingRanks:
             "OTEL_SERVICE_NAME": "training",
             "OTEL_BSP_SCHEDULE_DELAY": "500",  # as the demo: spans leave a rank within half a second
             "OTEL_METRIC_EXPORT_INTERVAL": "2000",
-            "OTEL_STRAGGLER_INJECT_RANK": "-1",
             "MASTER_ADDR": services.LOOPBACK,
             "MASTER_PORT": str(services.free_port()),
             "WORLD_SIZE": str(world_size),
@@ -68,6 +69,7 @@ class TrainingRanks:
         self.common.update(env or {})
         self.rank_env = rank_env or (lambda rank: {})
         self.trainer_args = ("--steps", str(steps), "--log-every", "1", *trainer_args)
+        self.rank_args = rank_args or (lambda rank: ())
         self.processes: list[subprocess.Popen] = []
 
     def log_path(self, rank: int) -> Path:
@@ -79,7 +81,8 @@ class TrainingRanks:
                 env = {**self.common, "RANK": str(rank), "LOCAL_RANK": str(rank), **self.rank_env(rank)}
                 with open(self.log_path(rank), "wb") as log:
                     self.processes.append(subprocess.Popen(
-                        [sys.executable, str(RANK_MAIN), *self.trainer_args], env=env, cwd=self.workdir,
+                        [sys.executable, str(RANK_MAIN), *self.trainer_args, *self.rank_args(rank)], env=env,
+                        cwd=self.workdir,
                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                         preexec_fn=services._die_with_parent))
         except BaseException:

@@ -4,6 +4,7 @@
 # checkout so every clone on this machine shares one download.
 #   scripts/setup_venv.sh [VENV] [PACKAGE-EXTRAS [MORE-REQUIREMENTS...]]
 # PACKAGE-EXTRAS defaults to "test"; PYTHON picks the interpreter the venv is made from.
+# MORE-REQUIREMENTS go to pip as they are, so pip options such as `-c CONSTRAINTS-FILE` work too.
 set -euo pipefail
 venv=${1:-${OTEL_STRAGGLER_VENV:-$HOME/.cache/otel-straggler/venv}}
 extras=${2:-test}

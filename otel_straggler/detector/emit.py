@@ -129,6 +129,7 @@ def status_record(driver: EngineDriver, emitter: VerdictEmitter, telemetry: Opti
         "verdicts_dropped": emitted["verdicts_dropped"],
         "evidence": emitter.evidence_counts(),
         "export_failures": dict(telemetry.export_failures) if telemetry is not None else {},
+        "events_dropped": dict(telemetry.events_dropped) if telemetry is not None else {},
     }
     if carried:
         for section in CARRIED_SECTIONS:

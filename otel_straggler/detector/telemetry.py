@@ -8,6 +8,9 @@ OTEL_EXPORTER_OTLP_METRICS_ENDPOINT / OTEL_EXPORTER_OTLP_LOGS_ENDPOINT; protocol
 OTEL_EXPORTER_OTLP[_<SIGNAL>]_PROTOCOL, `grpc` by default as in the Python SDK); the exporters read
 headers, TLS, compression and timeout from the same env vars, and a value of those that they would
 fail on or ignore is a ConfigError naming the variable at start-up. Export failures are counted.
+Metrics go through the SDK's MeterProvider and OTLP metric exporters; the events through our own
+OTLP logs export (event_export.py, on the exporters of instrumentation/otlp_exporters.py), which
+counts every event it drops, by reason (`events_dropped`).
 
 Gauges and health counters are observed at collection time from callables the service provides, so
 there is one source of truth (the engine's state and the intake counters) and no second copy here.
@@ -21,10 +24,7 @@ import threading
 from collections import Counter
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-from opentelemetry._logs import SeverityNumber
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.sdk._logs import LoggerProvider
-from opentelemetry.sdk._logs.export import BatchLogRecordProcessor
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.metrics.view import View
@@ -32,6 +32,7 @@ from opentelemetry.sdk.resources import Resource
 
 from otel_straggler import contract
 from otel_straggler.detector.config import ConfigError, DetectorConfig
+from otel_straggler.detector.event_export import SEVERITY_ERROR, SEVERITY_INFO, SEVERITY_WARN, EventExporter
 from otel_straggler.detector.gpu_evidence import describe
 from otel_straggler.detector.next_step import next_step, suspect
 from otel_straggler.detector.observation import Verdict
@@ -58,24 +59,31 @@ def otlp_endpoint_configured(signal: str, environ: Mapping[str, str] = os.enviro
     return bool(environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
 
 
-def _otlp_exporter_class(signal: str, protocol: str) -> type:
+def _otlp_metric_exporter_class(protocol: str) -> type:
     if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
     else:
-        from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-    return OTLPMetricExporter if signal == "metrics" else OTLPLogExporter
+    return OTLPMetricExporter
 
 
-def _otlp_exporter(signal: str, environ: Mapping[str, str], on_failure: Callable[[], None]):
+def _otlp_exporter(signal: str, environ: Mapping[str, str], make: Callable[[str], Any]):
+    """What `make(protocol)` makes of the signal's OTLP settings, the settings checked first."""
     protocol = resolve_protocol(None, environ, signal)
     check_exporter_environ(signal, protocol, environ)
-    exporter_class = _counting_failures(_otlp_exporter_class(signal, protocol), on_failure)
     try:
-        return exporter_class()
-    except Exception as error:  # noqa: BLE001 - anything else the SDK makes of its env vars: still one line
+        return make(protocol)
+    except ConfigError:
+        raise
+    except Exception as error:  # noqa: BLE001 - anything else made of the env vars: still one line
         raise ConfigError(f"OTEL_EXPORTER_OTLP_*: cannot make the {protocol} {signal} exporter: {error}") from None
+
+
+def _event_sender(protocol: str, environ: Mapping[str, str]):
+    """Our OTLP logs sender (LogsService/Export, POST .../v1/logs)."""
+    from otel_straggler.instrumentation.otlp_exporters import LOGS, sender
+
+    return sender(LOGS, protocol, environ)
 
 
 def _counting_failures(exporter_class: type, on_failure: Callable[[], None]) -> type:
@@ -133,7 +141,7 @@ def verdict_attributes(verdict: Verdict) -> dict[str, Any]:
 
 
 class DetectorTelemetry:
-    """Owns the detector's MeterProvider and LoggerProvider. `health()` returns the status dict of
+    """Owns the detector's MeterProvider and event export. `health()` returns the status dict of
     the service (see DetectorService.status); `rank_states()` the engine's rank_state() (rows with
     job_id, cohort, stage, rank, slowdown, alert_active)."""
 
@@ -153,6 +161,7 @@ class DetectorTelemetry:
         self._job_slowdown_states = job_slowdown_states
         self._lock = threading.Lock()
         self.export_failures: Counter[str] = Counter()
+        self.events_dropped: Counter[str] = Counter()  # verdict events not delivered, by reason
         # (job, cohort, stage, rank) -> the straggler alert's evidence attributes, while it is active
         self._alert_evidence: dict[tuple, dict[str, Any]] = {}
         self._max_alert_evidence = config.max_metric_series
@@ -166,7 +175,8 @@ class DetectorTelemetry:
         self.exporting_events = export_otlp and otlp_endpoint_configured("logs", environ)
         self._prompt_export: Optional[_PromptExport] = None
         if self.exporting_metrics:
-            exporter = _otlp_exporter("metrics", environ, lambda: self._failed("metrics"))
+            exporter = _otlp_exporter("metrics", environ, lambda protocol: _counting_failures(
+                _otlp_metric_exporter_class(protocol), lambda: self._failed("metrics"))())
             periodic = PeriodicExportingMetricReader(exporter, export_interval_millis=config.metric_export_interval_s * 1000)
             readers.append(periodic)
             if PROMPT_EXPORT_SPACING_S is not None:
@@ -181,13 +191,11 @@ class DetectorTelemetry:
             metric_readers=readers, resource=resource,
             views=[View(instrument_name=name, aggregation_cardinality_limit=config.max_metric_series) for name in per_rank],
         )
-        self._logger_provider: Optional[LoggerProvider] = None
-        self._event_logger = None
+        self._events: Optional[EventExporter] = None
         if self.exporting_events:
-            exporter = _otlp_exporter("logs", environ, lambda: self._failed("logs"))
-            self._logger_provider = LoggerProvider(resource=resource)
-            self._logger_provider.add_log_record_processor(BatchLogRecordProcessor(exporter))
-            self._event_logger = self._logger_provider.get_logger(SCOPE_NAME)
+            sender = _otlp_exporter("logs", environ, lambda protocol: _event_sender(protocol, environ))
+            self._events = EventExporter(sender, resource, SCOPE_NAME, self._dropped_events,
+                                         lambda: self._failed("logs"))
         self._create_instruments(self._meter_provider.get_meter(SCOPE_NAME))
 
     def _create_instruments(self, meter) -> None:
@@ -240,6 +248,10 @@ class DetectorTelemetry:
         meter.create_observable_counter(
             "straggler.detector.export.failures", [self._observe_export_failures],
             description="failed OTLP exports of the detector's own metrics and events, by signal")
+        meter.create_observable_counter(
+            "straggler.detector.events.dropped", [self._observe_events_dropped],
+            description="verdict events not exported over OTLP, by reason (queue_full, export_failed, "
+                        "encode_failed, shutdown)")
         meter.create_observable_gauge(
             "straggler.detector.queue.spans", [self._observe_total("queue", "pending_spans")],
             description="decoded spans waiting for the engine")
@@ -259,16 +271,11 @@ class DetectorTelemetry:
                 "verdict": verdict.verdict, "reason": verdict.reason, contract.STAGE: verdict.stage,
                 contract.RANK: -1 if verdict.rank is None else verdict.rank, contract.JOB_ID: verdict.job_id,
             }, verdict))
-            if self._event_logger is not None:
-                severity = SeverityNumber.ERROR if verdict.verdict in _ERROR_VERDICTS else \
-                    SeverityNumber.WARN if verdict.verdict in _WARN_VERDICTS else SeverityNumber.INFO
-                self._event_logger.emit(
-                    timestamp=verdict.time_unix_nano,
-                    event_name=contract.VERDICT_EVENT_NAME,
-                    severity_number=severity,
-                    body=verdict_summary(verdict),
-                    attributes=verdict_attributes(verdict),
-                )
+            if self._events is not None:
+                severity = SEVERITY_ERROR if verdict.verdict in _ERROR_VERDICTS else \
+                    SEVERITY_WARN if verdict.verdict in _WARN_VERDICTS else SEVERITY_INFO
+                self._events.emit(verdict.time_unix_nano, severity, verdict_summary(verdict),
+                                  verdict_attributes(verdict), contract.VERDICT_EVENT_NAME)
         if alert_changed and self._prompt_export is not None:
             self._prompt_export.request()
 
@@ -280,9 +287,8 @@ class DetectorTelemetry:
         millis = int(timeout_s * 1000)
         if self._prompt_export is not None:
             self._prompt_export.stop(min(1.0, timeout_s))
-        if self._logger_provider is not None:
-            self._logger_provider.force_flush(millis)
-            self._logger_provider.shutdown()
+        if self._events is not None:
+            self._events.shutdown(timeout_s)
         self._meter_provider.force_flush(millis)
         self._meter_provider.shutdown(millis)
 
@@ -291,6 +297,10 @@ class DetectorTelemetry:
     def _failed(self, signal: str) -> None:
         with self._lock:
             self.export_failures[signal] += 1
+
+    def _dropped_events(self, reason: str, count: int) -> None:
+        with self._lock:
+            self.events_dropped[reason] += count
 
     def _observe_slowdown(self, options: CallbackOptions) -> Iterable[Observation]:
         for state in self._rank_states():
@@ -361,6 +371,12 @@ class DetectorTelemetry:
             failures = dict(self.export_failures)
         for signal, count in failures.items():
             yield Observation(count, {"signal": signal})
+
+    def _observe_events_dropped(self, options: CallbackOptions) -> Iterable[Observation]:
+        with self._lock:
+            dropped = dict(self.events_dropped)
+        for reason, count in dropped.items():
+            yield Observation(count, {"reason": reason})
 
 
 class _PromptExport:

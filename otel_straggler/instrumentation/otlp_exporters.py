@@ -1,11 +1,13 @@
-"""The rank's OTLP span exporters, gRPC and HTTP, on public API only: each implements the SDK's
-SpanExporter, encodes with span_encoding.SpanEncoder (the C writer where built) and sends through
-a transport of ours (a grpc channel's raw unary call taking the encoded bytes; http.client over
-one kept-alive connection, or a requests Session where a proxy, credentials or a credential
-provider need one).
+"""Our OTLP exporters, gRPC and HTTP, on public API only, for two signals: the rank's spans
+(GrpcSpanExporter, HttpSpanExporter: the SDK's SpanExporter, encoding with span_encoding.SpanEncoder,
+the C writer where built) and the detector's verdict events as log records (GrpcSender, HttpSender
+for LOGS, given requests the caller encoded: detector/event_export.py). Both send through a
+transport of ours (a grpc channel's raw unary call taking the encoded bytes; http.client over one
+kept-alive connection, or a requests Session where a proxy, credentials or a credential provider
+need one).
 
-They read the same OTEL_EXPORTER_OTLP_[TRACES_]* variables as the SDK's exporters (endpoint,
-headers, certificate, client key and certificate, compression, timeout, insecure; the traces
+They read the same OTEL_EXPORTER_OTLP_[<SIGNAL>_]* variables as the SDK's exporters (endpoint,
+headers, certificate, client key and certificate, compression, timeout, insecure; the signal's
 variable first), checked beforehand by otlp_environ.check_exporter_environ. An export retries
 what OTLP calls retryable (gRPC: UNAVAILABLE and the like, RESOURCE_EXHAUSTED only with RetryInfo;
 HTTP: 429, 502, 503, 504 and a connection that could not be made), after the delay the receiver
@@ -24,6 +26,7 @@ import random
 import threading
 import time
 import zlib
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 from urllib.parse import urlsplit
 
@@ -39,19 +42,47 @@ from otel_straggler.instrumentation.span_encoding import SpanEncoder
 from otel_straggler.settings import ConfigError
 
 _logger = logging.getLogger("otel_straggler")
-EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+
+
+@dataclass(frozen=True)
+class Signal:
+    """What differs between the signals we export: where it goes, and what its failure line says."""
+
+    name: str  # traces, logs: OTEL_EXPORTER_OTLP_<NAME>_* and OTEL_EXPORTER_OTLP_<NAME>_ENDPOINT
+    grpc_method: str
+    http_path: str  # appended to OTEL_EXPORTER_OTLP_ENDPOINT (not to the signal's own endpoint)
+    item: str  # what one export carries, for the log line: span, event
+    lost_in: str  # where the items a failed export loses are counted, for the log line
+
+    @property
+    def variable(self) -> str:
+        return self.name.upper()
+
+
+TRACES = Signal("traces", "/opentelemetry.proto.collector.trace.v1.TraceService/Export", "/v1/traces",
+                "span", "status()['lost']['export_failed']")
+LOGS = Signal("logs", "/opentelemetry.proto.collector.logs.v1.LogsService/Export", "/v1/logs",
+              "event", "status.json events_dropped.export_failed")
+EXPORT_METHOD = TRACES.grpc_method
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_MAX_REQUEST_SIZE = 64 * 1024 * 1024  # the SDK's HTTP exporter's
 FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 32.0
 RETRYABLE_HTTP = frozenset((429, 502, 503, 504))
-CREDENTIAL_PROVIDER_VARIABLES = ("OTEL_PYTHON_EXPORTER_OTLP_HTTP_CREDENTIAL_PROVIDER",
-                                 "OTEL_PYTHON_EXPORTER_OTLP_HTTP_TRACES_CREDENTIAL_PROVIDER")
 
 
-def setting(environ: Mapping[str, str], name: str) -> Optional[str]:
-    """OTEL_EXPORTER_OTLP_TRACES_<name>, else OTEL_EXPORTER_OTLP_<name>; blank is unset."""
-    for variable in (f"OTEL_EXPORTER_OTLP_TRACES_{name}", f"OTEL_EXPORTER_OTLP_{name}"):
+def credential_provider_variables(signal: Signal) -> tuple[str, str]:
+    """The general one first, as the SDK's HTTP exporters read them."""
+    return ("OTEL_PYTHON_EXPORTER_OTLP_HTTP_CREDENTIAL_PROVIDER",
+            f"OTEL_PYTHON_EXPORTER_OTLP_HTTP_{signal.variable}_CREDENTIAL_PROVIDER")
+
+
+CREDENTIAL_PROVIDER_VARIABLES = credential_provider_variables(TRACES)
+
+
+def setting(environ: Mapping[str, str], name: str, signal: Signal = TRACES) -> Optional[str]:
+    """OTEL_EXPORTER_OTLP_<SIGNAL>_<name>, else OTEL_EXPORTER_OTLP_<name>; blank is unset."""
+    for variable in (f"OTEL_EXPORTER_OTLP_{signal.variable}_{name}", f"OTEL_EXPORTER_OTLP_{name}"):
         value = environ.get(variable, "").strip()
         if value:
             return value
@@ -91,18 +122,85 @@ class _Backoff:
         return max(0.0, delay if asked_s is not None else delay * random.uniform(0.8, 1.2))
 
 
-class _OtlpSpanExporter(SpanExporter):
-    """What both protocols share: encoding, the retry loop, the failure log, shutdown."""
+class OtlpSender:
+    """What both protocols and both signals share: the retry loop, the failure log, shutdown. It
+    sends an encoded export request (`send`); encoding is the signal's."""
 
     protocol = ""
 
-    def __init__(self, endpoint: str, timeout_s: float) -> None:
+    def __init__(self, signal: Signal, endpoint: str, timeout_s: float) -> None:
+        self.signal = signal
         self.endpoint = endpoint
         self.timeout_s = timeout_s
-        self.encoder = SpanEncoder()
-        self.prewrite = self.encoder.prewrite
         self._stopping = threading.Event()
         self._failing = False  # logged already: the current run of failed exports
+
+    def deadline(self, given: Optional[float] = None) -> float:
+        """`given` (time.monotonic()) or the exporter's timeout from now, whichever is first."""
+        limit = time.monotonic() + self.timeout_s
+        return limit if given is None else min(given, limit)
+
+    def send(self, body: bytes, count: int, deadline: float) -> bool:
+        """Sends the encoded request (`count` items) by `deadline` (time.monotonic()), retrying what
+        OTLP says to retry; False when it was not delivered."""
+        if self._stopping.is_set():
+            return False
+        backoff = _Backoff()
+        item = self.signal.item
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return self._failed(count, "no time left to send (export deadline)")
+            with suppress_instrumentation():
+                retry, asked_s, error = self._send(body, left)
+            if error is None:
+                if self._failing:
+                    self._failing = False
+                    _logger.warning("otel-straggler: %s export to %s works again", item, self.endpoint)
+                return True
+            if not self._failing:
+                self._failing = True  # one line for a run of failures, at its first error
+                _logger.warning("otel-straggler: %s export to %s (%s) failed: %s; %s, %ss lost counted in "
+                                "%s (not logged again until exports work)",
+                                item, self.endpoint, self.protocol, error,
+                                "retried within the export's deadline" if retry else "not retried",
+                                item, self.signal.lost_in)
+            if not retry:
+                return False
+            delay = backoff.next(asked_s)
+            if delay > deadline - time.monotonic():
+                return False  # the next try would be past the deadline
+            if self._stopping.wait(delay):
+                return False  # shutting down
+
+    def _failed(self, count: int, why: str) -> bool:
+        if not self._failing:
+            self._failing = True
+            _logger.warning("otel-straggler: %s export to %s (%s) failed: %s; %d %ss lost, counted in "
+                            "%s (not logged again until exports work)",
+                            self.signal.item, self.endpoint, self.protocol, why, count, self.signal.item,
+                            self.signal.lost_in)
+        return False
+
+    def _send(self, body: bytes, timeout_s: float) -> tuple[bool, Optional[float], Optional[str]]:
+        """One try: (retryable, the delay the receiver asked for, the error or None)."""
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        """Stops: a send waiting to retry gives up at once, and the connection is closed."""
+        self._stopping.set()
+        self._close()
+
+    def _close(self) -> None:
+        pass
+
+
+class _SpanExporting(SpanExporter):
+    """The span side of a sender: the SDK's SpanExporter, encoding with span_encoding.SpanEncoder."""
+
+    def _start_encoding(self) -> None:
+        self.encoder = SpanEncoder()
+        self.prewrite = self.encoder.prewrite
 
     def export(self, spans: Sequence[Any]) -> SpanExportResult:
         return self.export_within(spans, None)
@@ -111,75 +209,32 @@ class _OtlpSpanExporter(SpanExporter):
         """Export by `deadline` (time.monotonic()) or the exporter's timeout, whichever is first."""
         if self._stopping.is_set():
             return SpanExportResult.FAILURE
-        limit = time.monotonic() + self.timeout_s
-        deadline = limit if deadline is None else min(deadline, limit)
+        deadline = self.deadline(deadline)
         try:
             body = self.encoder.encode(spans)
         except Exception:
             _logger.exception("otel-straggler: could not encode %d spans", len(spans))
             return SpanExportResult.FAILURE
-        backoff = _Backoff()
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return self._failed(len(spans), "no time left to send (export deadline)")
-            with suppress_instrumentation():
-                retry, asked_s, error = self._send(body, left)
-            if error is None:
-                if self._failing:
-                    self._failing = False
-                    _logger.warning("otel-straggler: span export to %s works again", self.endpoint)
-                return SpanExportResult.SUCCESS
-            if not self._failing:
-                self._failing = True  # one line for a run of failures, at its first error
-                _logger.warning("otel-straggler: span export to %s (%s) failed: %s; %s, spans lost counted in "
-                                "status()['lost']['export_failed'] (not logged again until exports work)",
-                                self.endpoint, self.protocol, error,
-                                "retried within the export's deadline" if retry else "not retried")
-            if not retry:
-                return SpanExportResult.FAILURE
-            delay = backoff.next(asked_s)
-            if delay > deadline - time.monotonic():
-                return SpanExportResult.FAILURE  # the next try would be past the deadline
-            if self._stopping.wait(delay):
-                return SpanExportResult.FAILURE  # shutting down
-
-    def _failed(self, count: int, why: str) -> SpanExportResult:
-        if not self._failing:
-            self._failing = True
-            _logger.warning("otel-straggler: span export to %s (%s) failed: %s; %d spans lost, counted in "
-                            "status()['lost']['export_failed'] (not logged again until exports work)",
-                            self.endpoint, self.protocol, why, count)
-        return SpanExportResult.FAILURE
-
-    def _send(self, body: bytes, timeout_s: float) -> tuple[bool, Optional[float], Optional[str]]:
-        """One try: (retryable, the delay the receiver asked for, the error or None)."""
-        raise NotImplementedError
+        return SpanExportResult.SUCCESS if self.send(body, len(spans), deadline) else SpanExportResult.FAILURE
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True
 
-    def shutdown(self) -> None:
-        self._stopping.set()
-        self._close()
 
-    def _close(self) -> None:
-        pass
-
-
-class GrpcSpanExporter(_OtlpSpanExporter):
-    """OTLP/gRPC: TraceService/Export as a raw unary call taking the encoded request, so the bytes
-    are neither parsed into a message nor serialized again."""
+class GrpcSender(OtlpSender):
+    """OTLP/gRPC: the signal's Export method as a raw unary call taking the encoded request, so the
+    bytes are neither parsed into a message nor serialized again."""
 
     protocol = "grpc"
     RETRYABLE = ("CANCELLED", "DEADLINE_EXCEEDED", "ABORTED", "OUT_OF_RANGE", "UNAVAILABLE", "DATA_LOSS")
 
-    def __init__(self, endpoint: Optional[str] = None, environ: Mapping[str, str] = os.environ) -> None:
+    def __init__(self, signal: Signal, endpoint: Optional[str] = None,
+                 environ: Mapping[str, str] = os.environ) -> None:
         import grpc
 
         self._grpc = grpc
-        source = "endpoint" if endpoint else _endpoint_variable(environ)
-        given = endpoint or setting(environ, "ENDPOINT") or "http://localhost:4317"
+        source = "endpoint" if endpoint else _endpoint_variable(environ, signal)
+        given = endpoint or setting(environ, "ENDPOINT", signal) or "http://localhost:4317"
         try:
             parts = urlsplit(given if "://" in given else f"//{given}")
             port = parts.port
@@ -189,7 +244,7 @@ class GrpcSpanExporter(_OtlpSpanExporter):
             raise ConfigError(f"{source}: expected host:port or an http:// or https:// URL for OTLP/gRPC, "
                               f"got {given!r}")
         target = parts.netloc
-        insecure_variable = setting(environ, "INSECURE")
+        insecure_variable = setting(environ, "INSECURE", signal)
         if parts.scheme == "https":
             insecure = False
         elif endpoint is not None:
@@ -198,15 +253,15 @@ class GrpcSpanExporter(_OtlpSpanExporter):
             insecure = insecure_variable.lower() == "true"
         else:
             insecure = parts.scheme == "http"
-        timeout = setting(environ, "TIMEOUT")
-        super().__init__(target, float(timeout) if timeout else DEFAULT_TIMEOUT_S)
-        self.metadata = tuple(parse_headers(setting(environ, "HEADERS")))
-        compression = (setting(environ, "COMPRESSION") or "").lower()
+        timeout = setting(environ, "TIMEOUT", signal)
+        super().__init__(signal, target, float(timeout) if timeout else DEFAULT_TIMEOUT_S)
+        self.metadata = tuple(parse_headers(setting(environ, "HEADERS", signal)))
+        compression = (setting(environ, "COMPRESSION", signal) or "").lower()
         self._compression = grpc.Compression.Gzip if compression == "gzip" else grpc.Compression.NoCompression
         self._credentials = None if insecure else grpc.ssl_channel_credentials(
-            root_certificates=_read(setting(environ, "CERTIFICATE")),
-            private_key=_read(setting(environ, "CLIENT_KEY")),
-            certificate_chain=_read(setting(environ, "CLIENT_CERTIFICATE")))
+            root_certificates=_read(setting(environ, "CERTIFICATE", signal)),
+            private_key=_read(setting(environ, "CLIENT_KEY", signal)),
+            certificate_chain=_read(setting(environ, "CLIENT_CERTIFICATE", signal)))
         self._options = (("grpc.primary_user_agent", "otel-straggler"),)
         self._lock = threading.Lock()
         self._channel = None
@@ -225,7 +280,8 @@ class GrpcSpanExporter(_OtlpSpanExporter):
                                               compression=self._compression)
             self._channel = channel
             # request_serializer None: the request is sent as the bytes given; the answer is not read
-            self._call = channel.unary_unary(EXPORT_METHOD, request_serializer=None, response_deserializer=None)
+            self._call = channel.unary_unary(self.signal.grpc_method, request_serializer=None,
+                                             response_deserializer=None)
 
     def _send(self, body: bytes, timeout_s: float) -> tuple[bool, Optional[float], Optional[str]]:
         grpc = self._grpc
@@ -267,39 +323,40 @@ def _retry_info_s(error: Any) -> Optional[float]:
         return None
 
 
-class HttpSpanExporter(_OtlpSpanExporter):
+class HttpSender(OtlpSender):
     """OTLP/HTTP (protobuf) over one kept-alive connection (http_transport), or a requests
     Session where requests would do what http.client does not (a proxy, credentials in the URL or
     a netrc file) or a credential provider gives one."""
 
     protocol = "http/protobuf"
 
-    def __init__(self, endpoint: Optional[str] = None, environ: Mapping[str, str] = os.environ,
+    def __init__(self, signal: Signal, endpoint: Optional[str] = None, environ: Mapping[str, str] = os.environ,
                  max_request_size: Optional[int] = None) -> None:
         from otel_straggler.instrumentation import http_transport
 
-        url = endpoint or _http_traces_url(environ)
+        url = endpoint or _http_url(environ, signal)
         try:
             parts = urlsplit(url)
             parts.port  # noqa: B018 (raises on a port that is not a number)
         except ValueError:
             parts = None
         if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-            source = "endpoint" if endpoint else _endpoint_variable(environ)
+            source = "endpoint" if endpoint else _endpoint_variable(environ, signal)
             raise ConfigError(f"{source}: expected an http:// or https:// URL for OTLP/HTTP, got {url!r}")
-        timeout = setting(environ, "TIMEOUT")
-        super().__init__(url, float(timeout) if timeout else DEFAULT_TIMEOUT_S)
+        timeout = setting(environ, "TIMEOUT", signal)
+        super().__init__(signal, url, float(timeout) if timeout else DEFAULT_TIMEOUT_S)
         self.max_request_size = DEFAULT_MAX_REQUEST_SIZE if max_request_size is None else max_request_size
-        self.compression = (setting(environ, "COMPRESSION") or "none").lower()
+        self.compression = (setting(environ, "COMPRESSION", signal) or "none").lower()
         self.headers = {"Content-Type": "application/x-protobuf", "User-Agent": "otel-straggler"}
-        self.headers.update(parse_headers(setting(environ, "HEADERS")))
+        self.headers.update(parse_headers(setting(environ, "HEADERS", signal)))
         if self.compression in ("gzip", "deflate"):
             self.headers["Content-Encoding"] = self.compression
-        certificate = setting(environ, "CERTIFICATE")
+        certificate = setting(environ, "CERTIFICATE", signal)
         verify: Any = certificate if certificate else True
-        client_certificate, client_key = setting(environ, "CLIENT_CERTIFICATE"), setting(environ, "CLIENT_KEY")
+        client_certificate = setting(environ, "CLIENT_CERTIFICATE", signal)
+        client_key = setting(environ, "CLIENT_KEY", signal)
         cert: Any = (client_certificate, client_key) if client_certificate and client_key else client_certificate
-        session = _credential_provider_session(environ)
+        session = _credential_provider_session(environ, signal)
         if session is not None or not http_transport.usable_for(url):
             self.transport: Any = http_transport.SessionTransport(session, verify=verify, cert=cert)
         else:
@@ -328,20 +385,44 @@ class HttpSpanExporter(_OtlpSpanExporter):
         self.transport.close()
 
 
-def _endpoint_variable(environ: Mapping[str, str]) -> str:
-    for variable in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+class GrpcSpanExporter(GrpcSender, _SpanExporting):
+    """The rank's spans over OTLP/gRPC (TraceService/Export)."""
+
+    def __init__(self, endpoint: Optional[str] = None, environ: Mapping[str, str] = os.environ) -> None:
+        super().__init__(TRACES, endpoint, environ)
+        self._start_encoding()
+
+
+class HttpSpanExporter(HttpSender, _SpanExporting):
+    """The rank's spans over OTLP/HTTP (POST .../v1/traces)."""
+
+    def __init__(self, endpoint: Optional[str] = None, environ: Mapping[str, str] = os.environ,
+                 max_request_size: Optional[int] = None) -> None:
+        super().__init__(TRACES, endpoint, environ, max_request_size)
+        self._start_encoding()
+
+
+def sender(signal: Signal, protocol: str, environ: Mapping[str, str] = os.environ) -> OtlpSender:
+    """The signal's sender for `protocol` (grpc, http/protobuf), configured by the environment
+    alone (check it first: otlp_environ.check_exporter_environ)."""
+    return GrpcSender(signal, None, environ) if protocol == "grpc" else HttpSender(signal, None, environ)
+
+
+def _endpoint_variable(environ: Mapping[str, str], signal: Signal = TRACES) -> str:
+    for variable in (f"OTEL_EXPORTER_OTLP_{signal.variable}_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
         if environ.get(variable, "").strip():
             return variable
     return "the default endpoint"
 
 
-def _http_traces_url(environ: Mapping[str, str]) -> str:
-    """OTEL_EXPORTER_OTLP_TRACES_ENDPOINT as it is, else OTEL_EXPORTER_OTLP_ENDPOINT + /v1/traces."""
-    traces = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip()
-    if traces:
-        return traces
+def _http_url(environ: Mapping[str, str], signal: Signal = TRACES) -> str:
+    """OTEL_EXPORTER_OTLP_<SIGNAL>_ENDPOINT as it is, else OTEL_EXPORTER_OTLP_ENDPOINT + the
+    signal's path (/v1/traces, /v1/logs)."""
+    own = environ.get(f"OTEL_EXPORTER_OTLP_{signal.variable}_ENDPOINT", "").strip()
+    if own:
+        return own
     base = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip() or "http://localhost:4318"
-    return base.rstrip("/") + "/v1/traces"
+    return base.rstrip("/") + signal.http_path
 
 
 def _retry_after_s(value: Optional[str]) -> Optional[float]:
@@ -358,10 +439,10 @@ def _retry_after_s(value: Optional[str]) -> Optional[float]:
         return None
 
 
-def _credential_provider_session(environ: Mapping[str, str]) -> Any:
+def _credential_provider_session(environ: Mapping[str, str], signal: Signal = TRACES) -> Any:
     """The requests Session a credential provider (an `opentelemetry_otlp_credential_provider`
     entry point named by the variable) makes, as the SDK's HTTP exporter loads it."""
-    name = next((environ[variable].strip() for variable in CREDENTIAL_PROVIDER_VARIABLES
+    name = next((environ[variable].strip() for variable in credential_provider_variables(signal)
                  if environ.get(variable, "").strip()), None)
     if name is None:
         return None

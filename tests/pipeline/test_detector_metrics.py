@@ -1,10 +1,12 @@
 """The real detector behind the real gateway: its own metrics come back through the collector to
-Prometheus under the names the rules and dashboards use (the full demo run is an end-to-end test
-of its own)."""
+Prometheus under the names the rules and dashboards use, and its verdict events reach the gateway's
+events file (the full demo run is an end-to-end test of its own)."""
 
 from __future__ import annotations
 
+import json
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -53,3 +55,36 @@ def test_detector_rejections_reach_prometheus_by_reason(pipeline, detector):
     stage_spans = 2 * 3  # steps x stages
     wait_for_sum(pipeline, detector, query, stage_spans)
     assert "rejected as malformed (missing_job_id)" in detector.log_tail()
+
+
+def test_detector_verdict_events_reach_the_events_file(pipeline, tmp_path):
+    """The detector's own OTLP logs export (event_export.py) through the real gateway."""
+    process = services.Detector(tmp_path, pipeline.detector_grpc_port, pipeline.detector_http_port,
+                                otlp_endpoint=pipeline.collector_grpc,
+                                args=("--window-steps=5", "--warmup-windows=1", "--persist-windows=1"))
+    job_id = f"events-{uuid.uuid4().hex[:8]}"
+    events_path = Path(pipeline.events_path)
+
+    def attributes(record: dict) -> dict:
+        return {a["key"]: a["value"] for a in record["attributes"]}
+
+    def straggler_events():
+        lines = events_path.read_text().splitlines() if events_path.exists() else []
+        return [(resource_logs, record) for line in lines if job_id in line
+                for resource_logs in json.loads(line)["resourceLogs"]
+                for scope_logs in resource_logs["scopeLogs"] for record in scope_logs["logRecords"]
+                if attributes(record).get("verdict") == {"stringValue": "straggler"}] or None
+
+    with process:
+        for rank in range(4):  # rank 3 six times as slow in every stage
+            send_rank_steps(pipeline.collector_grpc, Rank(job_id, rank, 4, "tp0-pp0"), range(25),
+                            stage_ms=12.0 if rank == 3 else 2.0)
+        try:
+            found = services.wait_until(straggler_events, DEADLINE_S, what="a straggler event in the events file")
+        except TimeoutError:
+            pytest.fail(f"no straggler event of {job_id}\n--- detector log ---\n{process.log_tail()}")
+    resource_logs, record = found[0]
+    resource = attributes(resource_logs["resource"])
+    assert resource["service.name"] == {"stringValue": "otel-straggler-detector"}
+    assert record["eventName"] == "straggler.verdict" and record["severityNumber"] == 13  # WARN
+    assert attributes(record)["rank"] == {"intValue": "3"} and record["body"]["stringValue"].startswith("rank 3 ")

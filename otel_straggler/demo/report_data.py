@@ -176,7 +176,7 @@ def _slowest_stage(windows: list[WindowMedian], rank: int) -> Optional[str]:
 
 
 def threshold(reference_ms: float, rel_threshold: float, min_gap_ms: float) -> float:
-    """The smallest median that is slow under both rules (DESIGN §3, Thresholds)."""
+    """The smallest median that is slow under both rules (docs/detection.md#thresholds)."""
     return max(reference_ms * (1.0 + rel_threshold), reference_ms + min_gap_ms)
 
 

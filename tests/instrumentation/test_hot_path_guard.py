@@ -1,4 +1,4 @@
-"""The training thread pays only for the hot path (DESIGN §2): no device sync, no collective,
+"""The training thread pays only for the hot path (docs/architecture.md#the-training-thread-budget): no device sync, no collective,
 no logging, no I/O, no lock, no sleep. Checked twice: statically, by scanning the hot-path
 functions' code (the Python reference's and the C extension's source), and at run time, by spying
 on those calls during a training loop (with whichever of the two this process runs)."""

@@ -8,8 +8,8 @@
    (benchmarks/hot_path_in_situ.py measures both in a training loop).
 
    The rules are docs/architecture.md's training-thread budget: read the clock, take an event from
-   the pool (a Python call, only when device timing is on), bind the step, append to the bounded `completed` deque. No lock, no
-   I/O, no allocation beyond the records themselves. Nothing raises to the caller: an Exception is
+   the pool (a Python call, only when device timing is on), bind the step, append to the bounded
+   `completed` deque. No lock, no I/O, no allocation beyond the records themselves. Nothing raises to the caller: an Exception is
    counted in internal_errors and the call returns as if the interval were not timed. Anything that
    is not an Exception (KeyboardInterrupt, SystemExit) goes on, as in Python.
 

@@ -93,6 +93,9 @@ HANG_NEVER_ENTERED_COLLECTIVE = "never_entered_collective"
 HANG_RANK_LOST = "rank_lost"
 HANG_ALL_RANKS_WAITING = "all_ranks_waiting"
 HANG_PROGRESS_RESUMED = "progress_resumed"
+# `recovered`: an alert of a cohort whose ranks stopped reporting here (the job ended, or the
+# gateway moved the cohort to another detector shard)
+REASON_COHORT_DEPARTED = "cohort_departed"
 WHOLE_STEP_STAGE = "*"
 
 VERDICT_FIELDS = (

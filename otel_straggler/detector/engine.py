@@ -48,6 +48,7 @@ import numpy as np
 
 from otel_straggler import contract
 from otel_straggler.detector.config import DetectorConfig
+from otel_straggler.detector.departure import CHECK_INTERVAL_NS, departed_verdicts, has_active_alert
 from otel_straggler.detector.gpu_evidence import GpuEvidence
 from otel_straggler.detector.inherited_alerts import AlertKey, InheritedAlerts
 from otel_straggler.detector.judge import judge_window, restarted_verdicts
@@ -136,6 +137,7 @@ class Engine:
         self._counts: Counter = Counter()
         self._now = 0  # latest `now` given; new cohorts start their activity clock there
         self._retiring: list[Cohort] = []  # superseded by a new incarnation, judged at the next advance
+        self._next_departure_check = 0
         self._liveness = Liveness(config, self._counts)
         self._flagged_hosts: dict[tuple, None] = {}  # (job, epoch, host) that had a rank alerted, oldest first
         self._gpu = GpuEvidence(config.window_steps, config.persist_windows, config.max_gpu_ranks)
@@ -425,7 +427,23 @@ class Engine:
         verdicts = self._retire(now_unix_nano)
         verdicts += self._judge(lambda cohort: cohort.windows_to_judge(
             now_unix_nano, self._grace_ns, config.window_close_lag, config.max_window_rows_per_rank), now_unix_nano)
-        return verdicts + self._judge_liveness(now_unix_nano)
+        return verdicts + self._judge_liveness(now_unix_nano) + self._departed(now_unix_nano)
+
+    def _departed(self, now_unix_nano: int) -> list[Verdict]:
+        """Ends the alerts of cohorts whose every rank stopped reporting here (departure.py)."""
+        if now_unix_nano < self._next_departure_check:
+            return []
+        self._next_departure_check = now_unix_nano + CHECK_INTERVAL_NS
+        verdicts: list[Verdict] = []
+        for cohort in self._cohorts.values():
+            if has_active_alert(cohort) and all(
+                    self._liveness.stopped(cohort.job_id, cohort.epoch, entry.rank, now_unix_nano)
+                    for entry in cohort.slot_entries if entry is not None):
+                ended = departed_verdicts(cohort, now_unix_nano)
+                self._counts["alerts_departed"] += len(ended)
+                verdicts += self._placed(ended, cohort.epoch)
+        self._counts["verdicts"] += len(verdicts)
+        return verdicts
 
     def _judge_liveness(self, now_unix_nano: int) -> list[Verdict]:
         verdicts, self._liveness_verdicts = self._liveness_verdicts, []
@@ -496,7 +514,7 @@ class Engine:
                     "evictions_jobs", "evictions_cohorts", "evictions_ranks", "evictions_stages",
                     "evictions_windows", "windows_dropped", "windows_closed_full", "seq_restarts", "invalid_device_durations",
                     "verdicts", "heartbeats", "incarnations", "evictions_liveness_jobs", "evictions_liveness_ranks",
-                    "detector_stalls", "below_floor_quiet", "jobs_shed", "cohorts_shed")
+                    "detector_stalls", "below_floor_quiet", "jobs_shed", "cohorts_shed", "alerts_departed")
         stats = {name: int(self._counts[name]) for name in counters}
         stats["duplicates"] = int(self._counts["duplicate"])
         stats["jobs"] = len(self._cohorts_by_job)

@@ -217,15 +217,26 @@ class Liveness:
             verdicts.extend(self._judge_stall(job, now, stalled_from, collectives_of(job.job_id, job.epoch)))
         return verdicts
 
+    def stopped(self, job_id: str, epoch: int, rank: int, now: int) -> bool:
+        """Whether nothing of the rank reached this detector lately: its heartbeats stopped, or,
+        never having sent one, its spans did (the rank_lost test). A rank without a record (none
+        placed it, or its record was evicted) cannot be told stopped: False."""
+        job = self._jobs.get((job_id, epoch))
+        record = job.ranks.get(rank) if job is not None else None
+        return record is not None and self._stopped(record, now)
+
+    def _stopped(self, record: RankRecord, now: int) -> bool:
+        # without heartbeats: its spans (each request places its ranks), none of them lately (a
+        # rank frozen before its first heartbeat, say)
+        return now - (record.heard_ns if record.heartbeat_ns else record.touched_ns) > self._patience_ns(record)
+
     def _judge_stall(self, job: JobLiveness, now: int, stalled_from: int, collectives: set) -> list[Verdict]:
         live, lost = [], []
         for rank, record in job.ranks.items():
-            if record.heartbeat_ns:
-                (lost if now - record.heard_ns > self._patience_ns(record) else live).append((rank, record))
-            elif now - record.touched_ns > self._patience_ns(record):
-                # its peers send heartbeats and it sent none, only spans, and none of those lately
-                # (a rank frozen before its first heartbeat): lost as well
+            if self._stopped(record, now):
                 lost.append((rank, record))
+            elif record.heartbeat_ns:
+                live.append((rank, record))
         if not any(record.open_stages for _, record in live):
             return []
         waiting = [(rank, record) for rank, record in live

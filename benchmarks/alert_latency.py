@@ -391,12 +391,7 @@ class DetectorProcess(services.Detector):
 
     def argv(self) -> list[str]:
         argv = super().argv()
-        if self.prompt_export:
-            return argv
-        launcher = ("import sys; from otel_straggler.detector import telemetry; "
-                    "telemetry.PROMPT_EXPORT_SPACING_S = None; from otel_straggler.cli import main; "
-                    "sys.exit(main(sys.argv[1:]))")
-        return [argv[0], "-c", launcher] + argv[3:]
+        return argv if self.prompt_export else argv + ["--prompt-export-spacing-s=0"]
 
 
 def run_setup(setup: Setup, workdir: Path, straggler_jobs: int, hang_jobs: int, pairs_per_job: int,

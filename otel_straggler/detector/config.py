@@ -70,6 +70,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("prometheus_port", int, -1, "also serve metrics for scraping on this port (-1: off)", -1, 65535),
     Setting("export_metrics", _bool, True, "export verdict metrics and events over OTLP (OTEL_EXPORTER_OTLP_*)"),
     Setting("metric_export_interval_s", float, 5.0, "OTLP metric export period", 0.1, 3600.0),
+    Setting("prompt_export_spacing_s", float, 1.0, "metrics are also exported right after a verdict that starts or ends an alert, at most this often (0: only the periodic export)", 0.0, 3600.0),
     Setting("max_metric_series", int, 50_000, "bound on series per per-rank metric (slowdown, alert, verdicts); more go to the overflow series", 100, 10_000_000),
 )
 
@@ -128,6 +129,7 @@ class DetectorConfig:
     prometheus_port: int = -1
     export_metrics: bool = True
     metric_export_interval_s: float = 5.0
+    prompt_export_spacing_s: float = 1.0
     max_metric_series: int = 50_000
 
     def __post_init__(self) -> None:

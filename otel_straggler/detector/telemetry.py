@@ -48,9 +48,8 @@ _ERROR_VERDICTS = {contract.VERDICT_HANG}
 # the silent count): the metrics are exported right after them instead of at the next period
 ALERT_CHANGING_VERDICTS = frozenset({contract.VERDICT_STRAGGLER, contract.VERDICT_RECOVERED,
                                      contract.VERDICT_HANG, contract.VERDICT_SILENT})
-# at most one such extra export this often, so a burst of verdicts (a whole node's ranks at once)
-# costs one export, not one each; None turns the extra exports off (the periodic one alone)
-PROMPT_EXPORT_SPACING_S: Optional[float] = 1.0
+# (at most one such extra export every --prompt-export-spacing-s, so a burst of verdicts, a whole
+# node's ranks at once, costs one export, not one each)
 # exporter batching adds seconds; beyond a window's grace (30 s by default) spans risk being late
 _LAG_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
@@ -156,7 +155,9 @@ class DetectorTelemetry:
         job_slowdown_states: Callable[[], Iterable[Any]] = tuple,
     ) -> None:
         self._health = health
-        self._rank_states = rank_states
+        self._all_rank_states = rank_states
+        self._rank_state_snapshot: tuple[list, set] = ([], {"slowdown", "alert_active", "alert_evidence"})
+        self._snapshot_lock = threading.Lock()
         self._hang_states = hang_states
         self._job_slowdown_states = job_slowdown_states
         self._lock = threading.Lock()
@@ -179,8 +180,8 @@ class DetectorTelemetry:
                 _otlp_metric_exporter_class(protocol), lambda: self._failed("metrics"))())
             periodic = PeriodicExportingMetricReader(exporter, export_interval_millis=config.metric_export_interval_s * 1000)
             readers.append(periodic)
-            if PROMPT_EXPORT_SPACING_S is not None:
-                self._prompt_export = _PromptExport(periodic, PROMPT_EXPORT_SPACING_S)
+            if config.prompt_export_spacing_s > 0:
+                self._prompt_export = _PromptExport(periodic, config.prompt_export_spacing_s)
         self.scrape_reader: Optional[InMemoryMetricReader] = None
         if config.prometheus_port >= 0:
             self.scrape_reader = InMemoryMetricReader()
@@ -302,13 +303,26 @@ class DetectorTelemetry:
         with self._lock:
             self.events_dropped[reason] += count
 
+    def _rank_states(self, consumer: str) -> list:
+        """Every rank's state, read once for the three callbacks of one collection (a read takes
+        the engine's lock and lists every compared stage and rank): a callback gets the snapshot
+        the previous one took unless it used that snapshot already (then this is a new
+        collection, and it takes a fresh one)."""
+        with self._snapshot_lock:  # not self._lock: the engine's lock is taken inside
+            states, consumers = self._rank_state_snapshot
+            if consumer in consumers:
+                states, consumers = list(self._all_rank_states()), set()
+                self._rank_state_snapshot = (states, consumers)
+            consumers.add(consumer)
+        return states
+
     def _observe_slowdown(self, options: CallbackOptions) -> Iterable[Observation]:
-        for state in self._rank_states():
+        for state in self._rank_states("slowdown"):
             if state.slowdown is not None:
                 yield Observation(state.slowdown, _rank_attributes(state))
 
     def _observe_alert_active(self, options: CallbackOptions) -> Iterable[Observation]:
-        for state in self._rank_states():
+        for state in self._rank_states("alert_active"):
             yield Observation(1 if state.alert_active else 0, _rank_attributes(state))
 
     def _note_alert_evidence(self, verdict: Verdict) -> None:
@@ -330,7 +344,7 @@ class DetectorTelemetry:
         # only alerts the engine still holds: one that ended without a `recovered` (its job evicted,
         # its rank restarted) is forgotten here
         active = {(state.job_id, state.cohort, state.stage, state.rank)
-                  for state in self._rank_states() if state.alert_active}
+                  for state in self._rank_states("alert_evidence") if state.alert_active}
         with self._lock:
             for key in [key for key in self._alert_evidence if key not in active]:
                 del self._alert_evidence[key]

@@ -215,3 +215,35 @@ def test_a_value_the_encoder_cannot_take_drops_that_event_only(receiver):
     exporter.shutdown(5.0)
     assert dropped == {"encode_failed": 1}
     assert [record.body.string_value for _, _, record in receiver.records()] == ["good"]
+
+
+def test_one_metric_collection_reads_the_rank_states_once_and_the_next_reads_them_afresh(tmp_path):
+    """The slowdown, alert-active and alert-evidence callbacks of one collection share a snapshot
+    (each read takes the engine's lock and lists every compared stage and rank)."""
+    from otel_straggler.detector.engine import RankState
+
+    reads = []
+    states = [RankState("job", 0, "c", "forward", 1, 1.3, True)]
+
+    def rank_states():
+        reads.append(1)
+        return list(states)
+
+    metrics = DetectorTelemetry(DetectorConfig(grpc_port=4317, evidence_dir=str(tmp_path), prometheus_port=0),
+                                health=dict, rank_states=rank_states, export_otlp=False, environ={})
+    try:
+        def active() -> dict:
+            data = metrics.scrape_reader.get_metrics_data()
+            points = {}
+            for resource in data.resource_metrics:
+                for scope in resource.scope_metrics:
+                    for metric in scope.metrics:
+                        if metric.name == "straggler.alert.active":
+                            points.update({p.attributes["training.rank"]: p.value for p in metric.data.data_points})
+            return points
+
+        assert active() == {1: 1} and len(reads) == 1
+        states[0] = states[0]._replace(alert_active=False, slowdown=1.0)
+        assert active() == {1: 0} and len(reads) == 2
+    finally:
+        metrics.shutdown(5.0)

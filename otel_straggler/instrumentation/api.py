@@ -9,28 +9,17 @@ import atexit
 import logging
 import os
 import threading
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from otel_straggler import contract
-from otel_straggler.instrumentation import hot_path, identity
+from otel_straggler.instrumentation import hot_path, identity, rank_state
 from otel_straggler.instrumentation.hot_path import IntervalRecorder
+from otel_straggler.instrumentation.rank_state import current  # noqa: F401 (otel_straggler.current)
 from otel_straggler.instrumentation.settings import DEFAULTS, SETTINGS
 from otel_straggler.settings import ConfigError, parse_bool, resolve
 
-# The one recorder of this process while the instrumentation is on (also installed in hot_path).
-_recorder: Optional[IntervalRecorder] = None
-_instrumentation: Optional["Instrumentation"] = None
+# The running handle and its recorder are rank_state's; this lock orders configure() and shutdown().
 _configure_lock = threading.Lock()
-
-
-# Counters of the modules built on this one (ddp: "ddp", megatron_timers: "timer_misuse",
-# automatic: "automatic"), added to status() under their names. Each registers itself when
-# imported: they import this module, so this one imports none of them.
-_status_sections: dict[str, Callable[[], dict]] = {}
-
-
-def add_status_section(name: str, counts: Callable[[], dict]) -> None:
-    _status_sections[name] = counts
 
 
 # `with stage(name):`, `@stage(name)` and `step(n, ...)` are the hot path's own types (hot_path.py:
@@ -55,9 +44,8 @@ class Instrumentation:
         recorder, pipeline = self.recorder, self._pipeline
         if recorder is None or pipeline is None:
             return {"enabled": False, "intervals": 0, "spans_built": 0, "exported": 0, "lost": {}}
-        # calls Megatron's timers would assert on, which ours count and let pass
-        return {**pipeline.status(recorder), "shut_down": self._shut_down,
-                **{name: counts() for name, counts in _status_sections.items()}}
+        # the sections of the modules built on the recorder (ddp, timer_misuse, automatic)
+        return {**pipeline.status(recorder), "shut_down": self._shut_down, **rank_state.status_sections()}
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Builds everything recorded so far and exports it; False if it did not finish in time."""
@@ -70,8 +58,8 @@ class Instrumentation:
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         with _configure_lock:
-            if _instrumentation is self:
-                _use(None, None)
+            if rank_state.current() is self:
+                rank_state.use(None, None)
         if self._pipeline is None or self._shut_down:
             return
         self._shut_down = True  # status() keeps answering with the final counters
@@ -109,8 +97,9 @@ def configure(
     """
     environ = os.environ if environ is None else environ
     with _configure_lock:
-        if _instrumentation is not None:
-            return _instrumentation
+        running = rank_state.current()
+        if running is not None:
+            return running
         explicit = {"job_id": job_id, "cohort": cohort, "topology_epoch": topology_epoch,
                     "restart_count": restart_count, "device_timing": device_timing, **settings}
         given = resolve(SETTINGS, explicit, environ)
@@ -127,7 +116,7 @@ def configure(
         handle.recorder = IntervalRecorder(options["queue_size"])
         handle._pipeline = RankPipeline(handle.recorder, options, attributes, endpoint, protocol,
                                         tracer_provider, device_processor, environ)
-        _use(handle, handle.recorder)
+        rank_state.use(handle, handle.recorder)
         atexit.register(handle.shutdown, 5.0)
         if contract.JOB_ID not in attributes:
             # the detector rejects every span without one: say it here, once, where it can be set
@@ -142,24 +131,3 @@ def _sdk_disabled(environ: Mapping[str, str]) -> bool:
         return parse_bool(environ.get("OTEL_SDK_DISABLED", "false") or "false")
     except ValueError:
         raise ConfigError(f"OTEL_SDK_DISABLED: expected true or false, got {environ['OTEL_SDK_DISABLED']!r}") from None
-
-
-def current() -> Optional[Instrumentation]:
-    """The running handle, or None when the instrumentation is off."""
-    return _instrumentation
-
-
-def _forget_in_child() -> None:
-    """A forked child (a DataLoader worker) has no builder thread: record nothing there."""
-    _use(None, None)
-
-
-def _use(handle: Optional[Instrumentation], recorder: Optional[IntervalRecorder]) -> None:
-    """The running handle and the recorder stage(), step() and the timers record on."""
-    global _recorder, _instrumentation
-    _instrumentation, _recorder = handle, recorder
-    hot_path.install(recorder)
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_in_child)

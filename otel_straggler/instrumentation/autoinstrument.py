@@ -18,7 +18,7 @@ from typing import Collection
 
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
-from otel_straggler.instrumentation import api
+from otel_straggler.instrumentation import api, rank_state
 from otel_straggler.instrumentation.settings import SETTINGS
 from otel_straggler.settings import ConfigError, resolve
 
@@ -55,7 +55,7 @@ class StragglerInstrumentor(BaseInstrumentor):
             from otel_straggler.instrumentation import automatic
 
             automatic.uninstrument()
-        handle = api.current()
+        handle = rank_state.current()
         if handle is not None:
             handle.shutdown()
 

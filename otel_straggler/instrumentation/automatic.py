@@ -45,7 +45,7 @@ import threading
 import weakref
 from typing import Any, Callable, Optional
 
-from otel_straggler.instrumentation import api
+from otel_straggler.instrumentation import api, rank_state
 from otel_straggler.instrumentation.recorder import INTERVAL
 
 FETCH, FORWARD, EVALUATE, BACKWARD, OPTIMIZER = (
@@ -108,7 +108,7 @@ def counts() -> dict:
             "steps": state.steps if state else None}
 
 
-api.add_status_section("automatic", counts)
+rank_state.add_status_section("automatic", counts)
 
 
 def instrument(*, steps: str = "optimizer", configure_lazily: bool = False) -> bool:
@@ -153,7 +153,7 @@ def uninstrument() -> None:
 
 def begin_step(n: int, tokens: Any = None, samples: Any = None) -> None:
     """A framework callback binds its step `n` (ends the automatic step under way first)."""
-    state, recorder = _state, api._recorder
+    state, recorder = _state, rank_state.current_recorder()
     if state is None or recorder is None or not state.active:
         return
     try:
@@ -168,7 +168,7 @@ def begin_step(n: int, tokens: Any = None, samples: Any = None) -> None:
 
 def end_step() -> None:
     """A framework callback ends its step."""
-    state, recorder = _state, api._recorder
+    state, recorder = _state, rank_state.current_recorder()
     if state is None or recorder is None or not state.in_step:
         return
     try:
@@ -192,7 +192,7 @@ def _open(name: str, collective: Optional[bool], begins_step: bool) -> Any:
     state = _state
     if state is None or not state.active or threading.get_ident() != state.thread:
         return None
-    recorder = api._recorder
+    recorder = rank_state.current_recorder()
     try:
         if recorder is None:
             if not (begins_step and state.configure_lazily):
@@ -224,7 +224,7 @@ def _open(name: str, collective: Optional[bool], begins_step: bool) -> Any:
 
 
 def _close(interval: Any) -> None:
-    state, recorder = _state, api._recorder
+    state, recorder = _state, rank_state.current_recorder()
     if interval is None or state is None or recorder is None:
         return
     try:
@@ -250,7 +250,7 @@ def _configure(state: _State) -> Any:
         state.active = False
         print(f"otel-straggler: disabled: {type(error).__name__}: {error}", file=sys.stderr)
         return None
-    return api._recorder
+    return rank_state.current_recorder()
 
 
 def _defer_to_explicit(state: _State, recorder: Any) -> None:
@@ -262,7 +262,7 @@ def _defer_to_explicit(state: _State, recorder: Any) -> None:
 
 def _close_all(state: _State) -> None:
     """Ends our open intervals (left open they would parent every later stage) and our step."""
-    recorder = api._recorder
+    recorder = rank_state.current_recorder()
     if recorder is None:
         state.ours.clear()
         return
@@ -284,7 +284,7 @@ def _error(state: _State) -> None:
 
 
 def _switch_to_framework_steps(state: _State) -> None:
-    recorder = api._recorder
+    recorder = rank_state.current_recorder()
     if state.in_step and recorder is not None and recorder.binding is state.binding:
         try:
             recorder.end_step(state.step_number)
@@ -444,7 +444,7 @@ def _timed_async(state: _State, original: Callable, stage: str, args: tuple, kwa
     """An `async_op=True` collective, from its call to the completion of its work (the future's
     callback runs where the process group completes it). Not timed inside a forward or backward:
     there it is a library's own prefetch (FSDP's all-gathers), many per step."""
-    recorder = api._recorder
+    recorder = rank_state.current_recorder()
     timed = (recorder is not None and state.forward is None and state.backward is None
              and threading.get_ident() == state.thread)
     import time
@@ -523,7 +523,7 @@ def _optimizer_ended(optimizer: Any, args: tuple, kwargs: dict) -> None:
     try:
         if state.learning:
             _stop_learning(state)
-        recorder = api._recorder
+        recorder = rank_state.current_recorder()
         if state.steps == "optimizer" and state.in_step and recorder is not None:
             if recorder.binding is state.binding:
                 recorder.end_step(state.step_number)

@@ -42,7 +42,7 @@ import functools
 import time
 from typing import Any, Callable, Optional
 
-from otel_straggler.instrumentation import api
+from otel_straggler.instrumentation import rank_state
 from otel_straggler.instrumentation.recorder import INTERVAL
 
 GRADS_READY = "ddp-grads-ready"
@@ -60,7 +60,7 @@ def hook_counts() -> dict[str, int]:
     return dict(_counts)
 
 
-api.add_status_section("ddp", hook_counts)
+rank_state.add_status_section("ddp", hook_counts)
 
 
 def instrument_ddp(model: Any, hook: Optional[Callable] = None, state: Any = None) -> Any:
@@ -177,15 +177,16 @@ class _GradTiming:
 
     # -- forward --
     def forward_starts(self, module: Any, inputs: Any) -> None:
-        if api._recorder is None or self.backward is None:
+        recorder = rank_state.current_recorder()
+        if recorder is None or self.backward is None:
             return
         try:
-            self._close_backward(api._recorder, None)  # the last one's end went unseen
+            self._close_backward(recorder, None)  # the last one's end went unseen
         except Exception:
             _counts["hook_errors"] += 1
 
     def forward_ended(self, module: Any, inputs: Any, output: Any) -> None:
-        recorder = api._recorder
+        recorder = rank_state.current_recorder()
         if recorder is None:
             return
         try:
@@ -201,7 +202,7 @@ class _GradTiming:
 
     # -- backward --
     def _backward_reached_output(self, gradient: Any) -> None:
-        recorder = api._recorder
+        recorder = rank_state.current_recorder()
         if recorder is None or self.backward is not None:
             return None  # the first output reached opens the backward; the others are in it
         try:
@@ -217,7 +218,7 @@ class _GradTiming:
                 functools.partial(self._gradient_accumulated, index))
 
     def _gradient_accumulated(self, index: int, parameter: Any) -> None:
-        recorder = api._recorder
+        recorder = rank_state.current_recorder()
         if recorder is None:
             return
         try:
@@ -278,7 +279,7 @@ class _GradTiming:
         @functools.wraps(self.comm[0])
         def timed_hook(_registered_state: Any, bucket: Any) -> Any:
             hook, state = self.comm
-            recorder = api._recorder
+            recorder = rank_state.current_recorder()
             if recorder is None:
                 return hook(state, bucket)
             ready = self._grads_ready(recorder, bucket)

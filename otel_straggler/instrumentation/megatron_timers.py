@@ -22,7 +22,7 @@ import time
 from typing import Any, Iterable, Optional
 
 from otel_straggler import contract
-from otel_straggler.instrumentation import api
+from otel_straggler.instrumentation import rank_state
 
 # Megatron's own logger: Megatron-LM's logging setup applies to our lines as to its own.
 logger = logging.getLogger("megatron.core.timers")
@@ -43,7 +43,7 @@ def misuse_counts() -> dict[str, int]:
     return dict(_misuse)
 
 
-api.add_status_section("timer_misuse", misuse_counts)
+rank_state.add_status_section("timer_misuse", misuse_counts)
 
 
 class DummyTimer:
@@ -104,20 +104,20 @@ class Timer:
         if self._started:
             _misuse["start_while_running"] += 1
             return
-        recorder = api._recorder
+        recorder = rank_state.current_recorder()
         opened = self._open = recorder.start(self.name) if recorder is not None else None
         if opened is None:  # off (or the recorder failed): timed here, no span
             self._started_ns = time.time_ns()
         self._started = True
 
     def stop(self, barrier: bool = False) -> None:
-        # start()/stop() run on the training thread, often: inlined, no helper calls
+        # start()/stop() run on the training thread, often: inlined, no helper calls but the state read
         if not self._started:
             _misuse["stop_while_stopped"] += 1
             return
         opened, self._open = self._open, None
         self._started = False
-        recorder = api._recorder
+        recorder = rank_state.current_recorder()
         if opened is not None and recorder is not None:
             duration_ns = recorder.stop(opened)  # the span's own clock readings: no extra ones
         else:
@@ -136,7 +136,7 @@ class Timer:
             opened, self._open = self._open, None
             self._started = False
             self._accounted_ns = 0
-            recorder = api._recorder
+            recorder = rank_state.current_recorder()
             if opened is not None and recorder is not None:
                 recorder.stop(opened)
 
@@ -323,7 +323,7 @@ def _positive(normalizer: float) -> bool:
 def _rank_and_world_size() -> tuple[Optional[int], Optional[int]]:
     """This process's rank and world size: from the instrumentation's identity, else from an
     initialised torch.distributed, else (None, None) for a single process."""
-    handle = api.current()
+    handle = rank_state.current()
     if handle is not None:
         attributes = handle.resource_attributes
         return attributes.get(contract.RANK), attributes.get(contract.WORLD_SIZE)

@@ -58,7 +58,7 @@ try:
 except ImportError:  # only the older package name is installed
     from pytorch_lightning import Callback
 
-from otel_straggler.instrumentation import api, automatic
+from otel_straggler.instrumentation import api, automatic, rank_state
 from otel_straggler.integrations.fail_open import fails_open
 
 FLUSH_TIMEOUT_S = 5.0
@@ -94,7 +94,7 @@ class StragglerCallback(Callback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit" or self._handle is not None:
             return
-        self._owns_handle = api.current() is None
+        self._owns_handle = rank_state.current() is None
         self._shut_down = False
         identity = {"rank": trainer.global_rank, "world_size": trainer.world_size, "local_rank": trainer.local_rank}
         handle = api.configure(**{**identity, **self._configure_kwargs})

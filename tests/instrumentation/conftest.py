@@ -23,7 +23,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import otel_straggler
-from otel_straggler.instrumentation import api
+from otel_straggler.instrumentation import rank_state
 from otel_straggler.processors.cuda_event_span_processor import CudaEventSpanProcessor
 
 # Everything that steers configuration or identity; each test starts without any of it.
@@ -59,7 +59,7 @@ def configure() -> Callable[..., otel_straggler.Instrumentation]:
     yield configure_for_test
     for handle in handles:
         handle.shutdown(timeout_s=3.0)
-    assert api._recorder is None and otel_straggler.current() is None
+    assert rank_state.current_recorder() is None and otel_straggler.current() is None
 
 
 class InMemorySpans:

@@ -28,7 +28,7 @@ from torch.utils.data import dataloader as dataloader_module  # noqa: E402
 
 import otel_straggler as ots  # noqa: E402
 from megatron_on_cpu import one_rank_group  # noqa: E402
-from otel_straggler.instrumentation import api, automatic  # noqa: E402
+from otel_straggler.instrumentation import automatic, rank_state  # noqa: E402
 
 
 @pytest.fixture
@@ -251,7 +251,7 @@ def test_failures_of_our_own_are_counted_and_training_goes_on(auto, monkeypatch)
 
     model, loader, optimizer = model_and_data()
     before = [parameter.detach().clone() for parameter in model.parameters()]
-    monkeypatch.setattr(api, "_recorder", Broken())
+    monkeypatch.setattr(rank_state, "_recorder", Broken())
     train(model, loader, optimizer, steps=3)
     monkeypatch.undo()
     assert automatic.counts()["errors"] > 0

@@ -22,7 +22,7 @@ import otel_straggler as ots  # noqa: E402
 from otel_straggler import contract  # noqa: E402
 from ddp_ranks import SLOW_BACKWARD_S, STEPS, build_model, run_ranks  # noqa: E402
 from megatron_on_cpu import one_rank_group  # noqa: E402
-from otel_straggler.instrumentation import api, ddp, hot_path, recorder  # noqa: E402
+from otel_straggler.instrumentation import ddp, hot_path, rank_state, recorder  # noqa: E402
 from otel_straggler.processors.device_events import FakeDeviceEvents  # noqa: E402
 
 RECORDERS = {"python": recorder.IntervalRecorder, hot_path.IMPLEMENTATION: hot_path.IntervalRecorder}
@@ -148,7 +148,7 @@ def test_a_model_with_a_communication_hook_is_refused_in_one_line(one_rank):
 
 
 def test_without_the_instrumentation_nothing_is_recorded_or_counted(one_rank):
-    assert api._recorder is None
+    assert rank_state.current_recorder() is None
     before = ddp.hook_counts()["hook_errors"]
     assert same(train(ots.instrument_ddp(ddp_model())), train(ddp_model()))
     assert ddp.hook_counts()["hook_errors"] == before
@@ -159,7 +159,7 @@ def test_a_full_queue_counts_drops_and_training_is_unchanged(one_rank, monkeypat
     full = RECORDERS[implementation](16)
     for _ in range(16):
         full.completed.append(None)
-    monkeypatch.setattr(api, "_recorder", full)
+    monkeypatch.setattr(rank_state, "_recorder", full)
     assert same(train(ots.instrument_ddp(ddp_model()), steps=3), train(ddp_model(), steps=3))
     assert full.dropped_queue_full == 2 * 3  # one compute and one sync interval per step
     assert len(full.completed) == 16
@@ -175,7 +175,7 @@ class SyncRecordsFail(collections.deque):
 def test_a_failure_of_our_own_is_counted_and_training_is_unchanged(one_rank, monkeypatch):
     failing = types.SimpleNamespace(completed=SyncRecordsFail(), capacity=100, binding=(0, None, None),
                                     dropped_queue_full=0)
-    monkeypatch.setattr(api, "_recorder", failing)
+    monkeypatch.setattr(rank_state, "_recorder", failing)
     before = ddp.hook_counts()["hook_errors"]
     assert same(train(ots.instrument_ddp(ddp_model()), steps=3), train(ddp_model(), steps=3))
     assert ddp.hook_counts()["hook_errors"] == before + 3  # each step's sync record

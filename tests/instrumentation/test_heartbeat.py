@@ -15,7 +15,7 @@ import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
 from otel_straggler import contract
-from otel_straggler.instrumentation import api, heartbeat
+from otel_straggler.instrumentation import api, heartbeat, rank_state
 from otel_straggler.instrumentation import recorder as python_hot_path
 from otel_straggler.instrumentation.span_builder import trace_id_for_step
 
@@ -37,7 +37,7 @@ def hot_path(request, monkeypatch) -> Iterator[types.ModuleType]:
             pytest.fail("otel_straggler.instrumentation._hot_path is not built", pytrace=False)
         pytest.skip("the C extension is not built here")
     monkeypatch.setattr(api, "IntervalRecorder", module.IntervalRecorder)
-    monkeypatch.setattr(api, "hot_path", module)
+    monkeypatch.setattr(rank_state, "hot_path", module)
     yield module
     module.install(None)
 

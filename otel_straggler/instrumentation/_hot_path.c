@@ -1,5 +1,5 @@
 /* The training thread's hot path in C: the same Recorder, Stage and Step as the Python reference
-   in recorder.py, record for record (tests/instrumentation run against both).
+   in hot_path_reference.py, record for record (tests/instrumentation run against both).
 
    In training each call comes after milliseconds of kernels that evicted the interpreter's code
    and data from the caches, so what a call costs there is mostly how much it touches: in Python a
@@ -13,7 +13,7 @@
    counted in internal_errors and the call returns as if the interval were not timed. Anything that
    is not an Exception (KeyboardInterrupt, SystemExit) goes on, as in Python.
 
-   Records, as in recorder.py:
+   Records, as in hot_path_reference.py:
      open interval:  (name, collective, enclosing open interval or None, start step, start_ns, start_event)
      (INTERVAL, open_interval, end_ns, end_event, binding)
      (STEP_BEGIN, step, time_ns, tokens, samples)
@@ -25,7 +25,7 @@
 #include <time.h>
 
 enum { INTERVAL = 0, STEP_BEGIN = 1, STEP_END = 2 };
-/* recorder.MAX_OPEN_INTERVALS: deeper nesting is stages never exited; beyond it an interval is
+/* hot_path_reference.MAX_OPEN_INTERVALS: deeper nesting is stages never exited; beyond it an interval is
    timed and recorded but not kept as a parent, so the open list stays bounded */
 #define MAX_OPEN_INTERVALS 256
 enum { NAME, COLLECTIVE, ENCLOSING, START_STEP, START_NS, START_EVENT, OPEN_INTERVAL_SIZE };
@@ -463,7 +463,7 @@ static PyGetSetDef Recorder_getset[] = {
 static PyTypeObject RecorderType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "otel_straggler.instrumentation._hot_path.IntervalRecorder",
-    .tp_doc = "recorder.IntervalRecorder in C: IntervalRecorder(capacity, event_pool=None)",
+    .tp_doc = "hot_path_reference.IntervalRecorder in C: IntervalRecorder(capacity, event_pool=None)",
     .tp_basicsize = sizeof(Recorder),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_new = PyType_GenericNew,
@@ -478,7 +478,7 @@ static PyTypeObject RecorderType = {
 
 /* -- Stage: `with stage(name):` and `@stage(name)`, otel_straggler.stage ---------------------------- */
 
-/* The public API's documentation (recorder.Stage and recorder.Step carry the same). Stage and Step
+/* The public API's documentation (hot_path_reference.Stage and .Step carry the same). Stage and Step
    are otel_straggler.stage and .step themselves, not bases of Python classes: an instance of a
    class defined in Python costs more to make and free (benchmarks/hot_path_in_situ.py measured
    about 0.5 us a call in a training loop). */
@@ -559,8 +559,8 @@ static PyObject *Stage_exit(Stage *self, PyObject *const *args, Py_ssize_t nargs
     Py_RETURN_FALSE;
 }
 
-/* `@stage(name)`: recorder.timed_by does it (in Python: it runs once, at decoration, not per call
-   of the hot path), imported on first use. */
+/* `@stage(name)`: hot_path_reference.timed_by does it (in Python: it runs once, at decoration,
+   not per call of the hot path), imported on first use. */
 static PyObject *timed_by = NULL;
 static PyTypeObject StageType;
 
@@ -572,10 +572,10 @@ static PyObject *Stage_call(Stage *self, PyObject *args, PyObject *kwds) {
         return NULL;
     }
     if (timed_by == NULL) {
-        PyObject *recorder = PyImport_ImportModule("otel_straggler.instrumentation.recorder");
-        if (recorder == NULL) return NULL;
-        timed_by = PyObject_GetAttrString(recorder, "timed_by");
-        Py_DECREF(recorder);
+        PyObject *reference = PyImport_ImportModule("otel_straggler.instrumentation.hot_path_reference");
+        if (reference == NULL) return NULL;
+        timed_by = PyObject_GetAttrString(reference, "timed_by");
+        Py_DECREF(reference);
         if (timed_by == NULL) return NULL;
     }
     return PyObject_CallFunctionObjArgs(timed_by, (PyObject *)&StageType, (PyObject *)self, function, NULL);
@@ -703,7 +703,8 @@ static PyMethodDef module_methods[] = {
 };
 
 static struct PyModuleDef hot_path_module = {
-    PyModuleDef_HEAD_INIT, "_hot_path", "The training thread's hot path in C (see recorder.py).", -1, module_methods,
+    PyModuleDef_HEAD_INIT, "_hot_path", "The training thread's hot path in C (see hot_path_reference.py).", -1,
+    module_methods,
 };
 
 PyMODINIT_FUNC PyInit__hot_path(void) {

@@ -46,7 +46,7 @@ import weakref
 from typing import Any, Callable, Optional
 
 from otel_straggler.instrumentation import api, rank_state
-from otel_straggler.instrumentation.recorder import INTERVAL
+from otel_straggler.instrumentation.hot_path_reference import INTERVAL
 
 FETCH, FORWARD, EVALUATE, BACKWARD, OPTIMIZER = (
     "batch-generator", "forward-compute", "evaluate", "backward-compute", "optimizer")

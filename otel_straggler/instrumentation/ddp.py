@@ -43,7 +43,7 @@ import time
 from typing import Any, Callable, Optional
 
 from otel_straggler.instrumentation import rank_state
-from otel_straggler.instrumentation.recorder import INTERVAL
+from otel_straggler.instrumentation.hot_path_reference import INTERVAL
 
 GRADS_READY = "ddp-grads-ready"
 GRADS_SYNC = "ddp-grads-sync"

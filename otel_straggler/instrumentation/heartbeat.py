@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping, NamedTuple, Optional
 
-from otel_straggler.instrumentation.recorder import NAME, START_NS
+from otel_straggler.instrumentation.hot_path_reference import NAME, START_NS
 from otel_straggler.instrumentation.span_builder import step_number
 
 

@@ -1,7 +1,8 @@
 """Which hot path this process runs: the C extension _hot_path where it was built, else the
-Python reference in recorder.py. Both have the same IntervalRecorder, Stage, Step, install() and
-use_clock(), and the instrumentation tests run against both
-(tests/instrumentation/test_recorder.py, test_hot_path_implementations.py).
+Python reference in hot_path_reference.py. Both have the same IntervalRecorder, Stage, Step,
+install() and use_clock(), and the instrumentation tests run against both
+(tests/instrumentation/test_recorder.py, test_hot_path_implementations.py). The layout of the
+records both append is hot_path_reference's.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ try:
 
     IMPLEMENTATION = "c"
 except ImportError:  # not built: no C compiler where the package was installed
-    from otel_straggler.instrumentation import recorder as _implementation
+    from otel_straggler.instrumentation import hot_path_reference as _implementation
 
     IMPLEMENTATION = "python"
 

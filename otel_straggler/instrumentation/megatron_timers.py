@@ -29,7 +29,7 @@ logger = logging.getLogger("megatron.core.timers")
 
 LOG_OPTIONS = ("max", "minmax", "all")
 MAX_LOG_LEVEL = 2
-_START_NS = 4  # where an open interval from the recorder keeps its start time (recorder.OpenInterval)
+_START_NS = 4  # where an open interval from the recorder keeps its start time (hot_path_reference.OpenInterval)
 # What the text of log()/get_all_timers_string() says in place of Megatron's "across ranks".
 THIS_RANK_ONLY = "this rank only, not gathered"
 

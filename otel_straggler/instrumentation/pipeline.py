@@ -32,7 +32,7 @@ from otel_straggler import contract
 from otel_straggler.instrumentation import gpu_health, heartbeat, identity
 from otel_straggler.instrumentation.batching import BatchingSpanProcessor
 from otel_straggler.instrumentation.exporting import CountingSpanExporter, span_exporter, start_rank_metrics
-from otel_straggler.instrumentation.recorder import INTERVAL, IntervalRecorder
+from otel_straggler.instrumentation.hot_path_reference import INTERVAL, IntervalRecorder
 from otel_straggler.instrumentation.span_builder import (COUNTER_NAMES, DerivedIdGenerator, ProcessorSpans, SpanBuilder,
                                                         TracerSpans)
 from otel_straggler.otlp_environ import check_exporter_environ, resolve_protocol
@@ -394,7 +394,7 @@ class RankPipeline:
             # spans a TracerProvider of yours did not record (its sampler): not a loss of ours
             "sampled_out": getattr(builder.spans, "sampled_out", 0) if builder is not None else 0,
             "metrics_errors": self.metrics_errors,  # the rank's own metrics failed to start
-            # intervals nested deeper than recorder.MAX_OPEN_INTERVALS (stages never exited):
+            # intervals nested deeper than hot_path_reference.MAX_OPEN_INTERVALS (stages never exited):
             # spans kept, each one's children point at an enclosing interval instead
             "open_intervals_untracked": recorder.untracked_open_intervals,
             "device_timed": device.get("device_timed", 0),

@@ -29,7 +29,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from otel_straggler import contract
 from otel_straggler.instrumentation import stage_names
-from otel_straggler.instrumentation.recorder import (INTERVAL, START_EVENT, START_STEP, STEP_BEGIN, STEP_END,
+from otel_straggler.instrumentation.hot_path_reference import (INTERVAL, START_EVENT, START_STEP, STEP_BEGIN, STEP_END,
                                                      IntervalRecorder)
 from otel_straggler.processors.device_events import give_back
 

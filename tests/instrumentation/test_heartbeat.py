@@ -16,7 +16,7 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
 from otel_straggler import contract
 from otel_straggler.instrumentation import api, heartbeat, rank_state
-from otel_straggler.instrumentation import recorder as python_hot_path
+from otel_straggler.instrumentation import hot_path_reference as python_hot_path
 from otel_straggler.instrumentation.span_builder import trace_id_for_step
 
 try:

@@ -21,14 +21,15 @@ from pathlib import Path
 import pytest
 
 import otel_straggler
-from otel_straggler.instrumentation import api, megatron_timers, recorder
+from otel_straggler.instrumentation import api, hot_path_reference, megatron_timers
 from otel_straggler.processors import device_events
 
+reference = hot_path_reference
 HOT_PATH = [
-    recorder.IntervalRecorder.start, recorder.IntervalRecorder.stop, recorder.IntervalRecorder.begin_step,
-    recorder.IntervalRecorder.end_step, recorder.IntervalRecorder._give_back,
-    recorder.Stage.__enter__, recorder.Stage.__exit__, recorder.Step.__init__, recorder.Step.__exit__,
-    recorder.Stage.__call__, recorder.timed_by,
+    reference.IntervalRecorder.start, reference.IntervalRecorder.stop, reference.IntervalRecorder.begin_step,
+    reference.IntervalRecorder.end_step, reference.IntervalRecorder._give_back,
+    reference.Stage.__enter__, reference.Stage.__exit__, reference.Step.__init__, reference.Step.__exit__,
+    reference.Stage.__call__, reference.timed_by,
     megatron_timers.Timer.start, megatron_timers.Timer.stop, megatron_timers.Timer.elapsed,
     megatron_timers.Timer.reset, device_events.EventPool.record,
 ]
@@ -88,7 +89,7 @@ def test_the_scan_rejects_what_it_must():
         assert forbidden in found, forbidden
 
 
-C_HOT_PATH = Path(recorder.__file__).with_name("_hot_path.c")
+C_HOT_PATH = Path(hot_path_reference.__file__).with_name("_hot_path.c")
 # Every function the C hot path may call that it does not define itself: the C API for objects,
 # calls and errors, and the clock. A call to anything else (a lock, a sleep, printf, a write, a
 # GIL release) fails the scan until it is looked at and added here.

@@ -1,5 +1,5 @@
 """The hot path has two implementations with one behaviour: the C extension _hot_path, which runs
-where it was built, and the Python reference in recorder.py, which runs where it was not. The
+where it was built, and the Python reference in hot_path_reference.py, which runs where it was not. The
 instrumentation tests run here with whichever is built; this runs them again with the Python one,
 in a process where importing the extension fails as it does without a C compiler."""
 from __future__ import annotations
@@ -32,7 +32,7 @@ def test_both_implementations_document_stage_and_step_alike():
     """The public API's documentation is written twice (tp_doc in C, the docstrings in Python)."""
     import re
 
-    from otel_straggler.instrumentation import recorder
+    from otel_straggler.instrumentation import hot_path_reference
 
     built = pytest.importorskip("otel_straggler.instrumentation._hot_path")
 
@@ -40,8 +40,8 @@ def test_both_implementations_document_stage_and_step_alike():
         doc = " ".join(doc.replace("`", "").split())
         return re.sub(r" ?\(otel_straggler\.\w+; the C extension's \w+ has the same documentation\.\)", "", doc)
 
-    assert words(recorder.Stage.__doc__) == words(built.Stage.__doc__)
-    assert words(recorder.Step.__doc__) == words(built.Step.__doc__)
+    assert words(hot_path_reference.Stage.__doc__) == words(built.Stage.__doc__)
+    assert words(hot_path_reference.Step.__doc__) == words(built.Step.__doc__)
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """The recorder's hot path, both implementations side by side: the Python reference
-(recorder.py) and the C extension (_hot_path) must record the same records for the same calls,
+(hot_path_reference.py) and the C extension (_hot_path) must record the same records for the same calls,
 and both must fail open: an error in the event pool, the clock or the caller's arguments is
 counted and the call returns as if untimed; only a non-Exception (Ctrl-C) goes on to the caller."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from otel_straggler.instrumentation import recorder as python_hot_path
+from otel_straggler.instrumentation import hot_path_reference as python_hot_path
 from otel_straggler.processors.device_events import EventPool, FakeDeviceEvents
 
 try:

@@ -231,7 +231,7 @@ def test_parents_that_never_end_are_remembered_up_to_a_bound(in_memory, monkeypa
 
 
 def test_stages_never_exited_stay_bounded_and_are_counted(in_memory):
-    from otel_straggler.instrumentation.recorder import MAX_OPEN_INTERVALS
+    from otel_straggler.instrumentation.hot_path_reference import MAX_OPEN_INTERVALS
 
     handle = in_memory.configure(build_interval_ms=60_000)
     otel_straggler.step(0)

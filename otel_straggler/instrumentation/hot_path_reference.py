@@ -1,6 +1,7 @@
 """The training-thread hot path (DESIGN §2), in Python: the reference for the C extension
 _hot_path, which has the same IntervalRecorder, Stage, Step, install() and use_clock() and is
-what runs where it was built (hot_path.py chooses).
+what runs where it was built (hot_path.py chooses). The layout of the records (INTERVAL, ...) is
+defined here for both, and for the code that reads or appends them.
 
 `start()` and `stop()` may only read the host clock, record a CUDA event from the pool, bind
 the current step and workload, and append to a bounded queue. They build no span, take no lock,

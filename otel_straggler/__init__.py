@@ -12,14 +12,14 @@ Training side:
 PyTorch DDP: `ots.instrument_ddp(model)` on the DistributedDataParallel model splits backward into
 the rank's own gradient compute and the wait for its peers.
 
-Megatron-LM: `otel_straggler.megatron.install()` before `pretrain()`; on megatron-core alone,
+Megatron-LM: `otel_straggler.integrations.megatron.install()` before `pretrain()`; on megatron-core alone,
 `config.timers = ots.Timers(log_level, log_option)`, or use `ots.timers`.
 """
 from otel_straggler.instrumentation.api import Instrumentation, configure, current, stage, step
 # imported for its status() section as well: every key of status() is there from the start
 from otel_straggler.instrumentation import automatic as _automatic  # noqa: F401 (imports no torch)
-from otel_straggler.instrumentation.ddp import instrument_ddp
-from otel_straggler.instrumentation.megatron_timers import Timer, Timers
+from otel_straggler.integrations.ddp import instrument_ddp
+from otel_straggler.integrations.megatron_timers import Timer, Timers
 
 __version__ = "0.1.0"
 

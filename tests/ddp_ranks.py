@@ -91,7 +91,7 @@ def train(arm: str, first_step: int, rank: int, slow_rank: int) -> list:
     from torch.nn.parallel import DistributedDataParallel
 
     import otel_straggler as ots
-    from otel_straggler.instrumentation import ddp
+    from otel_straggler.integrations import ddp
 
     slow_rank_here = rank == slow_rank
     slow_backward = [arm == "slow-backward" and slow_rank_here]

@@ -539,7 +539,7 @@ def _instrument_ddp_model(model: Any) -> None:
     try:
         from torch.nn.parallel import DistributedDataParallel
 
-        from otel_straggler.instrumentation import ddp
+        from otel_straggler.integrations import ddp
 
         if isinstance(model, DistributedDataParallel) and ddp.instrument_automatically(model):
             _counts["models_instrumented"] += 1
@@ -602,7 +602,7 @@ def _install(state: _State) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
         _patch(state, DistributedDataParallel, "__init__", _timed_ddp_init)
-        from otel_straggler.instrumentation import ddp
+        from otel_straggler.integrations import ddp
 
         _patch(state, DistributedDataParallel, "register_comm_hook", ddp.comm_hook_registration)
 

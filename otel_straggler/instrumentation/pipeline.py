@@ -283,7 +283,8 @@ class RankPipeline:
             "otel-straggler: no stage timed in the %g s since configure(), so the detector has nothing of this "
             "rank to judge. If training has begun, time its loop: ots.step(n) at the start of each step and "
             "`with ots.stage(name):` around its parts, ots.instrument_ddp(model) for DistributedDataParallel, "
-            "otel_straggler.megatron.install() for Megatron-LM's timers, or these calls in your framework's "
+            "otel_straggler.integrations.megatron.install() for Megatron-LM's timers, or these calls in your "
+            "framework's "
             "callbacks (docs/instrumentation.md). OTEL_STRAGGLER_NO_STAGE_WARNING_S=0 turns this warning off",
             self.options["no_stage_warning_s"])
 

@@ -22,7 +22,8 @@ import otel_straggler as ots  # noqa: E402
 from otel_straggler import contract  # noqa: E402
 from ddp_ranks import SLOW_BACKWARD_S, STEPS, build_model, run_ranks  # noqa: E402
 from megatron_on_cpu import one_rank_group  # noqa: E402
-from otel_straggler.instrumentation import ddp, hot_path, hot_path_reference, rank_state  # noqa: E402
+from otel_straggler.instrumentation import hot_path, hot_path_reference, rank_state  # noqa: E402
+from otel_straggler.integrations import ddp  # noqa: E402
 from otel_straggler.processors.device_events import FakeDeviceEvents  # noqa: E402
 
 RECORDERS = {"python": hot_path_reference.IntervalRecorder, hot_path.IMPLEMENTATION: hot_path.IntervalRecorder}

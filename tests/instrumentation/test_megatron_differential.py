@@ -22,7 +22,8 @@ import pytest
 torch = pytest.importorskip("torch")  # the torch-free check on the lowest Python has neither
 import megatron.core.timers as megatron  # noqa: E402  in the test extras wherever torch is
 
-from otel_straggler.instrumentation import hot_path, megatron_timers as ours  # noqa: E402
+from otel_straggler.instrumentation import hot_path  # noqa: E402
+from otel_straggler.integrations import megatron_timers as ours  # noqa: E402
 
 from megatron_on_cpu import one_rank_group as one_process_group, without_cuda  # noqa: E402
 

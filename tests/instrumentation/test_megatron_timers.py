@@ -13,8 +13,9 @@ from typing import Iterator
 import pytest
 
 import otel_straggler
-from otel_straggler.instrumentation import hot_path, megatron_timers
-from otel_straggler.instrumentation.megatron_timers import Timer, Timers
+from otel_straggler.instrumentation import hot_path
+from otel_straggler.integrations import megatron_timers
+from otel_straggler.integrations.megatron_timers import Timer, Timers
 from otel_straggler.instrumentation.span_builder import trace_id_for_step
 
 REQUIRED = inspect.Parameter.empty

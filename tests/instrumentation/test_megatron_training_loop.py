@@ -1,5 +1,6 @@
 """Our timers inside Megatron's own code: megatron-core's real schedule driving a tiny model on
-the CPU (stand-ins for the GPU in megatron_on_cpu.py), and `otel_straggler.megatron.install()`.
+the CPU (stand-ins for the GPU in megatron_on_cpu.py), and
+`otel_straggler.integrations.megatron.install()`.
 
 Megatron-LM's own training package (`megatron/training/`) ships only with megatron-core 0.19+,
 which needs Python 3.12: install() runs against it, `training_log()` included, in
@@ -24,8 +25,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 
 import otel_straggler  # noqa: E402
-import otel_straggler.megatron  # noqa: E402
-from otel_straggler.instrumentation import megatron_timers  # noqa: E402
+import otel_straggler.integrations.megatron  # noqa: E402
+from otel_straggler.integrations import megatron_timers  # noqa: E402
 
 from megatron_on_cpu import TorchOnCpu, one_rank_group, without_cuda  # noqa: E402
 
@@ -149,20 +150,20 @@ def shut_down_after():
 
 
 def test_install_before_pretrain_makes_megatron_lms_global_timers_ours(megatron_lm, shut_down_after):
-    handle = otel_straggler.megatron.install(job_id="megatron-lm-run")
+    handle = otel_straggler.integrations.megatron.install(job_id="megatron-lm-run")
     assert handle is otel_straggler.current() and handle.resource_attributes["training.job.id"] == "megatron-lm-run"
     megatron_lm._set_timers(ARGS)  # what pretrain() -> initialize_megatron() does
     timers = megatron_lm.get_timers()
     assert isinstance(timers, megatron_timers.Timers)
     assert (timers._log_level, timers._log_option) == (1, "max")
     assert megatron.core.Timers is megatron.core.timers.Timers is megatron_timers.Timers  # for megatron-core code too
-    assert otel_straggler.megatron.install() is handle  # idempotent
+    assert otel_straggler.integrations.megatron.install() is handle  # idempotent
 
 
 def test_install_after_the_timers_were_built_replaces_them(megatron_lm, shut_down_after):
     megatron_lm._set_timers(ARGS)
     assert isinstance(megatron_lm.get_timers(), megatron.core.timers.Timers)  # Megatron's own
-    otel_straggler.megatron.install()
+    otel_straggler.integrations.megatron.install()
     timers = megatron_lm.get_timers()
     assert isinstance(timers, megatron_timers.Timers) and (timers._log_level, timers._log_option) == (1, "max")
 
@@ -171,11 +172,12 @@ def test_install_without_megatron_lm_covers_megatron_core(monkeypatch, shut_down
     monkeypatch.setattr(megatron.core, "Timers", megatron.core.Timers)
     monkeypatch.setattr(megatron.core.timers, "Timers", megatron.core.timers.Timers)
     monkeypatch.setitem(sys.modules, "megatron.training.global_vars", None)  # import fails: not installed
-    otel_straggler.megatron.install()
+    otel_straggler.integrations.megatron.install()
     assert megatron.core.Timers is megatron_timers.Timers
 
 
 def test_install_without_megatron_core_says_so_in_one_line(monkeypatch, shut_down_after):
     monkeypatch.setitem(sys.modules, "megatron.core.timers", None)
-    with pytest.raises(ImportError, match=r"^otel_straggler.megatron.install\(\): megatron-core is not importable"):
-        otel_straggler.megatron.install()
+    with pytest.raises(ImportError,
+                       match=r"^otel_straggler.integrations.megatron.install\(\): megatron-core is not importable"):
+        otel_straggler.integrations.megatron.install()

@@ -26,7 +26,7 @@ def test_a_rank_that_times_nothing_logs_one_warning_from_the_background_thread(i
     assert len(found) == 1
     message = found[0].getMessage()
     assert f"in the {WARNING_S:g} s since configure()" in message
-    for advice in ("ots.stage(", "ots.step(", "ots.instrument_ddp(", "otel_straggler.megatron.install()",
+    for advice in ("ots.stage(", "ots.step(", "ots.instrument_ddp(", "otel_straggler.integrations.megatron.install()",
                    "callbacks", "docs/instrumentation.md", "OTEL_STRAGGLER_NO_STAGE_WARNING_S=0"):
         assert advice in message
     assert found[0].levelno == logging.WARNING and found[0].threadName == "otel-straggler-span-builder"

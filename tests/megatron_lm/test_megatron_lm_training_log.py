@@ -1,4 +1,4 @@
-"""`otel_straggler.megatron.install()` against Megatron-LM's real training package
+"""`otel_straggler.integrations.megatron.install()` against Megatron-LM's real training package
 (`megatron/training/`, shipped in megatron-core 0.19.2, Python 3.12+), on the CPU.
 
 What runs is Megatron-LM's own code: `arguments.parse_args()` and `validate_args()` on a minimal
@@ -64,8 +64,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 
 import otel_straggler  # noqa: E402
-import otel_straggler.megatron  # noqa: E402
-from otel_straggler.instrumentation import megatron_timers  # noqa: E402
+import otel_straggler.integrations.megatron  # noqa: E402
+from otel_straggler.integrations import megatron_timers  # noqa: E402
 
 from megatron_on_cpu import TorchOnCpu, one_rank_group, without_cuda  # noqa: E402
 
@@ -139,7 +139,7 @@ def megatron_args(monkeypatch: pytest.MonkeyPatch, *flags: str) -> types.SimpleN
 
 
 def test_install_before_set_global_variables_makes_megatron_lms_global_timers_ours(monkeypatch):
-    handle = otel_straggler.megatron.install(job_id="megatron-lm-run", export_metrics=False)
+    handle = otel_straggler.integrations.megatron.install(job_id="megatron-lm-run", export_metrics=False)
     assert handle is otel_straggler.current() and handle.resource_attributes["training.job.id"] == "megatron-lm-run"
     assert global_vars.Timers is megatron.core.Timers is megatron.core.timers.Timers is megatron_timers.Timers
     args = megatron_args(monkeypatch, "--timing-log-level", "1", "--timing-log-option", "minmax")
@@ -149,7 +149,7 @@ def test_install_before_set_global_variables_makes_megatron_lms_global_timers_ou
     assert (timers._log_level, timers._log_option) == (1, "minmax")
     assert isinstance(timers("forward-compute", log_level=2), megatron_timers.DummyTimer)  # above level 1
     assert isinstance(timers("forward-backward", log_level=1), megatron_timers.Timer)
-    assert otel_straggler.megatron.install() is handle and global_vars.get_timers() is timers  # idempotent
+    assert otel_straggler.integrations.megatron.install() is handle and global_vars.get_timers() is timers  # idempotent
 
 
 def test_install_after_the_global_timers_were_built_replaces_them(monkeypatch):
@@ -157,7 +157,7 @@ def test_install_after_the_global_timers_were_built_replaces_them(monkeypatch):
     global_vars._set_timers(args)
     megatrons = global_vars.get_timers()
     assert type(megatrons) is megatron.core.timers.Timers  # Megatron's own
-    otel_straggler.megatron.install(export_metrics=False)
+    otel_straggler.integrations.megatron.install(export_metrics=False)
     timers = global_vars.get_timers()
     assert timers is not megatrons and isinstance(timers, megatron_timers.Timers)
     assert (timers._log_level, timers._log_option) == (0, "all")
@@ -187,8 +187,8 @@ def in_memory():
 def test_training_log_writes_our_timers_to_tensorboard_in_seconds_over_log_interval(monkeypatch, on_cpu, caplog,
                                                                                   in_memory):
     provider, spans = in_memory
-    handle = otel_straggler.megatron.install(job_id="megatron-lm-training-log", rank=0, tracer_provider=provider,
-                                             export_metrics=False)
+    handle = otel_straggler.integrations.megatron.install(job_id="megatron-lm-training-log", rank=0,
+                                                          tracer_provider=provider, export_metrics=False)
     args = megatron_args(monkeypatch)
     args.padded_vocab_size = 128  # set by the tokenizer build, which is left out
     global_vars.set_global_variables(args, build_tokenizer=False)
@@ -267,11 +267,11 @@ def test_install_binds_each_train_step_to_its_iteration(monkeypatch, in_memory):
         return "result"
 
     monkeypatch.setattr(training, "train_step", recorded_train_step)
-    handle = otel_straggler.megatron.install(job_id="megatron-lm-steps", rank=0, tracer_provider=provider,
-                                             export_metrics=False)
+    handle = otel_straggler.integrations.megatron.install(job_id="megatron-lm-steps", rank=0,
+                                                          tracer_provider=provider, export_metrics=False)
     wrapped = training.train_step
     assert wrapped is not recorded_train_step
-    otel_straggler.megatron.install()
+    otel_straggler.integrations.megatron.install()
     assert training.train_step is wrapped  # idempotent: wrapped once
     for iteration in (7, 8):
         assert training.train_step("forward_step_func", "data", iteration=iteration) == "result"

@@ -1,4 +1,4 @@
-"""Megatron-LM in one line: `otel_straggler.megatron.install()` before `pretrain()`.
+"""Megatron-LM in one line: `otel_straggler.integrations.megatron.install()` before `pretrain()`.
 
 Megatron-LM builds its global timers in `megatron.training.global_vars` with the `Timers` it
 imported from `megatron.core`, then hands them to its model and optimizer configs
@@ -18,7 +18,7 @@ import sys
 from typing import Any, Callable
 
 from otel_straggler.instrumentation import api
-from otel_straggler.instrumentation.megatron_timers import Timers
+from otel_straggler.integrations.megatron_timers import Timers
 
 # Where Megatron keeps a reference to its Timers class: each is replaced where it is imported.
 TIMERS_CLASS_HOMES = ("megatron.core.timers", "megatron.core", "megatron.training.global_vars")
@@ -32,7 +32,8 @@ def install(**configure_options: Any) -> api.Instrumentation:
     try:
         importlib.import_module("megatron.core.timers")
     except ImportError as error:
-        raise ImportError(f"otel_straggler.megatron.install(): megatron-core is not importable ({error})") from None
+        raise ImportError(f"otel_straggler.integrations.megatron.install(): megatron-core is not importable "
+                          f"({error})") from None
     try:
         importlib.import_module("megatron.training.global_vars")
         training = importlib.import_module("megatron.training.training")

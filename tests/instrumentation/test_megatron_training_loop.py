@@ -160,6 +160,12 @@ def test_install_before_pretrain_makes_megatron_lms_global_timers_ours(megatron_
     assert otel_straggler.integrations.megatron.install() is handle  # idempotent
 
 
+def test_the_earlier_path_installs_the_same():
+    import otel_straggler.megatron
+
+    assert otel_straggler.megatron.install is otel_straggler.integrations.megatron.install
+
+
 def test_install_after_the_timers_were_built_replaces_them(megatron_lm, shut_down_after):
     megatron_lm._set_timers(ARGS)
     assert isinstance(megatron_lm.get_timers(), megatron.core.timers.Timers)  # Megatron's own

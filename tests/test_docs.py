@@ -129,3 +129,20 @@ def test_the_verdict_the_readme_quotes_is_the_recorded_run():
     quoted = re.search(r"^```\n(.*?)^```", README.read_text(), re.MULTILINE | re.DOTALL).group(1)
     for line in quoted.splitlines():
         assert line in record
+
+
+def test_the_design_is_cited_from_the_repository_only():
+    """Code and docs cite docs/architecture.md (and the other docs), never a design document
+    that is not in the repository."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    cited = []
+    for path in root.rglob("*"):
+        if (path.is_file() and path.suffix in {".py", ".c", ".md", ".yml", ".yaml", ".toml", ".sh"}
+                and not {".git", ".services", "build", "node_modules"} & set(path.parts)
+                and path != pathlib.Path(__file__).resolve()):
+            text = path.read_text(errors="replace")
+            cited += [f"{path.relative_to(root)}: {m.group(0)}" for m in re.finditer(r"DESIGN(\.md)?\s*§", text)]
+    assert cited == []

@@ -17,7 +17,7 @@ __all__ = ["ConfigError", "DetectorConfig", "SETTINGS", "add_arguments", "load"]
 
 
 SETTINGS: tuple[Setting, ...] = (
-    # engine: detection rules (DESIGN §3)
+    # engine: detection rules (docs/detection.md)
     Setting("window_steps", int, 10, "steps per window: window w holds steps [w*W, (w+1)*W)", 1, 100_000),
     Setting("rel_threshold", float, 0.05, "slow means slowdown > 1 + this", 0.001, 10.0),
     Setting("min_gap_ms", float, 5.0, "slow also needs rank median - reference > this many ms", 0.0, 3_600_000.0),

@@ -3,7 +3,7 @@
 A span is ours when it carries `training.stage` (CONTRACT §2), or is a `train.heartbeat` (§2b: a
 Heartbeat, liveness and open stages, not an observation). Everything else, including the
 per-rank `train.step` spans, is counted as ignored: the engine derives whole-step compute from the
-stage spans (DESIGN §3), so the step span adds nothing. A stage span that lacks a required field
+stage spans (docs/detection.md), so the step span adds nothing. A stage span that lacks a required field
 (job id, rank, step, seq, timestamps) or has one of the wrong type is counted as malformed, with a
 Rejection: its kind, one of the few of REJECTION_KINDS (a metric attribute), and a reason for people;
 the rest of its request still counts. A payload that cannot be parsed at all raises MalformedPayload.

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import otel_straggler
-from otel_straggler.instrumentation import api, hot_path_reference
+from otel_straggler.instrumentation import hot_path_reference
 from otel_straggler.integrations import megatron_timers
 from otel_straggler.processors import device_events
 

@@ -392,17 +392,19 @@ class Cohort:
         reporting = self._reporting_ranks
         # a bound that grows with the cohort, so an ordinary window of a large one never reaches it
         max_rows = None if max_rows_per_rank is None else max_rows_per_rank * max(1, reporting)
-        on_time_from = self._lowest_on_time_window(now_unix_nano) if self.open_windows else None
+        on_time_from = None  # looked up once, where the first two tests leave it to decide
         # at the start a rank's first export can come up to one export period after another's, and
         # a rank never seen is not waited for: the cohort's first windows wait that long for them
         starting = self._starting(now_unix_nano)
         for window in sorted(self.open_windows):
             moved_past = sum(count for latest_window, count in latest if latest_window > window)
             far_ahead = sum(count for latest_window, count in latest if latest_window >= window + close_lag)
-            # the ranks still short of this window are all overdue
-            only_overdue_short = moved_past > 0 and window < on_time_from
-            cohort_moved_on = reporting > 0 and not starting and (
-                moved_past >= reporting or 2 * far_ahead > reporting or only_overdue_short)
+            cohort_moved_on = reporting > 0 and not starting and (moved_past >= reporting or 2 * far_ahead > reporting)
+            if reporting > 0 and not starting and not cohort_moved_on and moved_past > 0:
+                # the ranks still short of this window are all overdue
+                if on_time_from is None:
+                    on_time_from = self._lowest_on_time_window(now_unix_nano)
+                cohort_moved_on = window < on_time_from
             rows = self.open_windows[window]
             idle = now_unix_nano - rows.last_data_unix_nano >= grace_ns
             # full: a window whose step does not advance while spans keep coming would grow without bound

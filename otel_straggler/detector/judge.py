@@ -223,7 +223,7 @@ def judge_window(cohort, rows, config: DetectorConfig, now_unix_nano: int) -> Wi
     judgement.verdicts += _judge_pace(cohort, rows, entries, config, now_unix_nano)
     state.windows_seen[:slot_count][entries.present] += 1
     state.collective_seen[entries.code[(entries.code & 1) == 1]] = True  # for hangs: who waits where
-    for stage_index in np.unique(entries.code // 2).tolist():
+    for stage_index in np.flatnonzero(np.bincount(entries.code // 2)).tolist():
         if stage_index:
             cohort.stage_seen(stage_index, rows.window)
     return judgement
@@ -267,15 +267,21 @@ def _entries(rows, layout, slot_count: int, state: CohortVerdictState,
     tokens = np.frombuffer(rows.tokens, dtype=np.float64)
     end_unix_nano = np.frombuffer(rows.end_unix_nano, dtype=np.int64)
     _, code, slot, step_offset = layout.unpack(keys)
-    code = _mark_synchronization_points(state, keys, code, host, end_unix_nano, layout)
+    # keys repacked over the cohort's slots instead of max_ranks: same order, a range close to the
+    # row count, so that grouping them counts into a table (dense_groups, _sums_by_bin) instead of sorting
+    slot_steps = slot_count * layout.window_steps
+    step_bin = slot * layout.window_steps + step_offset
+    code = _mark_synchronization_points(state, code * slot_steps + step_bin, code, host, end_unix_nano,
+                                        layout, slot_count)
     has_device = np.isfinite(device) & (device >= 0)
     invalid_device_rows = int(np.count_nonzero(~np.isnan(device) & ~has_device))
 
     # per (stage, rank, step): the stage's intervals summed (micro-batches, gradient accumulation),
     # device only where every interval has one; then per (stage, rank) the median over steps
-    cell_keys = code * layout.code_stride + slot * layout.window_steps + step_offset
-    cells, (cell_host, cell_device, cell_device_missing) = _sums_by_bin(
-        cell_keys, host, np.where(has_device, device, 0.0), (~has_device).astype(np.float64))
+    compact_cells, (cell_host, cell_device, cell_device_missing) = _sums_by_bin(
+        code * slot_steps + step_bin, host, np.where(has_device, device, 0.0), (~has_device).astype(np.float64))
+    cell_codes = compact_cells // slot_steps
+    cells = cell_codes * layout.code_stride + (compact_cells - cell_codes * slot_steps)
     cell_groups = cells // layout.window_steps
     stage_groups, stage_host = grouped_medians(cell_groups, cell_host)
     complete_cells = cell_device_missing == 0
@@ -285,7 +291,6 @@ def _entries(rows, layout, slot_count: int, state: CohortVerdictState,
 
     # whole step: per (slot, step) sums of the non-collective intervals, then per-slot medians
     compute = (code & 1) == 0
-    step_bin = slot * layout.window_steps + step_offset
     bins, (host_sum, device_sum, device_missing) = _sums_by_bin(
         step_bin[compute], host[compute], np.where(has_device, device, 0.0)[compute],
         (~has_device[compute]).astype(np.float64))
@@ -335,13 +340,13 @@ def _entries(rows, layout, slot_count: int, state: CohortVerdictState,
         tokens=tokens_by_slot[all_slots],
         present=present,
         last_end_unix_nano=last_end,
-        steps=int(np.unique(step_offset).size),
+        steps=int(np.count_nonzero(np.bincount(step_offset))),  # offsets are in [0, window_steps)
         rows=_Rows(code, slot, step_offset, host, end_unix_nano),
     ), invalid_device_rows
 
 
 def _mark_synchronization_points(state: CohortVerdictState, keys: np.ndarray, code: np.ndarray, host: np.ndarray,
-                                 end_unix_nano: np.ndarray, layout) -> np.ndarray:
+                                 end_unix_nano: np.ndarray, layout, slot_count: int) -> np.ndarray:
     """`code` with the collective bit set on the rows of stages that end at a synchronization point
     (a collective hidden inside, such as DDP's all-reduce inside backward), judged as collectives.
 
@@ -350,7 +355,8 @@ def _mark_synchronization_points(state: CohortVerdictState, keys: np.ndarray, co
     from the ranks' medians; each rank's own median deviation over the window's steps is removed
     (a clock offset, or a rank that is consistently later); the slope of the end deviations on the
     start deviations is near 0 at a synchronization point and near 1 for a stage each rank runs on
-    its own. The slope is smoothed over windows and compared with SYNC_SLOPE_LIMIT."""
+    its own. The slope is smoothed over windows and compared with SYNC_SLOPE_LIMIT.
+    keys: per row, (code * slot_count + slot) * window_steps + step offset."""
     stage_rows = ((code & 1) == 0) & (code > 0)
     if not stage_rows.any():
         return code
@@ -368,23 +374,26 @@ def _mark_synchronization_points(state: CohortVerdictState, keys: np.ndarray, co
         last = order[np.r_[index[order][1:] != index[order][:-1], True]]  # per cell, its row with the latest end
     cell_end = np.where(finite[last], end_ms[last], np.inf)
     cell_start = np.where(finite[last], start_ms[last], np.inf)
-    _, cell_code, cell_slot, cell_step = layout.unpack(cells)
+    cell_group = cells // layout.window_steps
+    cell_step = cells - cell_group * layout.window_steps
+    cell_code = cell_group // slot_count
+    cell_slot = cell_group - cell_code * slot_count
     usable = np.isfinite(cell_start) & np.isfinite(cell_end)
     cell_code, cell_slot, cell_step = cell_code[usable], cell_slot[usable], cell_step[usable]
     cell_start, cell_end = cell_start[usable], cell_end[usable]
     # deviations from the ranks' medians of the same (stage, step), where enough ranks have it
-    _, by_step = dense_groups(cell_code * layout.window_steps + cell_step)
+    step_ids, by_step = dense_groups(cell_code * layout.window_steps + cell_step)
     ranks_in_step = np.bincount(by_step)
-    _, median_end = grouped_medians_signed(by_step, cell_end)
-    _, median_start = grouped_medians_signed(by_step, cell_start)
+    _, median_end = grouped_medians_signed(by_step, cell_end, step_ids.size)
+    _, median_start = grouped_medians_signed(by_step, cell_start, step_ids.size)
     enough = ranks_in_step[by_step] >= SYNC_MIN_RANKS
     end_dev = (cell_end - median_end[by_step])[enough]
     start_dev = (cell_start - median_start[by_step])[enough]
     cell_code, cell_slot = cell_code[enough], cell_slot[enough]
     # each rank's own offset over the window removed
-    _, by_rank = dense_groups(cell_code * layout.slot_stride + cell_slot)
-    _, rank_end = grouped_medians_signed(by_rank, end_dev)
-    _, rank_start = grouped_medians_signed(by_rank, start_dev)
+    rank_ids, by_rank = dense_groups(cell_code * slot_count + cell_slot)
+    _, rank_end = grouped_medians_signed(by_rank, end_dev, rank_ids.size)
+    _, rank_start = grouped_medians_signed(by_rank, start_dev, rank_ids.size)
     end_dev = end_dev - rank_end[by_rank]
     start_dev = start_dev - rank_start[by_rank]
     codes, by_code = dense_groups(cell_code)
@@ -424,9 +433,9 @@ def _late_steps(code: np.ndarray, slot: np.ndarray, step_offset: np.ndarray, hos
     rows = np.flatnonzero((code & 1) == 1)
     if rows.size == 0:
         return late, steps
-    _, by_step = dense_groups(code[rows] * layout.window_steps + step_offset[rows])
+    step_ids, by_step = dense_groups(code[rows] * layout.window_steps + step_offset[rows])
     ranks_in_step = np.bincount(by_step)
-    _, step_median = grouped_medians_signed(by_step, host[rows])
+    _, step_median = grouped_medians_signed(by_step, host[rows], step_ids.size)
     enough = ranks_in_step[by_step] >= SYNC_MIN_RANKS
     under = enough & (host[rows] < step_median[by_step])
     pair = code[rows] * layout.slot_stride + slot[rows]
@@ -498,14 +507,15 @@ def _beyond_noise(segment: np.ndarray, median: np.ndarray, slowdown: np.ndarray,
     deviation = np.log(slowdown[judged])
     segments, by_segment = dense_groups(segment[judged])
     log_median = np.log(median[judged])
-    _, stage_median = grouped_medians_signed(by_segment, log_median)
+    _, stage_median = grouped_medians_signed(by_segment, log_median, segments.size)
     across = _half_spread(segments, by_segment, log_median, log_median < stage_median[by_segment],
                           np.ones(judged.size), None)
     offset = log_median - stage_median[by_segment]
     previous = last_offset[pair[judged]]
     moved = np.isfinite(previous)
     over_time = np.zeros(segments.size)
-    moved_segments, change = grouped_medians_signed(by_segment[moved], np.abs(offset[moved] - previous[moved]))
+    moved_segments, change = grouped_medians_signed(by_segment[moved], np.abs(offset[moved] - previous[moved]),
+                                                    segments.size)
     over_time[moved_segments] = change / (NORMAL_MAD * math.sqrt(2.0))
     last_offset[pair[judged]] = offset
     sigma = _smoothed(segments, np.fmax(across, over_time), noise_var)
@@ -525,7 +535,7 @@ def _late_beyond_noise(code: np.ndarray, wait_ms: np.ndarray, lateness: np.ndarr
         return result
     segments, by_segment = dense_groups(code[judged])
     relative_wait = wait_ms[judged] / step_ms[judged]
-    _, centre = grouped_medians_signed(by_segment, relative_wait)
+    _, centre = grouped_medians_signed(by_segment, relative_wait, segments.size)
     sigma = _half_spread(segments, by_segment, relative_wait, relative_wait > centre[by_segment],
                          np.ones(judged.size), arrival_var)
     result[judged] = lateness[judged] / step_ms[judged] > z * sigma[by_segment]
@@ -539,11 +549,11 @@ def _half_spread(segments: np.ndarray, by_segment: np.ndarray, values: np.ndarra
     median absolute deviation; smoothed over windows in `smoothed_var` (by segment id, updated)
     unless that is None."""
     centre = np.zeros(segments.size)
-    half_segments, half_centre = grouped_medians_signed(by_segment[healthy], values[healthy])
+    half_segments, half_centre = grouped_medians_signed(by_segment[healthy], values[healthy], segments.size)
     centre[half_segments] = half_centre
     distance = np.abs(values[healthy] - centre[by_segment[healthy]]) / scale[healthy]
     spread = np.zeros(segments.size)
-    half_segments, half_spread = grouped_medians_signed(by_segment[healthy], distance)
+    half_segments, half_spread = grouped_medians_signed(by_segment[healthy], distance, segments.size)
     spread[half_segments] = half_spread / HALF_NORMAL_MAD
     return spread if smoothed_var is None else _smoothed(segments, spread, smoothed_var)
 
@@ -839,6 +849,8 @@ def _lead(stage_names: list, entries: _Entries, onset: np.ndarray, late_onset: n
     explained_mask = np.zeros(onset.size, dtype=bool)
     candidates = slow_compute | late | held
     onset = onset.copy()
+    if not onset.any():
+        return onset, also_slow, explained_mask
     for slot in np.unique(entries.slot[onset]).tolist():
         carrier = _carrier(entries, slot, candidates, clearly_over, gap_ms)
         if carrier is not None:

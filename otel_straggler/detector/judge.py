@@ -40,7 +40,6 @@ import math
 import dataclasses
 import functools
 import statistics
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -439,15 +438,22 @@ def _late_steps(code: np.ndarray, slot: np.ndarray, step_offset: np.ndarray, hos
     enough = ranks_in_step[by_step] >= SYNC_MIN_RANKS
     under = enough & (host[rows] < step_median[by_step])
     pair = code[rows] * layout.slot_stride + slot[rows]
-    late_by_pair = Counter(pair[under].tolist())
     # one step per (code, step) group with enough ranks
     first_rows = np.unique(by_step[enough], return_index=True)[1]
-    steps_by_code = Counter(code[rows][enough][first_rows].tolist())
-    for entry in np.flatnonzero(entry_codes & 1).tolist():
-        entry_code = int(entry_codes[entry])
-        late[entry] = late_by_pair.get(entry_code * layout.slot_stride + int(entry_slots[entry]), 0)
-        steps[entry] = steps_by_code.get(entry_code, 0)
+    collective = np.flatnonzero(entry_codes & 1)
+    entry_codes = entry_codes[collective]
+    late[collective] = _counts_of(pair[under], entry_codes * layout.slot_stride + entry_slots[collective])
+    steps[collective] = _counts_of(code[rows][enough][first_rows], entry_codes)
     return late, steps
+
+
+def _counts_of(values: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """How many times each of `keys` occurs in `values` (0 where it does not)."""
+    if values.size == 0 or keys.size == 0:
+        return np.zeros(keys.size, dtype=np.int64)
+    distinct, counts = np.unique(values, return_counts=True)
+    position = np.minimum(np.searchsorted(distinct, keys), distinct.size - 1)
+    return np.where(distinct[position] == keys, counts[position], 0)
 
 
 def _sums_by_bin(bins: np.ndarray, *weights: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:

@@ -454,16 +454,20 @@ class Cohort:
             self._last_delivery_ns = now_unix_nano
             return
         self._last_delivery_ns = now_unix_nano
-        for slot in set(slots):
-            if slot >= len(self.slot_entries) or self.slot_entries[slot] is None:
-                continue  # evicted since
-            previous = int(self._reached_ns_by_slot[slot])
-            if previous:
-                gap = min(max(0, now_unix_nano - previous), self._max_lag_ns)
-                self._delivery_gap_ns_by_slot[slot] = max(gap, int(self._delivery_gap_ns_by_slot[slot] * GAP_DECAY))
-                if self._delivery_gaps_seen_by_slot[slot] < GAPS_BEFORE_TRUSTED:
-                    self._delivery_gaps_seen_by_slot[slot] += 1
-            self._reached_ns_by_slot[slot] = now_unix_nano
+        entries = self.slot_entries
+        count = len(entries)
+        live = [slot for slot in set(slots) if slot < count and entries[slot] is not None]  # not evicted since
+        if not live:
+            return
+        live = np.array(live, dtype=np.int64)
+        previous = self._reached_ns_by_slot[live]
+        again = live[previous != 0]  # a rank's later deliveries: one gap each
+        gap = np.minimum(np.maximum(now_unix_nano - previous[previous != 0], 0), self._max_lag_ns)
+        decayed = (self._delivery_gap_ns_by_slot[again] * GAP_DECAY).astype(np.int64)  # truncated, as int()
+        self._delivery_gap_ns_by_slot[again] = np.maximum(gap, decayed)
+        seen = self._delivery_gaps_seen_by_slot[again]
+        self._delivery_gaps_seen_by_slot[again] = np.where(seen < GAPS_BEFORE_TRUSTED, seen + 1, seen)
+        self._reached_ns_by_slot[live] = now_unix_nano
 
     def delivery_clocks_paused(self, paused_ns: int) -> None:
         """The detector did not look for `paused_ns`: each rank's wait for its next delivery starts

@@ -266,21 +266,20 @@ def _entries(rows, layout, slot_count: int, state: CohortVerdictState,
     tokens = np.frombuffer(rows.tokens, dtype=np.float64)
     end_unix_nano = np.frombuffer(rows.end_unix_nano, dtype=np.int64)
     _, code, slot, step_offset = layout.unpack(keys)
-    # keys repacked over the cohort's slots instead of max_ranks: same order, a range close to the
-    # row count, so that grouping them counts into a table (dense_groups, _sums_by_bin) instead of sorting
-    slot_steps = slot_count * layout.window_steps
-    step_bin = slot * layout.window_steps + step_offset
-    code = _mark_synchronization_points(state, code * slot_steps + step_bin, code, host, end_unix_nano,
-                                        layout, slot_count)
+    code = _mark_synchronization_points(state, code, slot, step_offset, host, end_unix_nano, layout, slot_count)
     has_device = np.isfinite(device) & (device >= 0)
     invalid_device_rows = int(np.count_nonzero(~np.isnan(device) & ~has_device))
 
     # per (stage, rank, step): the stage's intervals summed (micro-batches, gradient accumulation),
-    # device only where every interval has one; then per (stage, rank) the median over steps
+    # device only where every interval has one; then per (stage, rank) the median over steps.
+    # Keys repacked over the cohort's slots instead of max_ranks: same order, a range close to the
+    # row count, so that grouping them counts into a table (_sums_by_bin, dense_groups) instead of sorting
+    slot_steps = slot_count * layout.window_steps
+    step_bin = slot * layout.window_steps + step_offset
     compact_cells, (cell_host, cell_device, cell_device_missing) = _sums_by_bin(
         code * slot_steps + step_bin, host, np.where(has_device, device, 0.0), (~has_device).astype(np.float64))
-    cell_codes = compact_cells // slot_steps
-    cells = cell_codes * layout.code_stride + (compact_cells - cell_codes * slot_steps)
+    cells = compact_cells // slot_steps * layout.code_stride + compact_cells % slot_steps  # the layout's keys
+    del compact_cells  # the window's largest arrays are these: none is kept longer than before
     cell_groups = cells // layout.window_steps
     stage_groups, stage_host = grouped_medians(cell_groups, cell_host)
     complete_cells = cell_device_missing == 0
@@ -344,8 +343,9 @@ def _entries(rows, layout, slot_count: int, state: CohortVerdictState,
     ), invalid_device_rows
 
 
-def _mark_synchronization_points(state: CohortVerdictState, keys: np.ndarray, code: np.ndarray, host: np.ndarray,
-                                 end_unix_nano: np.ndarray, layout, slot_count: int) -> np.ndarray:
+def _mark_synchronization_points(state: CohortVerdictState, code: np.ndarray, slot: np.ndarray,
+                                 step_offset: np.ndarray, host: np.ndarray, end_unix_nano: np.ndarray, layout,
+                                 slot_count: int) -> np.ndarray:
     """`code` with the collective bit set on the rows of stages that end at a synchronization point
     (a collective hidden inside, such as DDP's all-reduce inside backward), judged as collectives.
 
@@ -354,8 +354,7 @@ def _mark_synchronization_points(state: CohortVerdictState, keys: np.ndarray, co
     from the ranks' medians; each rank's own median deviation over the window's steps is removed
     (a clock offset, or a rank that is consistently later); the slope of the end deviations on the
     start deviations is near 0 at a synchronization point and near 1 for a stage each rank runs on
-    its own. The slope is smoothed over windows and compared with SYNC_SLOPE_LIMIT.
-    keys: per row, (code * slot_count + slot) * window_steps + step offset."""
+    its own. The slope is smoothed over windows and compared with SYNC_SLOPE_LIMIT."""
     stage_rows = ((code & 1) == 0) & (code > 0)
     if not stage_rows.any():
         return code
@@ -363,7 +362,9 @@ def _mark_synchronization_points(state: CohortVerdictState, keys: np.ndarray, co
     start_ms = end_ms - host[stage_rows]
     # one cell per (stage, rank, step): its last interval, the one a synchronization point would
     # end (of several micro-batches, only the one that synchronizes does)
-    cells, index = dense_groups(keys[stage_rows])
+    # cells keyed over the cohort's slots: (code * slot_count + slot) * window_steps + step offset
+    cells, index = dense_groups((code[stage_rows] * slot_count + slot[stage_rows]) * layout.window_steps
+                                + step_offset[stage_rows])
     finite = np.isfinite(end_ms) & np.isfinite(start_ms)
     if cells.size == index.size:  # one interval per cell (no micro-batches): it is the last
         last = np.empty_like(index)
@@ -461,8 +462,7 @@ def _sums_by_bin(bins: np.ndarray, *weights: np.ndarray) -> tuple[np.ndarray, li
     if bins.size == 0:
         return bins, [np.zeros(0) for _ in weights]
     if int(bins.max()) < max(4 * bins.size, 1 << 16):  # dense enough to count directly
-        counts = np.bincount(bins)
-        used = np.flatnonzero(counts)
+        used = np.bincount(bins).nonzero()[0]
         return used, [np.bincount(bins, weights=column)[used] for column in weights]
     distinct, index = dense_groups(bins)
     return distinct, [np.bincount(index, weights=column) for column in weights]

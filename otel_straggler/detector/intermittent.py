@@ -43,7 +43,7 @@ from typing import Optional
 
 import numpy as np
 
-from otel_straggler.detector.grouped import grouped_medians
+from otel_straggler.detector.grouped import dense_groups, grouped_medians
 
 HORIZON = 2  # windows tested, in persist_windows
 MAX_HORIZON_WINDOWS = 16  # ... at most (a large persist_windows does not make the ring deep)
@@ -154,9 +154,9 @@ def collective_slack(waits: CollectiveWaits, window_steps: int, min_ranks: int) 
     none."""
     if waits.slot.size == 0:
         return StepSlack(np.zeros(0, np.int64), np.zeros(0))
-    bins, inverse = np.unique(waits.slot * window_steps + waits.step, return_inverse=True)
+    bins, inverse = dense_groups(waits.slot * window_steps + waits.step)
     summed = np.bincount(inverse, weights=waits.ms, minlength=bins.size)
-    steps, by_step = np.unique(bins % window_steps, return_inverse=True)
+    steps, by_step = dense_groups(bins % window_steps)
     least = np.full(steps.size, np.inf)
     np.minimum.at(least, by_step, summed)
     enough = np.bincount(by_step, minlength=steps.size)[by_step] >= min_ranks

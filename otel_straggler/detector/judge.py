@@ -40,7 +40,6 @@ import math
 import dataclasses
 import functools
 import statistics
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -223,7 +222,7 @@ def judge_window(cohort, rows, config: DetectorConfig, now_unix_nano: int) -> Wi
     judgement.verdicts += _judge_pace(cohort, rows, entries, config, now_unix_nano)
     state.windows_seen[:slot_count][entries.present] += 1
     state.collective_seen[entries.code[(entries.code & 1) == 1]] = True  # for hangs: who waits where
-    for stage_index in np.unique(entries.code // 2).tolist():
+    for stage_index in np.flatnonzero(np.bincount(entries.code // 2)).tolist():
         if stage_index:
             cohort.stage_seen(stage_index, rows.window)
     return judgement
@@ -267,15 +266,20 @@ def _entries(rows, layout, slot_count: int, state: CohortVerdictState,
     tokens = np.frombuffer(rows.tokens, dtype=np.float64)
     end_unix_nano = np.frombuffer(rows.end_unix_nano, dtype=np.int64)
     _, code, slot, step_offset = layout.unpack(keys)
-    code = _mark_synchronization_points(state, keys, code, host, end_unix_nano, layout)
+    code = _mark_synchronization_points(state, code, slot, step_offset, host, end_unix_nano, layout, slot_count)
     has_device = np.isfinite(device) & (device >= 0)
     invalid_device_rows = int(np.count_nonzero(~np.isnan(device) & ~has_device))
 
     # per (stage, rank, step): the stage's intervals summed (micro-batches, gradient accumulation),
-    # device only where every interval has one; then per (stage, rank) the median over steps
-    cell_keys = code * layout.code_stride + slot * layout.window_steps + step_offset
-    cells, (cell_host, cell_device, cell_device_missing) = _sums_by_bin(
-        cell_keys, host, np.where(has_device, device, 0.0), (~has_device).astype(np.float64))
+    # device only where every interval has one; then per (stage, rank) the median over steps.
+    # Keys repacked over the cohort's slots instead of max_ranks: same order, a range close to the
+    # row count, so that grouping them counts into a table (_sums_by_bin, dense_groups) instead of sorting
+    slot_steps = slot_count * layout.window_steps
+    step_bin = slot * layout.window_steps + step_offset
+    compact_cells, (cell_host, cell_device, cell_device_missing) = _sums_by_bin(
+        code * slot_steps + step_bin, host, np.where(has_device, device, 0.0), (~has_device).astype(np.float64))
+    cells = compact_cells // slot_steps * layout.code_stride + compact_cells % slot_steps  # the layout's keys
+    del compact_cells  # the window's largest arrays are these: none is kept longer than before
     cell_groups = cells // layout.window_steps
     stage_groups, stage_host = grouped_medians(cell_groups, cell_host)
     complete_cells = cell_device_missing == 0
@@ -285,7 +289,6 @@ def _entries(rows, layout, slot_count: int, state: CohortVerdictState,
 
     # whole step: per (slot, step) sums of the non-collective intervals, then per-slot medians
     compute = (code & 1) == 0
-    step_bin = slot * layout.window_steps + step_offset
     bins, (host_sum, device_sum, device_missing) = _sums_by_bin(
         step_bin[compute], host[compute], np.where(has_device, device, 0.0)[compute],
         (~has_device[compute]).astype(np.float64))
@@ -335,13 +338,14 @@ def _entries(rows, layout, slot_count: int, state: CohortVerdictState,
         tokens=tokens_by_slot[all_slots],
         present=present,
         last_end_unix_nano=last_end,
-        steps=int(np.unique(step_offset).size),
+        steps=int(np.count_nonzero(np.bincount(step_offset))),  # offsets are in [0, window_steps)
         rows=_Rows(code, slot, step_offset, host, end_unix_nano),
     ), invalid_device_rows
 
 
-def _mark_synchronization_points(state: CohortVerdictState, keys: np.ndarray, code: np.ndarray, host: np.ndarray,
-                                 end_unix_nano: np.ndarray, layout) -> np.ndarray:
+def _mark_synchronization_points(state: CohortVerdictState, code: np.ndarray, slot: np.ndarray,
+                                 step_offset: np.ndarray, host: np.ndarray, end_unix_nano: np.ndarray, layout,
+                                 slot_count: int) -> np.ndarray:
     """`code` with the collective bit set on the rows of stages that end at a synchronization point
     (a collective hidden inside, such as DDP's all-reduce inside backward), judged as collectives.
 
@@ -358,7 +362,9 @@ def _mark_synchronization_points(state: CohortVerdictState, keys: np.ndarray, co
     start_ms = end_ms - host[stage_rows]
     # one cell per (stage, rank, step): its last interval, the one a synchronization point would
     # end (of several micro-batches, only the one that synchronizes does)
-    cells, index = dense_groups(keys[stage_rows])
+    # cells keyed over the cohort's slots: (code * slot_count + slot) * window_steps + step offset
+    cells, index = dense_groups((code[stage_rows] * slot_count + slot[stage_rows]) * layout.window_steps
+                                + step_offset[stage_rows])
     finite = np.isfinite(end_ms) & np.isfinite(start_ms)
     if cells.size == index.size:  # one interval per cell (no micro-batches): it is the last
         last = np.empty_like(index)
@@ -368,23 +374,26 @@ def _mark_synchronization_points(state: CohortVerdictState, keys: np.ndarray, co
         last = order[np.r_[index[order][1:] != index[order][:-1], True]]  # per cell, its row with the latest end
     cell_end = np.where(finite[last], end_ms[last], np.inf)
     cell_start = np.where(finite[last], start_ms[last], np.inf)
-    _, cell_code, cell_slot, cell_step = layout.unpack(cells)
+    cell_group = cells // layout.window_steps
+    cell_step = cells - cell_group * layout.window_steps
+    cell_code = cell_group // slot_count
+    cell_slot = cell_group - cell_code * slot_count
     usable = np.isfinite(cell_start) & np.isfinite(cell_end)
     cell_code, cell_slot, cell_step = cell_code[usable], cell_slot[usable], cell_step[usable]
     cell_start, cell_end = cell_start[usable], cell_end[usable]
     # deviations from the ranks' medians of the same (stage, step), where enough ranks have it
-    _, by_step = dense_groups(cell_code * layout.window_steps + cell_step)
+    step_ids, by_step = dense_groups(cell_code * layout.window_steps + cell_step)
     ranks_in_step = np.bincount(by_step)
-    _, median_end = grouped_medians_signed(by_step, cell_end)
-    _, median_start = grouped_medians_signed(by_step, cell_start)
+    _, median_end = grouped_medians_signed(by_step, cell_end, step_ids.size)
+    _, median_start = grouped_medians_signed(by_step, cell_start, step_ids.size)
     enough = ranks_in_step[by_step] >= SYNC_MIN_RANKS
     end_dev = (cell_end - median_end[by_step])[enough]
     start_dev = (cell_start - median_start[by_step])[enough]
     cell_code, cell_slot = cell_code[enough], cell_slot[enough]
     # each rank's own offset over the window removed
-    _, by_rank = dense_groups(cell_code * layout.slot_stride + cell_slot)
-    _, rank_end = grouped_medians_signed(by_rank, end_dev)
-    _, rank_start = grouped_medians_signed(by_rank, start_dev)
+    rank_ids, by_rank = dense_groups(cell_code * slot_count + cell_slot)
+    _, rank_end = grouped_medians_signed(by_rank, end_dev, rank_ids.size)
+    _, rank_start = grouped_medians_signed(by_rank, start_dev, rank_ids.size)
     end_dev = end_dev - rank_end[by_rank]
     start_dev = start_dev - rank_start[by_rank]
     codes, by_code = dense_groups(cell_code)
@@ -424,21 +433,28 @@ def _late_steps(code: np.ndarray, slot: np.ndarray, step_offset: np.ndarray, hos
     rows = np.flatnonzero((code & 1) == 1)
     if rows.size == 0:
         return late, steps
-    _, by_step = dense_groups(code[rows] * layout.window_steps + step_offset[rows])
+    step_ids, by_step = dense_groups(code[rows] * layout.window_steps + step_offset[rows])
     ranks_in_step = np.bincount(by_step)
-    _, step_median = grouped_medians_signed(by_step, host[rows])
+    _, step_median = grouped_medians_signed(by_step, host[rows], step_ids.size)
     enough = ranks_in_step[by_step] >= SYNC_MIN_RANKS
     under = enough & (host[rows] < step_median[by_step])
     pair = code[rows] * layout.slot_stride + slot[rows]
-    late_by_pair = Counter(pair[under].tolist())
     # one step per (code, step) group with enough ranks
     first_rows = np.unique(by_step[enough], return_index=True)[1]
-    steps_by_code = Counter(code[rows][enough][first_rows].tolist())
-    for entry in np.flatnonzero(entry_codes & 1).tolist():
-        entry_code = int(entry_codes[entry])
-        late[entry] = late_by_pair.get(entry_code * layout.slot_stride + int(entry_slots[entry]), 0)
-        steps[entry] = steps_by_code.get(entry_code, 0)
+    collective = np.flatnonzero(entry_codes & 1)
+    entry_codes = entry_codes[collective]
+    late[collective] = _counts_of(pair[under], entry_codes * layout.slot_stride + entry_slots[collective])
+    steps[collective] = _counts_of(code[rows][enough][first_rows], entry_codes)
     return late, steps
+
+
+def _counts_of(values: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """How many times each of `keys` occurs in `values` (0 where it does not)."""
+    if values.size == 0 or keys.size == 0:
+        return np.zeros(keys.size, dtype=np.int64)
+    distinct, counts = np.unique(values, return_counts=True)
+    position = np.minimum(np.searchsorted(distinct, keys), distinct.size - 1)
+    return np.where(distinct[position] == keys, counts[position], 0)
 
 
 def _sums_by_bin(bins: np.ndarray, *weights: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -446,8 +462,7 @@ def _sums_by_bin(bins: np.ndarray, *weights: np.ndarray) -> tuple[np.ndarray, li
     if bins.size == 0:
         return bins, [np.zeros(0) for _ in weights]
     if int(bins.max()) < max(4 * bins.size, 1 << 16):  # dense enough to count directly
-        counts = np.bincount(bins)
-        used = np.flatnonzero(counts)
+        used = np.bincount(bins).nonzero()[0]
         return used, [np.bincount(bins, weights=column)[used] for column in weights]
     distinct, index = dense_groups(bins)
     return distinct, [np.bincount(index, weights=column) for column in weights]
@@ -498,14 +513,15 @@ def _beyond_noise(segment: np.ndarray, median: np.ndarray, slowdown: np.ndarray,
     deviation = np.log(slowdown[judged])
     segments, by_segment = dense_groups(segment[judged])
     log_median = np.log(median[judged])
-    _, stage_median = grouped_medians_signed(by_segment, log_median)
+    _, stage_median = grouped_medians_signed(by_segment, log_median, segments.size)
     across = _half_spread(segments, by_segment, log_median, log_median < stage_median[by_segment],
                           np.ones(judged.size), None)
     offset = log_median - stage_median[by_segment]
     previous = last_offset[pair[judged]]
     moved = np.isfinite(previous)
     over_time = np.zeros(segments.size)
-    moved_segments, change = grouped_medians_signed(by_segment[moved], np.abs(offset[moved] - previous[moved]))
+    moved_segments, change = grouped_medians_signed(by_segment[moved], np.abs(offset[moved] - previous[moved]),
+                                                    segments.size)
     over_time[moved_segments] = change / (NORMAL_MAD * math.sqrt(2.0))
     last_offset[pair[judged]] = offset
     sigma = _smoothed(segments, np.fmax(across, over_time), noise_var)
@@ -525,7 +541,7 @@ def _late_beyond_noise(code: np.ndarray, wait_ms: np.ndarray, lateness: np.ndarr
         return result
     segments, by_segment = dense_groups(code[judged])
     relative_wait = wait_ms[judged] / step_ms[judged]
-    _, centre = grouped_medians_signed(by_segment, relative_wait)
+    _, centre = grouped_medians_signed(by_segment, relative_wait, segments.size)
     sigma = _half_spread(segments, by_segment, relative_wait, relative_wait > centre[by_segment],
                          np.ones(judged.size), arrival_var)
     result[judged] = lateness[judged] / step_ms[judged] > z * sigma[by_segment]
@@ -539,11 +555,11 @@ def _half_spread(segments: np.ndarray, by_segment: np.ndarray, values: np.ndarra
     median absolute deviation; smoothed over windows in `smoothed_var` (by segment id, updated)
     unless that is None."""
     centre = np.zeros(segments.size)
-    half_segments, half_centre = grouped_medians_signed(by_segment[healthy], values[healthy])
+    half_segments, half_centre = grouped_medians_signed(by_segment[healthy], values[healthy], segments.size)
     centre[half_segments] = half_centre
     distance = np.abs(values[healthy] - centre[by_segment[healthy]]) / scale[healthy]
     spread = np.zeros(segments.size)
-    half_segments, half_spread = grouped_medians_signed(by_segment[healthy], distance)
+    half_segments, half_spread = grouped_medians_signed(by_segment[healthy], distance, segments.size)
     spread[half_segments] = half_spread / HALF_NORMAL_MAD
     return spread if smoothed_var is None else _smoothed(segments, spread, smoothed_var)
 
@@ -839,6 +855,8 @@ def _lead(stage_names: list, entries: _Entries, onset: np.ndarray, late_onset: n
     explained_mask = np.zeros(onset.size, dtype=bool)
     candidates = slow_compute | late | held
     onset = onset.copy()
+    if not onset.any():
+        return onset, also_slow, explained_mask
     for slot in np.unique(entries.slot[onset]).tolist():
         carrier = _carrier(entries, slot, candidates, clearly_over, gap_ms)
         if carrier is not None:

@@ -392,17 +392,19 @@ class Cohort:
         reporting = self._reporting_ranks
         # a bound that grows with the cohort, so an ordinary window of a large one never reaches it
         max_rows = None if max_rows_per_rank is None else max_rows_per_rank * max(1, reporting)
-        on_time_from = self._lowest_on_time_window(now_unix_nano) if self.open_windows else None
+        on_time_from = None  # looked up once, where the first two tests leave it to decide
         # at the start a rank's first export can come up to one export period after another's, and
         # a rank never seen is not waited for: the cohort's first windows wait that long for them
         starting = self._starting(now_unix_nano)
         for window in sorted(self.open_windows):
             moved_past = sum(count for latest_window, count in latest if latest_window > window)
             far_ahead = sum(count for latest_window, count in latest if latest_window >= window + close_lag)
-            # the ranks still short of this window are all overdue
-            only_overdue_short = moved_past > 0 and window < on_time_from
-            cohort_moved_on = reporting > 0 and not starting and (
-                moved_past >= reporting or 2 * far_ahead > reporting or only_overdue_short)
+            cohort_moved_on = reporting > 0 and not starting and (moved_past >= reporting or 2 * far_ahead > reporting)
+            if reporting > 0 and not starting and not cohort_moved_on and moved_past > 0:
+                # the ranks still short of this window are all overdue
+                if on_time_from is None:
+                    on_time_from = self._lowest_on_time_window(now_unix_nano)
+                cohort_moved_on = window < on_time_from
             rows = self.open_windows[window]
             idle = now_unix_nano - rows.last_data_unix_nano >= grace_ns
             # full: a window whose step does not advance while spans keep coming would grow without bound
@@ -452,16 +454,20 @@ class Cohort:
             self._last_delivery_ns = now_unix_nano
             return
         self._last_delivery_ns = now_unix_nano
-        for slot in set(slots):
-            if slot >= len(self.slot_entries) or self.slot_entries[slot] is None:
-                continue  # evicted since
-            previous = int(self._reached_ns_by_slot[slot])
-            if previous:
-                gap = min(max(0, now_unix_nano - previous), self._max_lag_ns)
-                self._delivery_gap_ns_by_slot[slot] = max(gap, int(self._delivery_gap_ns_by_slot[slot] * GAP_DECAY))
-                if self._delivery_gaps_seen_by_slot[slot] < GAPS_BEFORE_TRUSTED:
-                    self._delivery_gaps_seen_by_slot[slot] += 1
-            self._reached_ns_by_slot[slot] = now_unix_nano
+        entries = self.slot_entries
+        count = len(entries)
+        live = [slot for slot in set(slots) if slot < count and entries[slot] is not None]  # not evicted since
+        if not live:
+            return
+        live = np.array(live, dtype=np.int64)
+        previous = self._reached_ns_by_slot[live]
+        again = live[previous != 0]  # a rank's later deliveries: one gap each
+        gap = np.minimum(np.maximum(now_unix_nano - previous[previous != 0], 0), self._max_lag_ns)
+        decayed = (self._delivery_gap_ns_by_slot[again] * GAP_DECAY).astype(np.int64)  # truncated, as int()
+        self._delivery_gap_ns_by_slot[again] = np.maximum(gap, decayed)
+        seen = self._delivery_gaps_seen_by_slot[again]
+        self._delivery_gaps_seen_by_slot[again] = np.where(seen < GAPS_BEFORE_TRUSTED, seen + 1, seen)
+        self._reached_ns_by_slot[live] = now_unix_nano
 
     def delivery_clocks_paused(self, paused_ns: int) -> None:
         """The detector did not look for `paused_ns`: each rank's wait for its next delivery starts

@@ -158,7 +158,8 @@ start_helm_background() {
   # One core at low priority, so the test suite that starts next keeps the other; setsid, so the
   # build outlives this script and make's step.
   log "helm, k8s-check: building in the background (cold: minutes; log: $HELM_BG_LOG)"
-  GOMAXPROCS=1 GOFLAGS="${GOFLAGS:+$GOFLAGS }-p=1" setsid nice -n 19 "$0" build-helm > "$HELM_BG_LOG" 2>&1 < /dev/null &
+  local goflags; goflags="$("$go" env GOFLAGS)"  # an env GOFLAGS replaces go env's: keep its flags
+  GOMAXPROCS=1 GOFLAGS="${goflags:+$goflags }-p=1" setsid nice -n 19 "$0" build-helm > "$HELM_BG_LOG" 2>&1 < /dev/null &
   echo $! > "$HELM_BG_PID"
 }
 

@@ -272,6 +272,20 @@ def test_checker_fails_on_a_broken_example(chart_tools, tmp_path):
     assert "fieldpath" in result.stdout
 
 
+def test_checker_fails_on_broken_env_in_custom_resources(chart_tools, tmp_path):
+    """A TrainJob's and an Instrumentation's env lists are Kubernetes EnvVars: decoded strictly too."""
+    trainjob = find(objects((EXAMPLES / "trainjob.yaml").read_text()), "TrainJob")
+    field_ref = trainjob["spec"]["trainer"]["env"][0]["valueFrom"]["fieldRef"]
+    field_ref["fieldpath"] = field_ref.pop("fieldPath")
+    instrumentation = find(objects((EXAMPLES / "instrumentation.yaml").read_text()), "Instrumentation")
+    del instrumentation["spec"]["python"]["env"][0]  # HOST_IP, which the endpoint expands
+    result = check(chart_tools, tmp_path, yaml.safe_dump_all([trainjob, instrumentation]))
+    assert result.returncode == 1
+    assert 'spec.trainer.env: unknown field "[0].valueFrom.fieldRef.fieldpath"' in result.stdout
+    assert "$(HOST_IP)" in result.stdout
+    assert "2 objects, 2 failed" in result.stdout
+
+
 def test_examples_set_the_downward_api_attributes():
     for path in ["trainjob.yaml", "indexed-job.yaml"]:
         text = (EXAMPLES / path).read_text()

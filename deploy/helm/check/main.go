@@ -9,8 +9,10 @@
 //   - an object of a kind from a CRD that k8s.io/api does not have (ServiceMonitor, PrometheusRule,
 //     TrainJob, Instrumentation, listed in customKinds) is checked for shape only: apiVersion and
 //     kind known, metadata decoded strictly into ObjectMeta with a name, no top-level field other
-//     than apiVersion, kind, metadata and spec, and spec a map. The fields inside spec are not
-//     checked;
+//     than apiVersion, kind, metadata and spec, and spec a map; the parts of spec whose type is a
+//     Kubernetes one (customTypedParts: a TrainJob's trainer.env and resourcesPerNode, an
+//     Instrumentation's env lists and resources, a ServiceMonitor's selector) are decoded strictly
+//     into it. The rest of spec is not checked;
 //   - any other kind fails (unknown kinds are not waved through);
 //   - on every object: metadata.name a valid name, label keys and values and annotation keys
 //     valid; on workloads (Deployment, StatefulSet, DaemonSet, Job, ReplicaSet) the selector
@@ -29,6 +31,7 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -51,6 +54,7 @@ import (
 	kjson "k8s.io/apimachinery/pkg/runtime/serializer/json"
 	"k8s.io/apimachinery/pkg/util/validation"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
+	kjsonutil "sigs.k8s.io/json"
 	"sigs.k8s.io/yaml"
 )
 
@@ -66,6 +70,29 @@ var customKinds = map[schema.GroupVersionKind]bool{
 }
 
 var customTopLevel = map[string]bool{"apiVersion": true, "kind": true, "metadata": true, "spec": true}
+
+// customTypedParts: the parts of a CRD's spec whose type is a Kubernetes one, decoded strictly
+// into it like a built-in object (the rest of the spec is not checked).
+type typedPart struct {
+	path []string // under spec
+	into func() any
+	env  bool // a list of EnvVar: $(VAR) references are checked too
+}
+
+var customTypedParts = map[schema.GroupVersionKind][]typedPart{
+	{Group: "trainer.kubeflow.org", Version: "v1alpha1", Kind: "TrainJob"}: {
+		{path: []string{"trainer", "env"}, into: func() any { return &[]corev1.EnvVar{} }, env: true},
+		{path: []string{"trainer", "resourcesPerNode"}, into: func() any { return &corev1.ResourceRequirements{} }},
+	},
+	{Group: "opentelemetry.io", Version: "v1alpha1", Kind: "Instrumentation"}: {
+		{path: []string{"env"}, into: func() any { return &[]corev1.EnvVar{} }, env: true},
+		{path: []string{"python", "env"}, into: func() any { return &[]corev1.EnvVar{} }, env: true},
+		{path: []string{"python", "resourceRequirements"}, into: func() any { return &corev1.ResourceRequirements{} }},
+	},
+	{Group: "monitoring.coreos.com", Version: "v1", Kind: "ServiceMonitor"}: {
+		{path: []string{"selector"}, into: func() any { return &metav1.LabelSelector{} }},
+	},
+}
 
 func newScheme() *runtime.Scheme {
 	s := runtime.NewScheme()
@@ -115,7 +142,7 @@ func (c *checker) check(doc []byte) (string, []string) {
 	}
 	gvk := gv.WithKind(head.Kind)
 	if customKinds[gvk] {
-		return what, c.checkCustom(doc)
+		return what, c.checkCustom(doc, customTypedParts[gvk])
 	}
 	if !c.scheme.Recognizes(gvk) {
 		return what, []string{fmt.Sprintf("unknown kind %s (neither a k8s.io/api type this checker knows nor a listed CRD)", gvk)}
@@ -135,7 +162,7 @@ func (c *checker) check(doc []byte) (string, []string) {
 	return what, append(problems, checkObject(obj)...)
 }
 
-func (c *checker) checkCustom(doc []byte) []string {
+func (c *checker) checkCustom(doc []byte, parts []typedPart) []string {
 	var top map[string]any
 	if err := yaml.UnmarshalStrict(doc, &top); err != nil {
 		return []string{err.Error()}
@@ -152,8 +179,12 @@ func (c *checker) checkCustom(doc []byte) []string {
 		problems = append(problems, fmt.Sprintf("unknown top-level field %q", key))
 	}
 	if spec, ok := top["spec"]; ok {
-		if _, isMap := spec.(map[string]any); !isMap {
+		specMap, isMap := spec.(map[string]any)
+		if !isMap {
 			problems = append(problems, "spec is not a map")
+		}
+		for _, part := range parts {
+			problems = append(problems, checkTypedPart(specMap, part)...)
 		}
 	}
 	raw, err := yaml.Marshal(top["metadata"])
@@ -165,6 +196,38 @@ func (c *checker) checkCustom(doc []byte) []string {
 		return append(problems, "metadata: "+err.Error())
 	}
 	return append(problems, checkMeta(&meta)...)
+}
+
+func checkTypedPart(spec map[string]any, part typedPart) []string {
+	var value any = spec
+	for _, key := range part.path {
+		m, ok := value.(map[string]any)
+		if !ok {
+			return nil
+		}
+		if value, ok = m[key]; !ok {
+			return nil // absent: nothing to check
+		}
+	}
+	where := "spec." + strings.Join(part.path, ".")
+	raw, err := json.Marshal(value)
+	if err != nil {
+		return []string{where + ": " + err.Error()}
+	}
+	into := part.into()
+	strictErrs, err := kjsonutil.UnmarshalStrict(raw, into)
+	if err != nil {
+		return []string{where + ": " + err.Error()}
+	}
+	var problems []string
+	for _, e := range strictErrs {
+		problems = append(problems, where+": "+e.Error())
+	}
+	if part.env {
+		container := corev1.Container{Name: where, Env: *into.(*[]corev1.EnvVar)}
+		problems = append(problems, checkPodSpec(&corev1.PodSpec{Containers: []corev1.Container{container}})...)
+	}
+	return problems
 }
 
 func checkMeta(meta *metav1.ObjectMeta) []string {

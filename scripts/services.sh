@@ -98,9 +98,14 @@ build_jaeger() {
 
 # Helm v4 (helm.sh/helm/v4/cmd/helm, the version pinned in deploy/helm/tools/go.mod and go.sum)
 # and the manifest checker (deploy/helm/check), for tests/deploy.
+# `helm version` says what go.mod pins (a plain go build leaves Helm's "v4.3" without the patch)
+helm_ldflags() {
+  echo "-X helm.sh/helm/v4/internal/version.version=$(awk '$1 == "helm.sh/helm/v4" {print $2}' "$REPO/deploy/helm/tools/go.mod")"
+}
+
 helm_out() {
   local go="$1" module="$REPO/deploy/helm/tools"
-  EXTRA_KEY="$("$go" env GOVERSION)"
+  EXTRA_KEY="$("$go" env GOVERSION) $(helm_ldflags)"
   echo "$CACHE/build/helm-$(hash_of "$module/go.mod" "$module/go.sum")"
 }
 
@@ -115,13 +120,13 @@ helm_built() {
   [ -x "$(helm_out "$go")/helm" ] && [ -x "$(checker_out "$go")/k8s-check" ]
 }
 
-go_build_into() {  # go_build_into NAME MODULE_DIR OUT_DIR PACKAGE: build into OUT_DIR/NAME, timed
-  local name="$1" module="$2" out="$3" package="$4" go; go="$(find_go)"
+go_build_into() {  # go_build_into NAME MODULE_DIR OUT_DIR PACKAGE [LDFLAGS]: build into OUT_DIR/NAME, timed
+  local name="$1" module="$2" out="$3" package="$4" ldflags="${5:-}" go; go="$(find_go)"
   if [ -x "$out/$name" ]; then log "$name: cached ($out)"; else
     log "$name: building"
     mkdir -p "$out"
     local start=$SECONDS
-    (cd "$module" && timeout "$BUILD_TIMEOUT_S" "$go" build -o "$out/$name.partial" "$package") \
+    (cd "$module" && timeout "$BUILD_TIMEOUT_S" "$go" build -ldflags="$ldflags" -o "$out/$name.partial" "$package") \
       || { log "$name: build failed"; return 1; }
     mv "$out/$name.partial" "$out/$name"
     log "$name: built in $((SECONDS - start))s"
@@ -131,7 +136,7 @@ go_build_into() {  # go_build_into NAME MODULE_DIR OUT_DIR PACKAGE: build into O
 
 build_helm() {  # Helm first: the checker then reuses its compiled k8s.io packages
   local go; go="$(find_go)"
-  go_build_into helm "$REPO/deploy/helm/tools" "$(helm_out "$go")" helm.sh/helm/v4/cmd/helm
+  go_build_into helm "$REPO/deploy/helm/tools" "$(helm_out "$go")" helm.sh/helm/v4/cmd/helm "$(helm_ldflags)"
   go_build_into k8s-check "$REPO/deploy/helm/check" "$(checker_out "$go")" .
 }
 

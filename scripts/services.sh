@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Build, start and stop the real pipeline programs used by tests/pipeline and by hand:
 # the otelcol-straggler collector, Jaeger v2, Prometheus/promtool (and docker-compose, to validate
-# docker-compose.yml).
+# docker-compose.yml); and, for the Helm chart's tests (tests/deploy), Helm and the manifest checker.
 #
-#   scripts/services.sh build   build or fetch what is missing; cached, so a second run takes seconds
+#   scripts/services.sh build   build or fetch what is missing; cached, so a second run takes seconds.
+#                               Helm and the checker build in the background (a cold Helm build takes
+#                               minutes): the chart tests wait for them with `await-helm`
+#   scripts/services.sh build-helm   build Helm and the checker in the foreground
+#   scripts/services.sh await-helm   wait for a background Helm build; fails if it failed
 #   scripts/services.sh start   start Jaeger, Prometheus and the gateway collector on 127.0.0.1,
 #                               free ports, recorded in .services/env (logs in .services/*.log)
 #   scripts/services.sh stop    stop whatever `start` started (safe to run any time)
@@ -92,6 +96,96 @@ build_jaeger() {
   mkdir -p "$BIN"; ln -sfn "$out/jaeger" "$BIN/jaeger"
 }
 
+# Helm v4 (helm.sh/helm/v4/cmd/helm, the version pinned in deploy/helm/tools/go.mod and go.sum)
+# and the manifest checker (deploy/helm/check), for tests/deploy.
+# `helm version` says what go.mod pins (a plain go build leaves Helm's "v4.3" without the patch)
+helm_ldflags() {
+  echo "-X helm.sh/helm/v4/internal/version.version=$(awk '$1 == "helm.sh/helm/v4" {print $2}' "$REPO/deploy/helm/tools/go.mod")"
+}
+
+helm_out() {
+  local go="$1" module="$REPO/deploy/helm/tools"
+  EXTRA_KEY="$("$go" env GOVERSION) $(helm_ldflags)"
+  echo "$CACHE/build/helm-$(hash_of "$module/go.mod" "$module/go.sum")"
+}
+
+checker_out() {
+  local go="$1" module="$REPO/deploy/helm/check"
+  EXTRA_KEY="$("$go" env GOVERSION)"
+  echo "$CACHE/build/k8s-check-$(hash_of "$module/go.mod" "$module/go.sum" "$module/main.go")"
+}
+
+helm_built() {
+  local go="$1"
+  [ -x "$(helm_out "$go")/helm" ] && [ -x "$(checker_out "$go")/k8s-check" ]
+}
+
+go_build_into() {  # go_build_into NAME MODULE_DIR OUT_DIR PACKAGE [LDFLAGS]: build into OUT_DIR/NAME, timed
+  local name="$1" module="$2" out="$3" package="$4" ldflags="${5:-}" go; go="$(find_go)"
+  if [ -x "$out/$name" ]; then log "$name: cached ($out)"; else
+    log "$name: building"
+    mkdir -p "$out"
+    local start=$SECONDS
+    (cd "$module" && timeout "$BUILD_TIMEOUT_S" "$go" build -ldflags="$ldflags" -o "$out/$name.partial" "$package") \
+      || { log "$name: build failed"; return 1; }
+    mv "$out/$name.partial" "$out/$name"
+    log "$name: built in $((SECONDS - start))s"
+  fi
+  mkdir -p "$BIN"; ln -sfn "$out/$name" "$BIN/$name"
+}
+
+build_helm() {  # Helm first: the checker then reuses its compiled k8s.io packages
+  local go; go="$(find_go)"
+  go_build_into helm "$REPO/deploy/helm/tools" "$(helm_out "$go")" helm.sh/helm/v4/cmd/helm "$(helm_ldflags)"
+  go_build_into k8s-check "$REPO/deploy/helm/check" "$(checker_out "$go")" .
+}
+
+# The background build: its log and, while it runs, its pid, beside the cached builds.
+HELM_BG_LOG="$CACHE/build/helm-background.log"
+HELM_BG_PID="$CACHE/build/helm-background.pid"
+
+helm_background_running() {  # the pid file's process, if it is still our build (pids get reused)
+  local pid; pid="$(cat "$HELM_BG_PID" 2>/dev/null)" || return 1
+  [ -r "/proc/$pid/cmdline" ] && tr '\0' ' ' < "/proc/$pid/cmdline" | grep -q "services.sh build-helm"
+}
+
+start_helm_background() {
+  local go; go="$(find_go)"
+  if helm_built "$go"; then
+    mkdir -p "$BIN"
+    ln -sfn "$(helm_out "$go")/helm" "$BIN/helm"; ln -sfn "$(checker_out "$go")/k8s-check" "$BIN/k8s-check"
+    log "helm, k8s-check: cached"; return
+  fi
+  if helm_background_running; then
+    log "helm, k8s-check: a background build is already running (log: $HELM_BG_LOG)"; return
+  fi
+  mkdir -p "$CACHE/build"
+  # One core at low priority, so the test suite that starts next keeps the other; setsid, so the
+  # build outlives this script and make's step.
+  log "helm, k8s-check: building in the background (cold: minutes; log: $HELM_BG_LOG)"
+  local goflags; goflags="$("$go" env GOFLAGS)"  # an env GOFLAGS replaces go env's: keep its flags
+  GOMAXPROCS=1 GOFLAGS="${goflags:+$goflags }-p=1" setsid nice -n 19 "$0" build-helm > "$HELM_BG_LOG" 2>&1 < /dev/null &
+  echo $! > "$HELM_BG_PID"
+}
+
+await_helm() {
+  local go; go="$(find_go)" waited=0
+  while ! helm_built "$go"; do
+    if ! helm_background_running; then
+      # no build running: the last one failed, or none was started
+      helm_built "$go" && break
+      [ -f "$HELM_BG_LOG" ] && tail -n 20 "$HELM_BG_LOG" >&2
+      log "helm, k8s-check: not built and no build running (scripts/services.sh build-helm)"; exit 1
+    fi
+    [ "$waited" -eq 0 ] && log "helm, k8s-check: waiting for the background build (log: $HELM_BG_LOG)"
+    [ "$waited" -ge "$BUILD_TIMEOUT_S" ] && { log "helm, k8s-check: still building after ${waited}s"; exit 1; }
+    sleep 2; waited=$((waited + 2))
+  done
+  [ "$waited" -gt 0 ] && log "helm, k8s-check: waited ${waited}s"
+  mkdir -p "$BIN"
+  ln -sfn "$(helm_out "$go")/helm" "$BIN/helm"; ln -sfn "$(checker_out "$go")/k8s-check" "$BIN/k8s-check"
+}
+
 install_debian_packages() {
   local wanted=()
   command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 || wanted+=(prometheus)
@@ -131,7 +225,16 @@ case "${1:-}" in
     install_debian_packages
     build_collector
     build_jaeger
+    start_helm_background
     log "build done in $((SECONDS - start))s; binaries in $BIN"
+    ;;
+  build-helm)
+    start=$SECONDS
+    build_helm
+    log "helm build done in $((SECONDS - start))s"
+    ;;
+  await-helm)
+    await_helm
     ;;
   start)
     "$(python_for_helpers)" "$REPO/tests/pipeline/services.py" start --dir "$SERVICES_DIR"
@@ -143,7 +246,7 @@ case "${1:-}" in
     cat "$SERVICES_DIR/env"
     ;;
   *)
-    echo "usage: $0 build|start|stop|env" >&2
+    echo "usage: $0 build|build-helm|await-helm|start|stop|env" >&2
     exit 2
     ;;
 esac

@@ -210,8 +210,9 @@ def run_once(scenario: str, run: int, steps: int, from_step: int, extra_ms: floa
         if keep is not None:
             target = keep / f"{scenario.replace(':', '-')}-{run}"
             target.mkdir(parents=True, exist_ok=True)
-            for name in ("verdicts.jsonl", "status.json"):
-                (target / name).write_bytes((evidence / name).read_bytes())
+            for name in ("verdicts.jsonl", "status.json", "windows.jsonl"):
+                if (evidence / name).exists():
+                    (target / name).write_bytes((evidence / name).read_bytes())
             for rank, out in enumerate(outputs):
                 (target / f"rank-{rank}.log").write_text(out)
     return summarize(verdicts, status, kind, steps, from_step, onset_ns)

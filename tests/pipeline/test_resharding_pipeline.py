@@ -344,8 +344,13 @@ def test_shards_added_and_removed_mid_job_move_cohorts_without_false_verdicts(pi
         flagged = min(said(gaining, contract.VERDICT_STRAGGLER, changed), key=lambda said: said[0])
         departed = min(said(losing, contract.VERDICT_RECOVERED, changed), key=lambda said: said[0])
         last_judged = max(w for w in windows_judged(tmp_path / losing, slow_rank) if w < flagged[1].window)
+        gained = windows_judged(tmp_path / gaining, slow_rank)
+        first_gained = flagged[1].window  # the first of the unbroken run of windows the gaining shard judged
+        while first_gained - 1 in gained:
+            first_gained -= 1
         rows.append({"move": f"{losing}->{gaining}", "hosts file to ring switch s": round(switched - changed, 1),
-                     "last window judged by the loser": last_judged, "re-flag window": flagged[1].window,
+                     "last window judged by the loser": last_judged, "first window judged by the gainer": first_gained,
+                     "re-flag window": flagged[1].window,
                      "windows without a verdict": flagged[1].window - last_judged - 1,
                      "ring switch to departure s": round(departed[0] - switched, 1),
                      "ring switch to re-flag s": round(flagged[0] - switched, 1)})
@@ -366,5 +371,7 @@ def test_shards_added_and_removed_mid_job_move_cohorts_without_false_verdicts(pi
     assert not false_verdicts
     assert alerts == {"A": {(slow_cohort, slow_rank)}, "B": set(), "C": set()}, alerts  # one shard holds the alert
     assert lost == 0 and refused == 0 and failed == 0
+    # the gaining shard flags after its warmup (an alert carried over would not be flagged again at all)
+    assert all(row["re-flag window"] - row["first window judged by the gainer"] >= WARMUP_WINDOWS for row in rows), rows
     # the gaining shard's warmup and persistence, plus the window the move cut in two
     assert all(row["windows without a verdict"] <= WARMUP_WINDOWS + PERSIST_WINDOWS + 1 for row in rows), rows

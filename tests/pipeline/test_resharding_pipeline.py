@@ -139,11 +139,15 @@ class NamespacedCollector(services.Collector):
 
 
 def require_mount_namespaces() -> None:
-    probe = subprocess.run(["unshare", "--mount", "sh", "-c", "mount --bind /etc/hosts /etc/hosts"],
-                           capture_output=True, text=True, timeout=30)
-    if probe.returncode != 0:  # CI runs as root: a missing permission is a failure there, never a skip
+    try:
+        probe = subprocess.run(["unshare", "--mount", "sh", "-c", "mount --bind /etc/hosts /etc/hosts"],
+                               capture_output=True, text=True, timeout=30)
+        reason = (probe.stderr.strip() or f"exit status {probe.returncode}") if probe.returncode else ""
+    except OSError as error:  # no unshare (util-linux) on the machine
+        reason = str(error)
+    if reason:  # CI runs as root: a missing permission is a failure there, never a skip
         pytest.fail("this test runs the gateway in its own mount namespace (unshare --mount, then a bind mount "
-                    f"over /etc/hosts), which failed here: {probe.stderr.strip() or probe.returncode}")
+                    f"over /etc/hosts), which failed here: {reason}")
 
 
 def gateway_config(tmp_path: Path, port: int) -> Path:

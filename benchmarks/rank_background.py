@@ -85,7 +85,7 @@ def _use_stock_export(protocol: str, endpoint: str) -> None:
     (the same builder, the same spans, the same counting wrapper around the exporter)."""
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    from otel_straggler.instrumentation import pipeline
+    from otel_straggler.instrumentation import rank_pipeline
 
     class StockBatchSpanProcessor(BatchSpanProcessor):
         dropped_queue_full = unexported_at_shutdown = 0  # what status() reads; the SDK does not count them
@@ -103,8 +103,8 @@ def _use_stock_export(protocol: str, endpoint: str) -> None:
 
         return OTLPSpanExporter(endpoint=f"http://{endpoint}/v1/traces")
 
-    pipeline.BatchingSpanProcessor = StockBatchSpanProcessor
-    pipeline.span_exporter = stock_exporter
+    rank_pipeline.BatchingSpanProcessor = StockBatchSpanProcessor
+    rank_pipeline.span_exporter = stock_exporter
 
 
 def _step(ots, n: int, step_s: float) -> None:

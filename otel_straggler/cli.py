@@ -8,10 +8,10 @@ import sys
 # subcommand -> (module, help). Modules are imported only when their command runs, so
 # `otel-straggler detect` never pays for torch or matplotlib.
 COMMANDS = {
-    "demo": ("otel_straggler.demo.commands", "run a real multi-rank training job with the detector embedded"),
+    "demo": ("otel_straggler.demo.demo_command", "run a real multi-rank training job with the detector embedded"),
     "detect": ("otel_straggler.detector.commands", "run the detector service (OTLP/gRPC and OTLP/HTTP in)"),
     "replay": ("otel_straggler.detector.commands", "run the detector offline over OTLP JSON-lines files"),
-    "report": ("otel_straggler.demo.commands", "build the HTML report from a detector's evidence directory"),
+    "report": ("otel_straggler.report.report_command", "build the HTML report from a detector's evidence directory"),
 }
 
 

@@ -1,4 +1,5 @@
-"""`otel_straggler.megatron.install()`, the path the first releases documented: the same install()
-as otel_straggler.integrations.megatron, where Megatron-LM support lives (docs/megatron.md), kept
-so that launch scripts written against it go on working."""
+"""Public entry point for Megatron-LM: `from otel_straggler.megatron import install`, then `install()`
+before `pretrain(...)`. The code lives in otel_straggler.integrations.megatron (docs/megatron.md);
+this module re-exports its install() so that both import paths are public and stay so, the one
+launch scripts written against the first releases use included."""
 from otel_straggler.integrations.megatron import install  # noqa: F401

@@ -38,7 +38,7 @@ def markdown_table(settings: Iterable[Setting], with_flags: bool) -> str:
 
 def table(which: str) -> str:
     if which == "rank":
-        from otel_straggler.instrumentation.settings import SETTINGS
+        from otel_straggler.instrumentation.rank_settings import SETTINGS
 
         return markdown_table(SETTINGS, with_flags=False)
     if which == "detector":

@@ -172,7 +172,7 @@ def test_the_package_has_no_import_cycle():
 def test_the_graph_sees_every_kind_of_import_and_the_cycle_check_finds_cycles():
     source = ("import otel_straggler.contract\n"
               "from otel_straggler.instrumentation import api, hot_path\n"
-              "from . import settings\n"
+              "from . import rank_settings\n"
               "def lazily():\n"
               "    from otel_straggler.processors.device_events import EventPool\n"
               "    import importlib\n"
@@ -182,7 +182,7 @@ def test_the_graph_sees_every_kind_of_import_and_the_cycle_check_finds_cycles():
     names = {resolve(name, modules) for name, _ in
              imported_names(ast.parse(source), "otel_straggler.instrumentation.example", False)}
     assert names == {"otel_straggler.contract", "otel_straggler.instrumentation.api",
-                     "otel_straggler.instrumentation.hot_path", "otel_straggler.instrumentation.settings",
+                     "otel_straggler.instrumentation.hot_path", "otel_straggler.instrumentation.rank_settings",
                      "otel_straggler.processors.device_events", "otel_straggler.cli", None}
     graph = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3, "d": 4}, "d": {}}
     assert strongly_connected(graph) == [["a", "b", "c"]]

@@ -11,10 +11,10 @@ import time
 from typing import Any, Optional, TextIO
 
 from otel_straggler import contract
-from otel_straggler.demo.summary import describe_alert, stage_phrase
 from otel_straggler.detector.gpu_evidence import describe
 from otel_straggler.detector.next_step import next_step
 from otel_straggler.detector.nodes import roll_up
+from otel_straggler.report.summary import describe_alert, stage_phrase
 
 RED = "\x1b[31m"
 BOLD = "\x1b[1m"

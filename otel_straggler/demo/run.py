@@ -2,7 +2,7 @@
 one fails. The output folder:
 
     out/
-      report.html, *.png         the report, written afterwards (report.py)
+      report.html, *.png         the report, written afterwards (report/html_report.py)
       evidence/                  verdicts.jsonl, status.json, windows.jsonl (the detector); demo.json (the demo)
       ranks/rank-N.log           each rank's output
 """
@@ -18,13 +18,13 @@ from typing import Mapping, Optional, TextIO
 
 from otel_straggler import contract
 from otel_straggler.cli import UsageError
-from otel_straggler.demo import evidence as evidence_files
-from otel_straggler.demo.evidence import Injection, RunRecord, WindowMedian
 from otel_straggler.demo.launcher import LaunchPlan, RankFailure, RankGroup
 from otel_straggler.demo.live_view import LiveView
 from otel_straggler.demo.straggler import BLOCK_FOR_GOOD_S, slow_rank_args
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.service import DetectorService
+from otel_straggler.report import evidence_files
+from otel_straggler.report.evidence_files import Injection, RunRecord, WindowMedian
 
 # Detection rules of the embedded detector, set here rather than taken from OTEL_STRAGGLER_* so
 # the demo behaves the same everywhere. The persistence rules are the detector's defaults.

@@ -15,7 +15,7 @@ from otel_straggler import contract
 from otel_straggler.instrumentation import hot_path, identity, rank_state
 from otel_straggler.instrumentation.hot_path import IntervalRecorder
 from otel_straggler.instrumentation.rank_state import current  # noqa: F401 (otel_straggler.current)
-from otel_straggler.instrumentation.settings import DEFAULTS, SETTINGS
+from otel_straggler.instrumentation.rank_settings import DEFAULTS, SETTINGS
 from otel_straggler.settings import ConfigError, parse_bool, resolve
 
 # The running handle and its recorder are rank_state's; this lock orders configure() and shutdown().
@@ -110,7 +110,7 @@ def configure(
         if _sdk_disabled(environ):
             return Instrumentation(False, options, attributes)
 
-        from otel_straggler.instrumentation.pipeline import RankPipeline  # the SDK, exporters, threads
+        from otel_straggler.instrumentation.rank_pipeline import RankPipeline  # the SDK, exporters, threads
 
         handle = Instrumentation(True, options, attributes)
         handle.recorder = IntervalRecorder(options["queue_size"])

@@ -19,7 +19,7 @@ from typing import Collection
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
 from otel_straggler.instrumentation import api, rank_state
-from otel_straggler.instrumentation.settings import SETTINGS
+from otel_straggler.instrumentation.rank_settings import SETTINGS
 from otel_straggler.settings import ConfigError, resolve
 
 

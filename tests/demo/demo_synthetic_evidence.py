@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from otel_straggler.demo.evidence import Injection, RunRecord, WindowMedian
+from otel_straggler.report.evidence_files import Injection, RunRecord, WindowMedian
 
 JOB = "job-1"
 COHORT = "default"

@@ -4,7 +4,7 @@ import socket
 import pytest
 
 from otel_straggler import cli
-from otel_straggler.demo import commands
+from otel_straggler.demo import demo_command
 
 
 def one_line_error(capsys, argv):
@@ -43,7 +43,7 @@ def test_port_in_use(capsys, tmp_path):
 
 
 def test_torch_missing(capsys, tmp_path, monkeypatch):
-    monkeypatch.setattr(commands, "torch_installed", lambda: False)
+    monkeypatch.setattr(demo_command, "torch_installed", lambda: False)
     line = one_line_error(capsys, ["demo", "--out", str(tmp_path / "out")])
     assert "pip install torch" in line
 
@@ -60,20 +60,20 @@ def test_report_of_a_folder_without_evidence(capsys, tmp_path):
 
 
 def test_machine_rank_limit_counts_cores(monkeypatch):
-    monkeypatch.setattr(commands, "_usable_cores", lambda: 2)
-    monkeypatch.setattr(commands, "_available_memory_bytes", lambda: None)
-    assert commands.machine_rank_limit() == 8
-    monkeypatch.setattr(commands, "_available_memory_bytes", lambda: 3 * commands.RANK_MEMORY_BYTES)
-    assert commands.machine_rank_limit() == 3
+    monkeypatch.setattr(demo_command, "_usable_cores", lambda: 2)
+    monkeypatch.setattr(demo_command, "_available_memory_bytes", lambda: None)
+    assert demo_command.machine_rank_limit() == 8
+    monkeypatch.setattr(demo_command, "_available_memory_bytes", lambda: 3 * demo_command.RANK_MEMORY_BYTES)
+    assert demo_command.machine_rank_limit() == 3
 
 
 def test_runs_without_out_go_to_the_cache_not_the_working_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("OTEL_STRAGGLER_CACHE", str(tmp_path / "cache"))
-    runs_dir = commands.demo_runs_dir(commands.os.environ)
+    runs_dir = demo_command.demo_runs_dir(demo_command.os.environ)
     assert runs_dir == tmp_path / "cache" / "demo-runs"
-    first = commands._fresh_out_dir(None, runs_dir)
-    second = commands._fresh_out_dir(None, runs_dir)
+    first = demo_command._fresh_out_dir(None, runs_dir)
+    second = demo_command._fresh_out_dir(None, runs_dir)
     assert first.parent == runs_dir and second.parent == runs_dir and first != second
     assert first.is_absolute() and list(tmp_path.iterdir()) == [tmp_path / "cache"]
 
@@ -84,8 +84,8 @@ def test_the_default_folder_keeps_the_newest_runs_and_nothing_else_is_touched(tm
     for name in old_runs + ["mine"]:
         (runs_dir / name).mkdir(parents=True)
     (runs_dir / "20260101-000000.txt").write_text("not a run")
-    new_run = commands._fresh_out_dir(None, runs_dir)
-    kept = sorted(path.name for path in runs_dir.iterdir() if commands.RUN_NAME.fullmatch(path.name))
-    assert len(kept) == commands.DEMO_RUNS_KEPT and new_run.name in kept
-    assert old_runs[-(commands.DEMO_RUNS_KEPT - 1):] == [name for name in kept if name != new_run.name]
+    new_run = demo_command._fresh_out_dir(None, runs_dir)
+    kept = sorted(path.name for path in runs_dir.iterdir() if demo_command.RUN_NAME.fullmatch(path.name))
+    assert len(kept) == demo_command.DEMO_RUNS_KEPT and new_run.name in kept
+    assert old_runs[-(demo_command.DEMO_RUNS_KEPT - 1):] == [name for name in kept if name != new_run.name]
     assert (runs_dir / "mine").is_dir() and (runs_dir / "20260101-000000.txt").is_file()

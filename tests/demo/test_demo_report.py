@@ -7,8 +7,7 @@ from dataclasses import asdict
 import matplotlib.image
 import pytest
 
-from otel_straggler.demo import evidence as evidence_files
-from otel_straggler.demo import report
+from otel_straggler.report import evidence_files, html_report
 
 from demo_synthetic_evidence import run_record, verdict, window_medians
 
@@ -38,10 +37,10 @@ def test_full_report_has_three_pictures_embedded_and_as_files(tmp_path):
     evidence_dir = tmp_path / "evidence"
     write_evidence(evidence_dir, [verdict(2, 4), verdict(0, 3, kind="uncertain", reason="below_absolute_floor")],
                    window_medians(), run_record())
-    built = report.build(evidence_dir, tmp_path)
+    built = html_report.build(evidence_dir, tmp_path)
     html = built.html_path.read_text()
-    assert [path.name for path in built.picture_paths] == [report.HEATMAP_FILE, report.TIMELINE_FILE,
-                                                           report.VERDICTS_PICTURE_FILE]
+    assert [path.name for path in built.picture_paths] == [html_report.HEATMAP_FILE, html_report.TIMELINE_FILE,
+                                                           html_report.VERDICTS_PICTURE_FILE]
     images = embedded_images(html)
     assert len(images) == 3
     for path, embedded in zip(built.picture_paths, images):
@@ -59,8 +58,8 @@ def test_report_from_verdicts_alone_copies_the_evidence(tmp_path):
     evidence_dir = tmp_path / "detector"
     write_evidence(evidence_dir, [verdict(5, 3, kind="uncertain", rank_ms=33.0), verdict(5, 4)])
     (evidence_dir / evidence_files.VERDICTS_FILE).open("a").write('{"cut short')  # a writer mid-line
-    built = report.build(evidence_dir, tmp_path / "out")
-    assert [path.name for path in built.picture_paths] == [report.TIMELINE_FILE, report.VERDICTS_PICTURE_FILE]
+    built = html_report.build(evidence_dir, tmp_path / "out")
+    assert [path.name for path in built.picture_paths] == [html_report.TIMELINE_FILE, html_report.VERDICTS_PICTURE_FILE]
     for path in built.picture_paths:
         assert_valid_png(path.read_bytes())
     html = built.html_path.read_text()
@@ -72,16 +71,16 @@ def test_report_from_verdicts_alone_copies_the_evidence(tmp_path):
 def test_report_with_no_verdicts_still_renders(tmp_path):
     (tmp_path / "e").mkdir()
     (tmp_path / "e" / evidence_files.STATUS_FILE).write_text("{}")  # a detector that judged nothing yet
-    built = report.build(tmp_path / "e", tmp_path / "e")
-    assert [path.name for path in built.picture_paths] == [report.VERDICTS_PICTURE_FILE]
+    built = html_report.build(tmp_path / "e", tmp_path / "e")
+    assert [path.name for path in built.picture_paths] == [html_report.VERDICTS_PICTURE_FILE]
     assert "No straggler alert" in built.html_path.read_text()
 
 
 def test_not_an_evidence_directory(tmp_path):
     with pytest.raises(evidence_files.EvidenceError, match="holds no verdicts.jsonl"):
-        report.build(tmp_path, tmp_path / "out")
+        html_report.build(tmp_path, tmp_path / "out")
     with pytest.raises(evidence_files.EvidenceError, match="is not a directory"):
-        report.build(tmp_path / "missing", tmp_path / "out")
+        html_report.build(tmp_path / "missing", tmp_path / "out")
 
 
 def test_the_report_says_what_to_look_at_first_and_rolls_up_a_node(tmp_path):
@@ -96,7 +95,7 @@ def test_the_report_says_what_to_look_at_first_and_rolls_up_a_node(tmp_path):
     (evidence_dir / evidence_files.STATUS_FILE).write_text(
         '{"nodes": [{"job_id": "%s", "host": "node017", "slow_ranks": [], "ranks": 4, "degraded": false}]}'
         % verdict(0, 0)["job_id"])
-    page = report.build(evidence_dir, tmp_path / "out").html_path.read_text()
+    page = html_report.build(evidence_dir, tmp_path / "out").html_path.read_text()
     first_look = page.split("<h2>What to look at first</h2>", 1)[1].split("<h2>", 1)[0]
     assert "node017: 2 of 4 ranks slow (2, 3): suspect the node, not a GPU" in first_look
     assert first_look.count("<tr>") == 3  # the header and one row per alert
@@ -108,4 +107,4 @@ def test_the_report_says_what_to_look_at_first_and_rolls_up_a_node(tmp_path):
 def test_a_report_without_alerts_has_no_first_look_section(tmp_path):
     evidence_dir = tmp_path / "evidence"
     write_evidence(evidence_dir, [verdict(0, 3, kind="uncertain", reason="below_absolute_floor")])
-    assert "What to look at first" not in report.build(evidence_dir, tmp_path / "out").html_path.read_text()
+    assert "What to look at first" not in html_report.build(evidence_dir, tmp_path / "out").html_path.read_text()

@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from otel_straggler.demo import report_data
-from otel_straggler.demo.evidence import Evidence, WindowMedian
+from otel_straggler.report import report_data
+from otel_straggler.report.evidence_files import Evidence, WindowMedian
 
 from demo_synthetic_evidence import run_record, verdict, window_medians
 

@@ -7,13 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from otel_straggler.demo import evidence as evidence_files
-from otel_straggler.demo import figures, report, report_data
-from otel_straggler.demo.summary import leading_alerts, summarize
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.evidence import EvidenceFiles, verdict_line
 from otel_straggler.detector.observation import Observation
 from otel_straggler.detector.window_record import WindowRecord, detector_engine
+from otel_straggler.report import evidence_files, figures, html_report, report_data
+from otel_straggler.report.summary import leading_alerts, summarize
 
 from demo_synthetic_evidence import verdict
 
@@ -95,10 +94,10 @@ def test_each_alerted_stage_gets_a_timeline_with_its_onset(detector_evidence):
 
 
 def test_the_report_of_a_detector_directory_is_complete(detector_evidence, tmp_path):
-    built = report.build(detector_evidence, tmp_path)
+    built = html_report.build(detector_evidence, tmp_path)
     html = built.html_path.read_text()
-    assert [path.name for path in built.picture_paths] == [report.HEATMAP_FILE, report.TIMELINE_FILE,
-                                                           report.VERDICTS_PICTURE_FILE]
+    assert [path.name for path in built.picture_paths] == [html_report.HEATMAP_FILE, html_report.TIMELINE_FILE,
+                                                           html_report.VERDICTS_PICTURE_FILE]
     assert "no heat map" not in html
     assert f"Job <code>{JOB}</code>" in html and "4 ranks" in html
     assert "Straggler alerts: rank 2 in batch-generator" in built.summary
@@ -162,7 +161,7 @@ def test_timelines_follow_the_leading_stage_first_and_mark_the_alert_on_explaine
 
 
 def test_a_device_time_alert_is_drawn_in_device_time():
-    from otel_straggler.demo.evidence import WindowMedian
+    from otel_straggler.report.evidence_files import WindowMedian
 
     windows = [WindowMedian(JOB, "default", rank, "forward-compute", window, 40.0, 10, False,
                             30.0 + (5.0 if rank == 1 and window >= 2 else 0.0))

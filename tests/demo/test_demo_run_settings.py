@@ -2,9 +2,9 @@ from pathlib import Path
 
 import pytest
 
-from otel_straggler.demo.evidence import Injection, WindowMedian
 from otel_straggler.demo.run import DemoSettings, detector_config, medians_by_rank, rank_environment, trainer_arguments
 from otel_straggler.detector.config import DetectorConfig
+from otel_straggler.report.evidence_files import Injection, WindowMedian
 
 
 def settings(injection=Injection(2, "forward-compute", 20, 0.3)):
@@ -78,7 +78,7 @@ def test_medians_by_rank():
 
 def test_the_job_id_a_user_sets_is_the_demos():
     """CONTRACT §1: every identity value can be given; the demo makes one up only when none is."""
-    from otel_straggler.demo.commands import _given_job_id
+    from otel_straggler.demo.demo_command import _given_job_id
 
     assert _given_job_id({"OTEL_STRAGGLER_JOB_ID": "compose-demo"}) == "compose-demo"
     assert _given_job_id({"OTEL_RESOURCE_ATTRIBUTES": "training.job.id=nightly%2D7,team=x"}) == "nightly-7"

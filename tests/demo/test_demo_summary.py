@@ -1,5 +1,5 @@
-from otel_straggler.demo.evidence import Injection
-from otel_straggler.demo.summary import find_detection, other_alerts, summarize
+from otel_straggler.report.evidence_files import Injection
+from otel_straggler.report.summary import find_detection, other_alerts, summarize
 
 from demo_synthetic_evidence import run_record, verdict
 

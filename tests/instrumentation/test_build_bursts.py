@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import otel_straggler as ots
-from otel_straggler.instrumentation import pipeline
+from otel_straggler.instrumentation import rank_pipeline
 
 STAGES = ("forward-compute", "backward-compute", "optimizer")
 
@@ -47,7 +47,7 @@ def pauses(bursts: list[tuple[float, float, int]]) -> list[float]:
 
 
 def test_the_builder_thread_builds_in_bounded_bursts_with_pauses_and_loses_nothing(in_memory, wait_until, monkeypatch):
-    monkeypatch.setattr(pipeline, "BUILD_PAUSE_S", 0.01)  # well above a burst's own time here
+    monkeypatch.setattr(rank_pipeline, "BUILD_PAUSE_S", 0.01)  # well above a burst's own time here
     handle = in_memory.configure(build_interval_ms=60_000.0)  # the thread waits for a wake-up
     bursts = count_bursts(handle)
     completed = handle._pipeline.recorder.completed
@@ -58,16 +58,16 @@ def test_the_builder_thread_builds_in_bounded_bursts_with_pauses_and_loses_nothi
     assert wait_until(lambda: not completed, timeout_s=10.0)
 
     assert sum(taken for _, _, taken in bursts) == queued
-    assert max(taken for _, _, taken in bursts) == pipeline.BUILD_BURST_RECORDS
-    assert len(bursts) >= queued // pipeline.BUILD_BURST_RECORDS
-    assert min(pauses(bursts)) >= pipeline.BUILD_PAUSE_S
+    assert max(taken for _, _, taken in bursts) == rank_pipeline.BUILD_BURST_RECORDS
+    assert len(bursts) >= queued // rank_pipeline.BUILD_BURST_RECORDS
+    assert min(pauses(bursts)) >= rank_pipeline.BUILD_PAUSE_S
     spans = in_memory.spans()
     assert len([span for span in spans if span.name != "train.step"]) == 1 + 100 * len(STAGES)
     assert sum(handle.status()["lost"].values()) == 0
 
 
 def test_a_backlog_over_half_the_queue_is_built_without_pauses(in_memory, wait_until, monkeypatch):
-    monkeypatch.setattr(pipeline, "BUILD_PAUSE_S", 0.2)  # long enough to tell a pause from none
+    monkeypatch.setattr(rank_pipeline, "BUILD_PAUSE_S", 0.2)  # long enough to tell a pause from none
     handle = in_memory.configure(build_interval_ms=60_000.0, queue_size=64)
     bursts = count_bursts(handle)
     completed = handle._pipeline.recorder.completed
@@ -80,13 +80,13 @@ def test_a_backlog_over_half_the_queue_is_built_without_pauses(in_memory, wait_u
 
     # 64 -> 48 -> 32 records left: still half the queue or more, so no pause; 16 left: a pause
     gaps = pauses(bursts)
-    assert gaps[0] < pipeline.BUILD_PAUSE_S and gaps[1] < pipeline.BUILD_PAUSE_S
-    assert gaps[2] >= pipeline.BUILD_PAUSE_S
+    assert gaps[0] < rank_pipeline.BUILD_PAUSE_S and gaps[1] < rank_pipeline.BUILD_PAUSE_S
+    assert gaps[2] >= rank_pipeline.BUILD_PAUSE_S
     assert handle.status()["lost"]["queue_full"] == 0
 
 
 def test_a_build_running_past_half_its_interval_goes_on_without_pauses(in_memory, wait_until, monkeypatch):
-    monkeypatch.setattr(pipeline, "BUILD_PAUSE_S", 0.2)
+    monkeypatch.setattr(rank_pipeline, "BUILD_PAUSE_S", 0.2)
     handle = in_memory.configure(build_interval_ms=1_000.0)  # pauses only in a build's first 0.5 s
     bursts = count_bursts(handle)
     completed = handle._pipeline.recorder.completed
@@ -95,7 +95,7 @@ def test_a_build_running_past_half_its_interval_goes_on_without_pauses(in_memory
     assert wait_until(lambda: not completed, timeout_s=10.0)
 
     # 200 records, 13 bursts: with a pause after every burst they would take 2.4 s
-    long_pauses = [gap for gap in pauses(bursts) if gap >= pipeline.BUILD_PAUSE_S]
+    long_pauses = [gap for gap in pauses(bursts) if gap >= rank_pipeline.BUILD_PAUSE_S]
     assert 1 <= len(long_pauses) <= 3
     assert sum(handle.status()["lost"].values()) == 0
 
@@ -103,7 +103,7 @@ def test_a_build_running_past_half_its_interval_goes_on_without_pauses(in_memory
 def test_flush_builds_on_the_callers_thread_only_until_its_timeout(in_memory, wait_until, monkeypatch):
     """flush(timeout_s) holds the caller for about its timeout, not for building the whole queue
     (up to a second for a full one); what it leaves, the builder thread builds."""
-    monkeypatch.setattr(pipeline, "BUILD_PAUSE_S", 0.0)
+    monkeypatch.setattr(rank_pipeline, "BUILD_PAUSE_S", 0.0)
     handle = in_memory.configure(build_interval_ms=60_000.0)
     bursts = count_bursts(handle)
     builder = handle._pipeline.builder

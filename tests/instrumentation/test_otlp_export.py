@@ -256,12 +256,12 @@ def test_the_exported_resource_has_the_detected_attributes_and_the_identity(conf
 
 
 def test_rank_metrics_that_fail_to_start_leave_the_spans_going(configure, grpc_receiver, monkeypatch, wait_until):
-    from otel_straggler.instrumentation import pipeline
+    from otel_straggler.instrumentation import rank_pipeline
 
     def failing(*args, **kwargs):
         raise RuntimeError("no metrics exporter here")
 
-    monkeypatch.setattr(pipeline, "start_rank_metrics", failing)
+    monkeypatch.setattr(rank_pipeline, "start_rank_metrics", failing)
     handle = configure(job_id="no-metrics", rank=0, endpoint=grpc_receiver.endpoint, protocol="grpc",
                        device_timing="off", export_metrics=True)
     one_stage_received(handle, grpc_receiver, wait_until)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 from otel_straggler import contract
-from otel_straggler.demo.evidence import RunRecord
+from otel_straggler.report.evidence_files import RunRecord
 
 Verdict = dict[str, Any]
 MAX_NAMED_ALERTS = 6

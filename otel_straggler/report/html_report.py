@@ -9,13 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from otel_straggler.demo import evidence as evidence_files
-from otel_straggler.demo import figures, report_data
-from otel_straggler.demo.summary import also_slow, summarize
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.gpu_evidence import describe
 from otel_straggler.detector.next_step import next_step, suspect
 from otel_straggler.detector.nodes import roll_up
+from otel_straggler.report import evidence_files, figures, report_data
+from otel_straggler.report.summary import also_slow, summarize
 
 REPORT_FILE = "report.html"
 HEATMAP_FILE = "heatmap.png"

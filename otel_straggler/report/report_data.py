@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from otel_straggler import contract
-from otel_straggler.demo.evidence import Evidence, WindowMedian
-from otel_straggler.demo.summary import find_detection, leading_alerts, straggler_alerts
 from otel_straggler.detector.judge import REASON_SLOW_VS_PEERS
+from otel_straggler.report.evidence_files import Evidence, WindowMedian
+from otel_straggler.report.summary import find_detection, leading_alerts, straggler_alerts
 
 Verdict = dict[str, Any]
 MAX_TIMELINES = 6  # panels in the timeline picture; a large job's further alerts are in the table

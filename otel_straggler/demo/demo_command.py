@@ -1,5 +1,5 @@
-"""`otel-straggler demo` and `otel-straggler report`: their flags, the checks that fail in one
-line before anything starts, and what is printed at the end (run.py does the run itself)."""
+"""`otel-straggler demo`: its flags, the checks that fail in one line before anything starts, and
+what is printed at the end (run.py does the run itself, the report package builds the report)."""
 from __future__ import annotations
 
 import argparse
@@ -17,9 +17,10 @@ from typing import Mapping, Optional
 
 from otel_straggler import contract
 from otel_straggler.cli import UsageError
-from otel_straggler.demo import evidence as evidence_files
-from otel_straggler.demo.summary import summarize
 from otel_straggler.instrumentation.identity import parse_resource_attributes
+from otel_straggler.report import evidence_files
+from otel_straggler.report.report_command import matplotlib_installed
+from otel_straggler.report.summary import summarize
 
 DEMO_STAGES = ("batch-generator", "forward-compute", "backward-compute", "optimizer")  # the trainer's non-collective stages
 RANKS_PER_CORE = 4  # beyond this, a rank waits for a core longer than it computes
@@ -60,27 +61,6 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="OTLP/gRPC port of the embedded detector (default: any free port)")
 
 
-def add_report_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("evidence_dir", type=Path, metavar="EVIDENCE_DIR",
-                        help="a detector's evidence directory (holding verdicts.jsonl)")
-    parser.add_argument("--out", type=Path, default=None, help="folder for the report (default: EVIDENCE_DIR/report)")
-
-
-def run_report(args: argparse.Namespace) -> int:
-    if not matplotlib_installed():
-        raise UsageError("matplotlib is not installed; install it with: pip install matplotlib")
-    from otel_straggler.demo import report
-
-    out_dir = args.out if args.out is not None else args.evidence_dir / "report"
-    try:
-        built = report.build(args.evidence_dir, out_dir)
-    except evidence_files.EvidenceError as error:
-        raise UsageError(str(error)) from None
-    print(built.summary)
-    print(f"report: {built.html_path}")
-    return 0
-
-
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -110,9 +90,9 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"Spans went to {result.endpoint}; the verdicts are that detector's. Build the report from its "
               "evidence directory with: otel-straggler report EVIDENCE_DIR")
     elif matplotlib_installed():
-        from otel_straggler.demo import report
+        from otel_straggler.report import html_report
 
-        built = report.build(result.evidence_dir, out_dir)
+        built = html_report.build(result.evidence_dir, out_dir)
         print(f"\n{built.summary}\nreport: {built.html_path}")
     else:
         print(f"\n{summarize(result.record, evidence_files.load(result.evidence_dir).verdicts)}\n"
@@ -153,10 +133,6 @@ def _check_demo_arguments(args: argparse.Namespace) -> None:
 
 def torch_installed() -> bool:
     return importlib.util.find_spec("torch") is not None
-
-
-def matplotlib_installed() -> bool:
-    return importlib.util.find_spec("matplotlib") is not None
 
 
 def _check_port_free(port: int) -> None:

@@ -14,8 +14,8 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 import numpy as np  # noqa: E402
 
 from otel_straggler import contract  # noqa: E402
-from otel_straggler.demo.report_data import StageGrid, Timeline  # noqa: E402
-from otel_straggler.demo.summary import leading_alerts, straggler_alerts  # noqa: E402
+from otel_straggler.report.report_data import StageGrid, Timeline  # noqa: E402
+from otel_straggler.report.summary import leading_alerts, straggler_alerts  # noqa: E402
 
 VERDICT_STYLE = {  # verdict -> (marker, color, draw order)
     contract.VERDICT_UNCERTAIN: ("o", "#b0b0b0", 1),

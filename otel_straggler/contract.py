@@ -76,7 +76,8 @@ def clock_event_reason_names(mask: int) -> tuple[str, ...]:
     return tuple(names)
 
 
-TIMING_DEVICE = "device"
+TIMING_DEVICE = "device"  # also a verdict's `timing` when its numbers are device durations
+TIMING_HOST = "host"  # a verdict's `timing` when its numbers are host durations (never a span's)
 TIMING_HOST_ONLY = "host_only"
 TIMING_DEVICE_UNAVAILABLE = "device_unavailable"
 
@@ -93,9 +94,24 @@ HANG_NEVER_ENTERED_COLLECTIVE = "never_entered_collective"
 HANG_RANK_LOST = "rank_lost"
 HANG_ALL_RANKS_WAITING = "all_ranks_waiting"
 HANG_PROGRESS_RESUMED = "progress_resumed"
+HANG_ALL_RANKS_STALLED = "all_ranks_stalled"
 # `recovered`: an alert of a cohort whose ranks stopped reporting here (the job ended, or the
 # gateway moved the cohort to another detector shard)
 REASON_COHORT_DEPARTED = "cohort_departed"
+# the other reasons of straggler, recovered, uncertain, silent and job_slowdown verdicts
+REASON_SLOW_VS_PEERS = "slow_vs_peers"
+REASON_INTERMITTENT = "intermittent"  # slow in a sizeable share of its steps (detector/intermittent.py)
+REASON_LAST_TO_ARRIVE = "last_to_arrive"  # at a collective: the rank its peers wait for
+REASON_WITHIN_TOLERANCE = "within_tolerance"
+REASON_RESTARTED = "restarted"  # an alert ended by a new incarnation of its cohort (training.restart.count)
+REASON_BELOW_ABSOLUTE_FLOOR = "below_absolute_floor"
+REASON_COHORT_BELOW_MIN_SIZE = "cohort_below_min_size"
+REASON_WORKLOAD_INCOMPARABLE = "workload_incomparable"
+REASON_RECOVERY_EVIDENCE_INSUFFICIENT = "recovery_evidence_insufficient"
+REASON_WAITING_ON_PEER = "waiting_on_peer"
+REASON_NO_REPORT = "no_report"
+REASON_SLOWER_THAN_BASELINE = "slower_than_baseline"
+REASON_BACK_TO_BASELINE = "back_to_baseline"
 WHOLE_STEP_STAGE = "*"
 
 VERDICT_FIELDS = (

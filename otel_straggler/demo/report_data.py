@@ -16,7 +16,7 @@ from typing import Any, Iterable, Optional
 from otel_straggler import contract
 from otel_straggler.demo.evidence import Evidence, WindowMedian
 from otel_straggler.demo.summary import find_detection, leading_alerts, straggler_alerts
-from otel_straggler.detector.judge import REASON_SLOW_VS_PEERS
+from otel_straggler.contract import REASON_SLOW_VS_PEERS
 
 Verdict = dict[str, Any]
 MAX_TIMELINES = 6  # panels in the timeline picture; a large job's further alerts are in the table

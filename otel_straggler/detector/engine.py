@@ -51,7 +51,8 @@ from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.departure import CHECK_INTERVAL_NS, departed_verdicts, has_active_alert
 from otel_straggler.detector.gpu_evidence import GpuEvidence
 from otel_straggler.detector.inherited_alerts import AlertKey, InheritedAlerts
-from otel_straggler.detector.judge import judge_window, restarted_verdicts
+from otel_straggler.detector.judge import judge_window
+from otel_straggler.detector.verdict_records import ended_alert_verdicts
 from otel_straggler.detector.liveness import HangState, Liveness
 from otel_straggler.detector.nodes import NodeRollup, roll_up
 from otel_straggler.detector.observation import DEFAULT_COHORT, Heartbeat, Observation, Placement, Verdict
@@ -371,7 +372,8 @@ class Engine:
                 # their ranks were restarted, not lost
                 verdicts += self._placed([v for v in judgement.verdicts if v.verdict != contract.VERDICT_SILENT],
                                          cohort.epoch)
-            verdicts += self._placed(restarted_verdicts(cohort, now_unix_nano), cohort.epoch)
+            ended = ended_alert_verdicts(cohort, now_unix_nano, contract.REASON_RESTARTED)
+            verdicts += self._placed(ended, cohort.epoch)
         self._counts["verdicts"] += len(verdicts)
         return verdicts
 

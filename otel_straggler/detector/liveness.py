@@ -52,7 +52,6 @@ DEFAULT_HEARTBEAT_GAP_NS = 5_000_000_000  # OTEL_STRAGGLER_HEARTBEAT_INTERVAL_MS
 GAP_DECAY = 0.8  # as windows.py's delivery gap: the largest recent gap, following a rank that sends more often
 RECHECK_NS = 1_000_000_000  # a stalled job is looked at again at most this often
 EVICT_FRACTION = 8  # a full table frees this fraction of its records at once, so eviction scans stay rare
-REASON_ALL_RANKS_STALLED = "all_ranks_stalled"
 MAX_NEVER_HEARD_NAMED = 64  # a job that mostly never reported is a configuration matter, not 1,000 pages
 REASON_NONE = "none"  # the gauge's series of a job whose heartbeats come and that has no hang
 
@@ -257,7 +256,7 @@ class Liveness:
         else:
             found += [(rank, record, contract.HANG_RANK_LOST, _innermost(record)) for rank, record in lost]
             if not found:
-                found.append((None, None, REASON_ALL_RANKS_STALLED, _most_common(live)))
+                found.append((None, None, contract.HANG_ALL_RANKS_STALLED, _most_common(live)))
         if job.hang is None:
             job.hang = _Hang(stalled_from)
         verdicts = []

@@ -31,7 +31,7 @@ from typing import Optional
 import numpy as np
 
 from otel_straggler.contract import WHOLE_STEP_STAGE
-from otel_straggler.detector.judge import CohortVerdictState
+from otel_straggler.detector.cohort_state import CohortVerdictState
 
 NEVER_REPORTED = -(1 << 62)  # a rank's latest window before its first accepted row
 SEQ_UNSEEN = -(1 << 63)  # de-duplication slot never written

@@ -272,7 +272,7 @@ class Liveness:
                 time_unix_nano=now, job_id=job.job_id, cohort=cohort, stage=stage, rank=rank,
                 window=step // self._window_steps, verdict=contract.VERDICT_HANG, reason=reason, slowdown=None,
                 gap_ms=None, rank_ms=_ms(open_ms), reference_ms=_ms(waited_ms), reference_ranks=waiting_ranks,
-                timing="host",
+                timing=contract.TIMING_HOST,
                 attribution=contract.ATTRIBUTION_WAITING if rank is None and waiting else contract.ATTRIBUTION_UNKNOWN,
                 workload_comparable=None, **_where(record),
                 stalled_s=round((now - stalled_from) / 1e9, 3),

@@ -98,7 +98,7 @@ def window_pace(rows, layout, slot_count: int, tokens_by_slot: np.ndarray, prese
     stages = {}
     if stage_codes.size:
         codes, medians = grouped_medians(stage_codes, stage_host)
-        stages = {int(code): float(median) for code, median in zip(codes.tolist(), medians.tolist())
+        stages = {int(code): float(median) for code, median in zip(codes.tolist(), medians.tolist(), strict=True)
                   if np.isfinite(median)}
     return Pace(float(np.median(values)), per_token, stages)
 

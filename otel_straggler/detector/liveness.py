@@ -75,8 +75,8 @@ def _where(record: Optional["RankRecord"]) -> dict:
 
 
 class RankRecord:
-    __slots__ = ("cohort", "host", "local_rank", "pod", "namespace", "node", "heartbeat_ns", "heard_ns", "gap_ns", "open_stages", "open_since",
-                 "step", "touched_ns")
+    __slots__ = ("cohort", "host", "local_rank", "pod", "namespace", "node", "heartbeat_ns", "heard_ns", "gap_ns",
+                 "open_stages", "open_since", "step", "touched_ns")
 
     def __init__(self, cohort: str, now: int) -> None:
         self.cohort = cohort
@@ -246,7 +246,8 @@ class Liveness:
         waiting_ranks = tuple(sorted(rank for rank, _ in waiting))
         found: list[tuple] = []  # (rank, record or None, reason, stage)
         if waiting and len(waiting) >= len(others):
-            found += [(rank, record, contract.HANG_NEVER_ENTERED_COLLECTIVE, _innermost(record)) for rank, record in others]
+            found += [(rank, record, contract.HANG_NEVER_ENTERED_COLLECTIVE, _innermost(record))
+                      for rank, record in others]
             found += [(rank, record, contract.HANG_RANK_LOST, _innermost(record)) for rank, record in lost]
             if not found:
                 found += [(rank, None, contract.HANG_RANK_LOST, contract.WHOLE_STEP_STAGE)
@@ -352,8 +353,9 @@ class Liveness:
             if len(self._jobs) >= self._max_jobs:
                 # as the engine's tables: a job at work (heartbeats and progress) goes last, and of
                 # the others the one with the fewest ranks (an id sent once), then the least touched
-                victim = min(self._jobs, key=lambda k: (bool(self._jobs[k].first_heartbeat_ns and self._jobs[k].progress_ns),
-                                                        len(self._jobs[k].ranks), self._jobs[k].touched_ns))
+                victim = min(self._jobs, key=lambda k: (
+                    bool(self._jobs[k].first_heartbeat_ns and self._jobs[k].progress_ns),
+                    len(self._jobs[k].ranks), self._jobs[k].touched_ns))
                 self._records -= len(self._jobs.pop(victim).ranks)
                 self._counts["evictions_liveness_jobs"] += 1
             job = self._jobs[key] = JobLiveness(job_id, epoch, restart, now)

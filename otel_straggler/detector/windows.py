@@ -37,7 +37,8 @@ NEVER_REPORTED = -(1 << 62)  # a rank's latest window before its first accepted 
 SEQ_UNSEEN = -(1 << 63)  # de-duplication slot never written
 OUT_OF_ORDER_JUDGED_KEPT = 64  # windows judged while an older one was still open, remembered for `late`
 GAPS_BEFORE_TRUSTED = 3  # delivery gaps a rank shows before its own pace sets its patience
-GAP_DECAY = 0.8  # a rank's largest recent delivery gap shrinks by this at each delivery, so it follows a faster exporter
+# a rank's largest recent delivery gap shrinks by this at each delivery, so it follows a faster exporter
+GAP_DECAY = 0.8
 DELIVERY_MARGIN_NS = 1_000_000_000  # beyond twice the gap: one transfer and one detector tick
 STARTUP_HOLD_NS = 1_000_000_000  # a cohort's windows wait this long after its first data for ranks not seen yet
 

@@ -50,7 +50,7 @@ from otel_straggler.detector.leading_stage import lead_intermittent_stages, lead
 from otel_straggler.detector.observation import Verdict
 from otel_straggler.detector.peer_comparison import compare_to_peers
 from otel_straggler.detector.stage_noise import consistently_late, late_beyond_noise
-from otel_straggler.detector import stage_noise
+from otel_straggler.detector import stage_noise  # through the module: tests set its bound for every rule
 from otel_straggler.detector.synchronization_points import SYNC_MIN_STEPS
 from otel_straggler.detector.verdict_records import (VerdictContext, attribution_of, intermittent_evidence,
                                                      verdict_number)

@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from otel_straggler import contract  # noqa: E402
 from otel_straggler.detector.config import DetectorConfig  # noqa: E402
 from otel_straggler.detector.engine import Engine  # noqa: E402
-from otel_straggler.detector.judge import REASON_INTERMITTENT  # noqa: E402
+from otel_straggler.contract import REASON_INTERMITTENT  # noqa: E402
 from tests.detector.host_noise import BusyHost, HostNoise  # noqa: E402
 from tests.detector.synthetic import LARGE_MODEL_STAGES as STAGES, SyntheticJob  # noqa: E402
 

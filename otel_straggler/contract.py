@@ -76,7 +76,8 @@ def clock_event_reason_names(mask: int) -> tuple[str, ...]:
     return tuple(names)
 
 
-TIMING_DEVICE = "device"
+TIMING_DEVICE = "device"  # also a verdict's `timing` when its numbers are device durations
+TIMING_HOST = "host"  # a verdict's `timing` when its numbers are host durations (never a span's)
 TIMING_HOST_ONLY = "host_only"
 TIMING_DEVICE_UNAVAILABLE = "device_unavailable"
 
@@ -93,9 +94,24 @@ HANG_NEVER_ENTERED_COLLECTIVE = "never_entered_collective"
 HANG_RANK_LOST = "rank_lost"
 HANG_ALL_RANKS_WAITING = "all_ranks_waiting"
 HANG_PROGRESS_RESUMED = "progress_resumed"
+HANG_ALL_RANKS_STALLED = "all_ranks_stalled"
 # `recovered`: an alert of a cohort whose ranks stopped reporting here (the job ended, or the
 # gateway moved the cohort to another detector shard)
 REASON_COHORT_DEPARTED = "cohort_departed"
+# the other reasons of straggler, recovered, uncertain, silent and job_slowdown verdicts
+REASON_SLOW_VS_PEERS = "slow_vs_peers"
+REASON_INTERMITTENT = "intermittent"  # slow in a sizeable share of its steps (detector/intermittent.py)
+REASON_LAST_TO_ARRIVE = "last_to_arrive"  # at a collective: the rank its peers wait for
+REASON_WITHIN_TOLERANCE = "within_tolerance"
+REASON_RESTARTED = "restarted"  # an alert ended by a new incarnation of its cohort (training.restart.count)
+REASON_BELOW_ABSOLUTE_FLOOR = "below_absolute_floor"
+REASON_COHORT_BELOW_MIN_SIZE = "cohort_below_min_size"
+REASON_WORKLOAD_INCOMPARABLE = "workload_incomparable"
+REASON_RECOVERY_EVIDENCE_INSUFFICIENT = "recovery_evidence_insufficient"
+REASON_WAITING_ON_PEER = "waiting_on_peer"
+REASON_NO_REPORT = "no_report"
+REASON_SLOWER_THAN_BASELINE = "slower_than_baseline"
+REASON_BACK_TO_BASELINE = "back_to_baseline"
 WHOLE_STEP_STAGE = "*"
 
 VERDICT_FIELDS = (
@@ -112,6 +128,76 @@ ATTRIBUTION_GPU = "gpu_stream_stall"
 ATTRIBUTION_HOST = "host_only_stall"
 ATTRIBUTION_WAITING = "waiting_on_peer"
 ATTRIBUTION_UNKNOWN = "attribution_unknown"
+
+# Every value a verdict's enumerated fields take, with when: docs/contract.md's last section is
+# generated from these (python -m otel_straggler.contract_doc), and a test checks that the detector
+# emits no other. A new value is an addition to the contract.
+VERDICTS = {
+    VERDICT_STRAGGLER: "an alert starts: the rank is slower than its peers",
+    VERDICT_RECOVERED: "an alert (straggler, hang or job_slowdown) ends",
+    VERDICT_UNCERTAIN: "the detector cannot judge the rank and stage, or the rank waits on a peer; noted once",
+    VERDICT_SILENT: "the rank stopped reporting while its peers go on",
+    VERDICT_HANG: "the job stopped making progress while its ranks are alive (v1.1)",
+    VERDICT_JOB_SLOWDOWN: "the whole job is slower than its own baseline, no rank to blame (v1.1)",
+}
+# reason: (the verdicts that carry it, when)
+REASONS = {
+    REASON_SLOW_VS_PEERS: ((VERDICT_STRAGGLER,),
+                           "slower than its peers' reference beyond the thresholds and the stage's noise for "
+                           "persist_windows windows"),
+    REASON_INTERMITTENT: ((VERDICT_STRAGGLER,),
+                          "slow in a share of its steps well beyond its peers' while its median does not move"),
+    REASON_LAST_TO_ARRIVE: ((VERDICT_STRAGGLER,),
+                            "at a collective, consistently the rank its peers wait for"),
+    REASON_WITHIN_TOLERANCE: ((VERDICT_RECOVERED,),
+                              "back within the relative threshold (or, intermittent, no longer slow in a share of "
+                              "its steps)"),
+    REASON_RESTARTED: ((VERDICT_RECOVERED,),
+                       "the alert's cohort was replaced by a new incarnation (training.restart.count)"),
+    REASON_COHORT_DEPARTED: ((VERDICT_RECOVERED,),
+                             "the cohort's ranks stopped reporting to this detector (the job ended, or it moved "
+                             "to another shard)"),
+    REASON_BELOW_ABSOLUTE_FLOOR: ((VERDICT_UNCERTAIN,),
+                                  "over the relative threshold but under the absolute floor for persist_windows "
+                                  "windows"),
+    REASON_COHORT_BELOW_MIN_SIZE: ((VERDICT_UNCERTAIN,),
+                                   "the stage has fewer ranks than min_cohort_size"),
+    REASON_WORKLOAD_INCOMPARABLE: ((VERDICT_UNCERTAIN,),
+                                   "too few peers with a comparable workload (tokens per step)"),
+    REASON_RECOVERY_EVIDENCE_INSUFFICIENT: ((VERDICT_UNCERTAIN,),
+                                            "an active alert met a window in which the rank cannot be compared"),
+    REASON_WAITING_ON_PEER: ((VERDICT_UNCERTAIN,),
+                             "the rank's wait at a collective is long for persist_windows windows"),
+    REASON_NO_REPORT: ((VERDICT_SILENT,),
+                       "no rows for silent_windows windows while its peers' intervals end later than any export "
+                       "delay"),
+    HANG_NEVER_ENTERED_COLLECTIVE: ((VERDICT_HANG,),
+                                    "the rank is in another stage while most ranks wait inside a collective"),
+    HANG_RANK_LOST: ((VERDICT_HANG,), "the rank's heartbeats stopped too: the process is gone or frozen"),
+    HANG_ALL_RANKS_WAITING: ((VERDICT_HANG,), "every rank waits inside the same collective; rank null"),
+    HANG_ALL_RANKS_STALLED: ((VERDICT_HANG,),
+                             "no progress, most live ranks outside a collective and no rank lost; rank null, "
+                             "`stage` the most common open stage"),
+    HANG_PROGRESS_RESUMED: ((VERDICT_RECOVERED,), "intervals complete again after a hang"),
+    REASON_SLOWER_THAN_BASELINE: ((VERDICT_JOB_SLOWDOWN,),
+                                  "the job's pace is over job_slowdown_threshold above its baseline for "
+                                  "persist_windows windows"),
+    REASON_BACK_TO_BASELINE: ((VERDICT_RECOVERED,), "the job's pace is back near its baseline"),
+}
+TIMINGS = {
+    TIMING_HOST: "the numbers are host durations",
+    TIMING_DEVICE: "the numbers are device (CUDA event) durations",
+}
+ATTRIBUTIONS = {
+    ATTRIBUTION_GPU: "the device duration is the slow one",
+    ATTRIBUTION_HOST: "the host duration is slow while the device durations are comparable and not slow",
+    ATTRIBUTION_WAITING: "the rank waits at a collective for a peer (waiting_on_peer; all_ranks_waiting)",
+    ATTRIBUTION_UNKNOWN: "anything else: no comparable device duration, or a verdict whose rule does not compare "
+                         "host and device (intermittent, last_to_arrive, silent, hang, job_slowdown, recovered by "
+                         "restart or departure)",
+}
+# field: its values and when
+VERDICT_FIELD_VALUES = {"verdict": VERDICTS, "reason": REASONS, "timing": TIMINGS, "attribution": ATTRIBUTIONS}
 
 # §3b metrics
 METRIC_RANK_SLOWDOWN = "straggler.rank.slowdown"

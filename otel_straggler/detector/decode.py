@@ -81,7 +81,7 @@ BAD_RESTART = Rejection("bad_restart_count", f"{contract.RESTART_COUNT} is not a
 BAD_HEARTBEAT = Rejection("bad_heartbeat", f"{contract.HEARTBEAT_OPEN_STAGES} and {contract.HEARTBEAT_OPEN_SINCE} "
                                            "are not a string[] and an int[] of one length, or its time is missing")
 BAD_ATTRIBUTES_KIND = "bad_attributes"  # OTLP/JSON attributes that are not a list of keyed values
-OTHER_KIND = "other"  # a span the engine refused after decoding (pipeline.py counts those)
+OTHER_KIND = "other"  # a span the engine refused after decoding (driver.py counts those)
 # every kind, in the order of the checks: a bounded set, so a metric attribute
 REJECTION_KINDS = (
     MISSING_JOB_ID.kind, BAD_JOB_ID.kind, MISSING_RANK.kind, BAD_RANK.kind, BAD_EPOCH.kind, BAD_COHORT.kind,

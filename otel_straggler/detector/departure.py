@@ -11,11 +11,9 @@ elsewhere gets no `hang`, `silent` or `rank_lost` here, since nothing of it arri
 The cohort's state itself stays, bounded, until it is evicted like any idle cohort."""
 from __future__ import annotations
 
-import dataclasses
-
 from otel_straggler import contract
-from otel_straggler.detector.judge import restarted_verdicts
 from otel_straggler.detector.observation import Verdict
+from otel_straggler.detector.verdict_records import ended_alert_verdicts
 
 CHECK_INTERVAL_NS = 1_000_000_000  # cohorts with active alerts are looked at this often
 
@@ -30,8 +28,7 @@ def has_active_alert(cohort) -> bool:
 def departed_verdicts(cohort, now: int) -> list[Verdict]:
     """`recovered`/`cohort_departed` for each active alert of the cohort, whose ranks then warm up
     again: their state here says nothing of what they did elsewhere."""
-    ended = [dataclasses.replace(verdict, reason=contract.REASON_COHORT_DEPARTED)
-             for verdict in restarted_verdicts(cohort, now)]
+    ended = ended_alert_verdicts(cohort, now, contract.REASON_COHORT_DEPARTED)
     for slot in range(len(cohort.slot_entries)):
         cohort.verdict_state.reset_slot(slot)
     return ended

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 from otel_straggler.detector.evidence import CARRIED_SECTIONS, EvidenceFiles, verdict_line
 from otel_straggler.detector.observation import Verdict
 from otel_straggler.detector.periodic_writer import PeriodicWriter
-from otel_straggler.detector.pipeline import EngineDriver
+from otel_straggler.detector.driver import EngineDriver
 from otel_straggler.detector.telemetry import DetectorTelemetry
 
 _log = logging.getLogger(__name__)

@@ -51,7 +51,8 @@ from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.departure import CHECK_INTERVAL_NS, departed_verdicts, has_active_alert
 from otel_straggler.detector.gpu_evidence import GpuEvidence
 from otel_straggler.detector.inherited_alerts import AlertKey, InheritedAlerts
-from otel_straggler.detector.judge import judge_window, restarted_verdicts
+from otel_straggler.detector.judge import judge_window
+from otel_straggler.detector.verdict_records import ended_alert_verdicts
 from otel_straggler.detector.liveness import HangState, Liveness
 from otel_straggler.detector.nodes import NodeRollup, roll_up
 from otel_straggler.detector.observation import DEFAULT_COHORT, Heartbeat, Observation, Placement, Verdict
@@ -269,7 +270,8 @@ class Engine:
             if cohort is not None:
                 cohort.expected_ranks = self._liveness.world_size(job_id, epoch)
 
-    def _admit_rank(self, job_id: str, epoch: int, rank: int, cohort_name: str, restart: int = 0) -> Optional[RankEntry]:
+    def _admit_rank(self, job_id: str, epoch: int, rank: int, cohort_name: str,
+                    restart: int = 0) -> Optional[RankEntry]:
         """Registers a rank (or its move to another cohort, or a new incarnation of its cohort),
         within the bounds; None: no room."""
         if not (isinstance(job_id, str) and isinstance(cohort_name, str) and _is_int(epoch) and _is_int(rank)
@@ -371,7 +373,8 @@ class Engine:
                 # their ranks were restarted, not lost
                 verdicts += self._placed([v for v in judgement.verdicts if v.verdict != contract.VERDICT_SILENT],
                                          cohort.epoch)
-            verdicts += self._placed(restarted_verdicts(cohort, now_unix_nano), cohort.epoch)
+            ended = ended_alert_verdicts(cohort, now_unix_nano, contract.REASON_RESTARTED)
+            verdicts += self._placed(ended, cohort.epoch)
         self._counts["verdicts"] += len(verdicts)
         return verdicts
 
@@ -512,7 +515,8 @@ class Engine:
         """Running counters plus the current sizes of everything bounded."""
         counters = ("accepted", "late", "malformed", "dropped", "windows_closed", "coverage_gaps",
                     "evictions_jobs", "evictions_cohorts", "evictions_ranks", "evictions_stages",
-                    "evictions_windows", "windows_dropped", "windows_closed_full", "seq_restarts", "invalid_device_durations",
+                    "evictions_windows", "windows_dropped", "windows_closed_full", "seq_restarts",
+                    "invalid_device_durations",
                     "verdicts", "heartbeats", "incarnations", "evictions_liveness_jobs", "evictions_liveness_ranks",
                     "detector_stalls", "below_floor_quiet", "jobs_shed", "cohorts_shed", "alerts_departed")
         stats = {name: int(self._counts[name]) for name in counters}
@@ -558,7 +562,8 @@ class Engine:
             active = alert.any(axis=1)
             indices, slots = np.nonzero(~np.isnan(value) | active)
             for index, slot, ratio, alerted in zip(indices.tolist(), slots.tolist(),
-                                                  value[indices, slots].tolist(), active[indices, slots].tolist()):
+                                                  value[indices, slots].tolist(), active[indices, slots].tolist(),
+                                                  strict=True):
                 entry = cohort.slot_entries[slot]
                 stage = cohort.stage_names[index]
                 if entry is not None and stage is not None:

@@ -87,8 +87,8 @@ class InheritedAlerts:
             if slot is None or index is None:
                 continue
             # an arrival alert lives on the collective's code, the others on the stage's own
-            code = 2 * index + (1 if reason == "last_to_arrive" else 0)
-            if reason == "intermittent":
+            code = 2 * index + (1 if reason == contract.REASON_LAST_TO_ARRIVE else 0)
+            if reason == contract.REASON_INTERMITTENT:
                 state.intermittent.alert[code, slot] = True
             else:
                 state.alert[code, slot] = True

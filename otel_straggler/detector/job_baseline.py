@@ -32,12 +32,9 @@ from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.grouped import grouped_medians, grouped_medians_signed
 from otel_straggler.detector.observation import Verdict
 
-REASON_SLOWER_THAN_BASELINE = "slower_than_baseline"
-REASON_BACK_TO_BASELINE = "back_to_baseline"
 BASELINE_WINDOWS = 5  # windows whose median pace is the first baseline
 BASELINE_WEIGHT = 0.1  # how far each window within the threshold moves the baseline
 STAGE_SHARE = 0.5  # share of the stages' growth one stage must hold to be named
-TIMING_HOST = "host"  # paces are host time
 
 
 @dataclass
@@ -101,7 +98,7 @@ def window_pace(rows, layout, slot_count: int, tokens_by_slot: np.ndarray, prese
     stages = {}
     if stage_codes.size:
         codes, medians = grouped_medians(stage_codes, stage_host)
-        stages = {int(code): float(median) for code, median in zip(codes.tolist(), medians.tolist())
+        stages = {int(code): float(median) for code, median in zip(codes.tolist(), medians.tolist(), strict=True)
                   if np.isfinite(median)}
     return Pace(float(np.median(values)), per_token, stages)
 
@@ -138,13 +135,13 @@ def judge_pace(baseline: JobBaseline, pace: Optional[Pace], blamed: bool, cohort
         if not baseline.active and baseline.streak >= config.persist_windows:
             baseline.active = True
             verdicts.append(_verdict(baseline, pace, cohort, window, now, contract.VERDICT_JOB_SLOWDOWN,
-                                     REASON_SLOWER_THAN_BASELINE, _grown_stage(baseline, pace, cohort)))
+                                     contract.REASON_SLOWER_THAN_BASELINE, _grown_stage(baseline, pace, cohort)))
         return verdicts
     baseline.streak = 0
     if baseline.active:
         baseline.active = False
         verdicts.append(_verdict(baseline, pace, cohort, window, now, contract.VERDICT_RECOVERED,
-                                 REASON_BACK_TO_BASELINE, contract.WHOLE_STEP_STAGE))
+                                 contract.REASON_BACK_TO_BASELINE, contract.WHOLE_STEP_STAGE))
     if not blamed:  # follow a slow drift, never a straggler's effect
         baseline.baseline += BASELINE_WEIGHT * (pace.value - baseline.baseline)
         for code, value in pace.stages.items():
@@ -180,5 +177,6 @@ def _verdict(baseline: JobBaseline, pace: Pace, cohort, window: int, now: int, k
         time_unix_nano=now, job_id=cohort.job_id, cohort=cohort.name, stage=stage, rank=None, window=window,
         verdict=kind, reason=reason, slowdown=round(pace.value / baseline.baseline, 4),
         gap_ms=round(pace.value - baseline.baseline, 4), rank_ms=round(pace.value, 4),
-        reference_ms=round(baseline.baseline, 4), reference_ranks=(), timing=TIMING_HOST,
+        reference_ms=round(baseline.baseline, 4), reference_ranks=(),
+        timing=contract.TIMING_HOST,  # paces are host time
         attribution=contract.ATTRIBUTION_UNKNOWN, workload_comparable=None)

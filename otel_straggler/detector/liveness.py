@@ -52,7 +52,6 @@ DEFAULT_HEARTBEAT_GAP_NS = 5_000_000_000  # OTEL_STRAGGLER_HEARTBEAT_INTERVAL_MS
 GAP_DECAY = 0.8  # as windows.py's delivery gap: the largest recent gap, following a rank that sends more often
 RECHECK_NS = 1_000_000_000  # a stalled job is looked at again at most this often
 EVICT_FRACTION = 8  # a full table frees this fraction of its records at once, so eviction scans stay rare
-REASON_ALL_RANKS_STALLED = "all_ranks_stalled"
 MAX_NEVER_HEARD_NAMED = 64  # a job that mostly never reported is a configuration matter, not 1,000 pages
 REASON_NONE = "none"  # the gauge's series of a job whose heartbeats come and that has no hang
 
@@ -76,8 +75,8 @@ def _where(record: Optional["RankRecord"]) -> dict:
 
 
 class RankRecord:
-    __slots__ = ("cohort", "host", "local_rank", "pod", "namespace", "node", "heartbeat_ns", "heard_ns", "gap_ns", "open_stages", "open_since",
-                 "step", "touched_ns")
+    __slots__ = ("cohort", "host", "local_rank", "pod", "namespace", "node", "heartbeat_ns", "heard_ns", "gap_ns",
+                 "open_stages", "open_since", "step", "touched_ns")
 
     def __init__(self, cohort: str, now: int) -> None:
         self.cohort = cohort
@@ -247,7 +246,8 @@ class Liveness:
         waiting_ranks = tuple(sorted(rank for rank, _ in waiting))
         found: list[tuple] = []  # (rank, record or None, reason, stage)
         if waiting and len(waiting) >= len(others):
-            found += [(rank, record, contract.HANG_NEVER_ENTERED_COLLECTIVE, _innermost(record)) for rank, record in others]
+            found += [(rank, record, contract.HANG_NEVER_ENTERED_COLLECTIVE, _innermost(record))
+                      for rank, record in others]
             found += [(rank, record, contract.HANG_RANK_LOST, _innermost(record)) for rank, record in lost]
             if not found:
                 found += [(rank, None, contract.HANG_RANK_LOST, contract.WHOLE_STEP_STAGE)
@@ -257,7 +257,7 @@ class Liveness:
         else:
             found += [(rank, record, contract.HANG_RANK_LOST, _innermost(record)) for rank, record in lost]
             if not found:
-                found.append((None, None, REASON_ALL_RANKS_STALLED, _most_common(live)))
+                found.append((None, None, contract.HANG_ALL_RANKS_STALLED, _most_common(live)))
         if job.hang is None:
             job.hang = _Hang(stalled_from)
         verdicts = []
@@ -273,7 +273,7 @@ class Liveness:
                 time_unix_nano=now, job_id=job.job_id, cohort=cohort, stage=stage, rank=rank,
                 window=step // self._window_steps, verdict=contract.VERDICT_HANG, reason=reason, slowdown=None,
                 gap_ms=None, rank_ms=_ms(open_ms), reference_ms=_ms(waited_ms), reference_ranks=waiting_ranks,
-                timing="host",
+                timing=contract.TIMING_HOST,
                 attribution=contract.ATTRIBUTION_WAITING if rank is None and waiting else contract.ATTRIBUTION_UNKNOWN,
                 workload_comparable=None, **_where(record),
                 stalled_s=round((now - stalled_from) / 1e9, 3),
@@ -353,8 +353,9 @@ class Liveness:
             if len(self._jobs) >= self._max_jobs:
                 # as the engine's tables: a job at work (heartbeats and progress) goes last, and of
                 # the others the one with the fewest ranks (an id sent once), then the least touched
-                victim = min(self._jobs, key=lambda k: (bool(self._jobs[k].first_heartbeat_ns and self._jobs[k].progress_ns),
-                                                        len(self._jobs[k].ranks), self._jobs[k].touched_ns))
+                victim = min(self._jobs, key=lambda k: (
+                    bool(self._jobs[k].first_heartbeat_ns and self._jobs[k].progress_ns),
+                    len(self._jobs[k].ranks), self._jobs[k].touched_ns))
                 self._records -= len(self._jobs.pop(victim).ranks)
                 self._counts["evictions_liveness_jobs"] += 1
             job = self._jobs[key] = JobLiveness(job_id, epoch, restart, now)

@@ -16,7 +16,7 @@ from typing import Optional
 
 from otel_straggler.detector.config import ConfigError, DetectorConfig
 from otel_straggler.detector.decode import MalformedPayload, ProtobufDecoder, decode_json
-from otel_straggler.detector.pipeline import SpanPipeline
+from otel_straggler.detector.driver import SpanPipeline
 
 _log = logging.getLogger(__name__)
 

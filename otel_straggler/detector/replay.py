@@ -24,7 +24,8 @@ from otel_straggler.detector.decode import MalformedPayload, decode_json_request
 from otel_straggler.detector.emit import VerdictEmitter, status_record
 from otel_straggler.detector.evidence import EvidenceFiles
 from otel_straggler.detector.observation import Verdict
-from otel_straggler.detector.pipeline import EngineDriver, IntakeCounters
+from otel_straggler.detector.driver import EngineDriver, IntakeCounters
+from otel_straggler.detector.engine_interface import DetectorEngine
 from otel_straggler.detector.telemetry import DetectorTelemetry
 from otel_straggler.detector.window_record import WindowRecord, detector_engine
 
@@ -49,7 +50,7 @@ def replay(
     config: DetectorConfig,
     export_telemetry: bool = False,
     listener: Optional[Callable[[Verdict], None]] = None,
-    engine=None,
+    engine: Optional[DetectorEngine] = None,
 ) -> ReplaySummary:
     """Runs the files through decode and the engine; writes evidence to config.evidence_dir.
     Raises OSError for a file that cannot be read (nothing is half-replayed silently)."""

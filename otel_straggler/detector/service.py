@@ -9,7 +9,7 @@
 Threads: receivers (gRPC workers, one per HTTP connection) decode and queue; one engine thread
 ingests, closes windows by the wall clock and calls the listeners; one emitter thread writes
 verdicts.jsonl, status.json and the OTel metrics and events; one more writes windows.jsonl
-(window_record.py). See pipeline.py and emit.py.
+(window_record.py). See driver.py and emit.py.
 """
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ from otel_straggler.detector.evidence import EvidenceFiles, carried_counters
 from otel_straggler.detector.inherited_alerts import read_open_alerts
 from otel_straggler.detector.intake_loop import IntakeLoop
 from otel_straggler.detector.observation import Verdict
-from otel_straggler.detector.pipeline import EngineDriver, IntakeCounters, SpanPipeline
+from otel_straggler.detector.driver import EngineDriver, IntakeCounters, SpanPipeline
+from otel_straggler.detector.engine_interface import DetectorEngine
 from otel_straggler.detector.receiver import OtlpIntake, load_token
 from otel_straggler.detector.receiver_grpc import OtlpGrpcReceiver
 from otel_straggler.detector.receiver_http import OtlpHttpReceiver, server_ssl_context
@@ -57,7 +58,7 @@ def _listening(flag: str, address: str, port: int, make: Callable[[], _Listener]
 
 
 class DetectorService:
-    def __init__(self, config: DetectorConfig, engine=None) -> None:
+    def __init__(self, config: DetectorConfig, engine: Optional[DetectorEngine] = None) -> None:
         """`engine` defaults to a new Engine(config) that records the windows it judges in
         windows.jsonl (window_record.py); pass one only to wrap a custom engine (it records none)."""
         self.window_record: Optional[WindowRecord] = None
@@ -179,11 +180,10 @@ class DetectorService:
         evidence = EvidenceFiles(config.evidence_dir, config.max_evidence_bytes)
         # a restart in the same evidence directory carries on: its counters, and the alerts left open
         self._carried = carried_counters(evidence.status_path)
-        if hasattr(self._driver.engine, "inherit_alerts"):
-            open_alerts, unreadable = read_open_alerts(evidence.verdicts_path)
-            self._driver.engine.inherit_alerts(open_alerts)
-            if unreadable:
-                self._counters.add_error("evidence_unreadable_lines", unreadable)
+        open_alerts, unreadable = read_open_alerts(evidence.verdicts_path)
+        self._driver.engine.inherit_alerts(open_alerts)
+        if unreadable:
+            self._counters.add_error("evidence_unreadable_lines", unreadable)
         self._emitter = VerdictEmitter(evidence, config.flush_interval_s, self.status, self._telemetry)
         intake = OtlpIntake(self._pipeline, token, config.max_request_bytes)
         address = config.listen_address
@@ -195,9 +195,10 @@ class DetectorService:
             intake, self._intake_loop, address, config.http_port, config.max_http_connections, ssl_context))
         if self._telemetry.scrape_reader is not None:
             # the OTLP ports' TLS and token guard this one too
-            self._prometheus = _listening("--prometheus-port", address, config.prometheus_port, lambda: PrometheusEndpoint(
-                self._telemetry.scrape_reader, address, config.prometheus_port,
-                lambda event: intake.counters.add_error(f"prometheus_{event}"), ssl_context, token))
+            self._prometheus = _listening(
+                "--prometheus-port", address, config.prometheus_port, lambda: PrometheusEndpoint(
+                    self._telemetry.scrape_reader, address, config.prometheus_port,
+                    lambda event: intake.counters.add_error(f"prometheus_{event}"), ssl_context, token))
         self._started_unix_nano = time.time_ns()
         self._emitter.start()
         if self.window_record is not None:

@@ -36,7 +36,7 @@ from otel_straggler.detector.event_export import SEVERITY_ERROR, SEVERITY_INFO, 
 from otel_straggler.detector.gpu_evidence import describe
 from otel_straggler.detector.next_step import next_step, suspect
 from otel_straggler.detector.observation import Verdict
-from otel_straggler.detector.pipeline import SPAN_OUTCOMES
+from otel_straggler.detector.driver import SPAN_OUTCOMES
 from otel_straggler.otlp_environ import check_exporter_environ, resolve_protocol
 
 _log = logging.getLogger(__name__)

@@ -31,13 +31,14 @@ from typing import Optional
 import numpy as np
 
 from otel_straggler.contract import WHOLE_STEP_STAGE
-from otel_straggler.detector.judge import CohortVerdictState
+from otel_straggler.detector.cohort_state import CohortVerdictState
 
 NEVER_REPORTED = -(1 << 62)  # a rank's latest window before its first accepted row
 SEQ_UNSEEN = -(1 << 63)  # de-duplication slot never written
 OUT_OF_ORDER_JUDGED_KEPT = 64  # windows judged while an older one was still open, remembered for `late`
 GAPS_BEFORE_TRUSTED = 3  # delivery gaps a rank shows before its own pace sets its patience
-GAP_DECAY = 0.8  # a rank's largest recent delivery gap shrinks by this at each delivery, so it follows a faster exporter
+# a rank's largest recent delivery gap shrinks by this at each delivery, so it follows a faster exporter
+GAP_DECAY = 0.8
 DELIVERY_MARGIN_NS = 1_000_000_000  # beyond twice the gap: one transfer and one detector tick
 STARTUP_HOLD_NS = 1_000_000_000  # a cohort's windows wait this long after its first data for ranks not seen yet
 

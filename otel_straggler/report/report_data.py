@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from otel_straggler import contract
-from otel_straggler.detector.judge import REASON_SLOW_VS_PEERS
+from otel_straggler.contract import REASON_SLOW_VS_PEERS
 from otel_straggler.report.evidence_files import Evidence, WindowMedian
 from otel_straggler.report.summary import find_detection, leading_alerts, straggler_alerts
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from otel_straggler import contract
-from otel_straggler.detector import judge
+from otel_straggler.detector import leading_stage, stage_noise
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.engine import Engine
 from otel_straggler.detector.observation import DEFAULT_COHORT, Observation, Placement
@@ -108,7 +108,7 @@ def test_comparable_set_pairwise_workload_and_unreported_peers():
     job = SyntheticJob(ranks=12, seed=3, tokens=4096).slow(5, 1.2).workload(5, 4096 * 1.2)
     verdicts, _ = run(job, 60)
     assert stragglers(verdicts) == set()
-    incomparable = select(verdicts, contract.VERDICT_UNCERTAIN, judge.REASON_WORKLOAD_INCOMPARABLE, rank=5)
+    incomparable = select(verdicts, contract.VERDICT_UNCERTAIN, contract.REASON_WORKLOAD_INCOMPARABLE, rank=5)
     assert incomparable and all(v.workload_comparable is False for v in incomparable)
 
 
@@ -363,7 +363,7 @@ def test_windows_by_step_coverage_gaps_then_silent():
     # more than max_export_lag_s after its last one: not before the window of that step
     last_end = max(o.end_unix_nano for o in observations if o.rank == 7)
     beyond_lag = min(o.step for o in observations if o.end_unix_nano > last_end + 5e9)
-    assert [(v.rank, v.reason, v.stage) for v in silent] == [(7, judge.REASON_NO_REPORT, "*")]
+    assert [(v.rank, v.reason, v.stage) for v in silent] == [(7, contract.REASON_NO_REPORT, "*")]
     # judged when the window of that step, or the one before it, closes
     assert 7 < beyond_lag // 10 - 1 <= silent[0].window <= beyond_lag // 10, (beyond_lag, silent[0].window)
     stats = engine.stats()
@@ -458,7 +458,7 @@ def test_threshold_and_floor_slow_needs_the_ratio_and_the_gap():
     assert engine.stats()["below_floor_quiet"] > 0
     said, _ = single_stage(20.0, 1.10, DetectorConfig(report_below_floor=True))
     assert stragglers(said) == set()
-    assert select(said, contract.VERDICT_UNCERTAIN, judge.REASON_BELOW_ABSOLUTE_FLOOR, rank=3)
+    assert select(said, contract.VERDICT_UNCERTAIN, contract.REASON_BELOW_ABSOLUTE_FLOOR, rank=3)
     assert single_stage(1000.0, 1.04)[0] == []  # 40 ms but 4%: within tolerance
 
 
@@ -490,12 +490,12 @@ def test_persistence_needs_consecutive_slow_windows_and_unusable_windows_break_t
     observations = replaced(broken.observations(120), lambda o: o.rank == 2 and 50 <= o.step < 60,
                             lambda o: {"tokens": 9000})
     onsets = select(feed(Engine(DetectorConfig()), observations, chunk=8 * 5), contract.VERDICT_STRAGGLER, stage="*")
-    assert [(v.window, v.reason) for v in onsets] == [(6, judge.REASON_INTERMITTENT)]
+    assert [(v.window, v.reason) for v in onsets] == [(6, contract.REASON_INTERMITTENT)]
     slower = SyntheticJob(ranks=8, seed=8, tokens=4096).slow(2, 1.3, from_step=30, to_step=89)
     observations = replaced(slower.observations(120), lambda o: o.rank == 2 and 50 <= o.step < 60,
                             lambda o: {"tokens": 9000})
     onsets = select(feed(Engine(DetectorConfig()), observations, chunk=8 * 5), contract.VERDICT_STRAGGLER,
-                    reason=judge.REASON_SLOW_VS_PEERS, stage="*")
+                    reason=contract.REASON_SLOW_VS_PEERS, stage="*")
     assert [v.window for v in onsets] == [8]
 
 
@@ -511,8 +511,8 @@ def test_recovery_needs_positive_evidence():
     verdicts = feed(engine, observations[:8 * 5 * 80], chunk=8 * 5)  # steps 0-79
     whole = select(verdicts, rank=2, stage="*")
     assert [(v.verdict, v.reason, v.window) for v in whole] == [
-        (contract.VERDICT_STRAGGLER, judge.REASON_SLOW_VS_PEERS, 4),
-        (contract.VERDICT_UNCERTAIN, judge.REASON_RECOVERY_EVIDENCE_INSUFFICIENT, 5)]  # once, then held
+        (contract.VERDICT_STRAGGLER, contract.REASON_SLOW_VS_PEERS, 4),
+        (contract.VERDICT_UNCERTAIN, contract.REASON_RECOVERY_EVIDENCE_INSUFFICIENT, 5)]  # once, then held
     assert alert_active(engine, 2, "*")
     # comparable and within tolerance again from window 8: recovered once three windows in a row
     # say so (the whole step's hysteresis)
@@ -520,7 +520,7 @@ def test_recovery_needs_positive_evidence():
     verdicts = feed(engine, observations, chunk=8 * 5)
     whole = select(verdicts, rank=2, stage="*")
     assert [(v.verdict, v.window) for v in whole][-1] == (contract.VERDICT_RECOVERED, 8 + DetectorConfig().persist_windows - 1)
-    assert whole[-1].reason == judge.REASON_WITHIN_TOLERANCE and not alert_active(engine, 2, "*")
+    assert whole[-1].reason == contract.REASON_WITHIN_TOLERANCE and not alert_active(engine, 2, "*")
 
 
 def test_recovery_needs_positive_evidence_under_the_floor_but_over_the_ratio_holds_the_alert():
@@ -532,8 +532,8 @@ def test_recovery_needs_positive_evidence_under_the_floor_but_over_the_ratio_hol
     verdicts = feed(Engine(DetectorConfig()), observations, chunk=10)
     whole = select(verdicts, rank=3, stage="work")
     assert [(v.verdict, v.reason, v.window) for v in whole] == [
-        (contract.VERDICT_STRAGGLER, judge.REASON_SLOW_VS_PEERS, 4),
-        (contract.VERDICT_RECOVERED, judge.REASON_WITHIN_TOLERANCE, 10)]  # not at window 6
+        (contract.VERDICT_STRAGGLER, contract.REASON_SLOW_VS_PEERS, 4),
+        (contract.VERDICT_RECOVERED, contract.REASON_WITHIN_TOLERANCE, 10)]  # not at window 6
 
 
 def test_recovery_needs_positive_evidence_a_silent_rank_keeps_its_alert():
@@ -556,7 +556,7 @@ def test_collectives_make_victims_never_judged_by_their_own_duration():
                             lambda o: {"host_ms": o.host_ms + 30.0, "device_ms": o.device_ms + 30.0})
     verdicts = feed(Engine(DetectorConfig()), observations, chunk=16 * 5)
     assert stragglers(verdicts) == set()
-    waiting = select(verdicts, contract.VERDICT_UNCERTAIN, judge.REASON_WAITING_ON_PEER)
+    waiting = select(verdicts, contract.VERDICT_UNCERTAIN, contract.REASON_WAITING_ON_PEER)
     assert {v.rank for v in waiting} == {0, 1, 2, 3}
     assert all(v.stage == "all-grads-sync" and v.attribution == contract.ATTRIBUTION_WAITING for v in waiting)
     # not marked collective, the same intervals still end where the peers' do (they started 30 ms
@@ -564,7 +564,7 @@ def test_collectives_make_victims_never_judged_by_their_own_duration():
     unmarked = replaced(observations, lambda o: o.collective, lambda o: {"collective": False})
     verdicts = feed(Engine(DetectorConfig()), unmarked, chunk=16 * 5)
     assert stragglers(verdicts) == set()
-    assert {v.rank for v in select(verdicts, contract.VERDICT_UNCERTAIN, judge.REASON_WAITING_ON_PEER)} == {0, 1, 2, 3}
+    assert {v.rank for v in select(verdicts, contract.VERDICT_UNCERTAIN, contract.REASON_WAITING_ON_PEER)} == {0, 1, 2, 3}
     # control: ending later as well, by a varying amount (their own work, not a wait or a clock
     # offset), they are judged, and convict
     later = replaced(unmarked, lambda o: o.rank < 4,
@@ -592,10 +592,10 @@ def test_a_stage_within_its_own_noise_carries_the_whole_steps_slowdown(monkeypat
     job = SyntheticJob(ranks=8, stages=stages, seed=2).stage_jitter("grads-ready", 0.3).slow(
         3, 1.5, stages=["grads-ready"], from_step=40)
     onsets = select(run(job, 150)[0], contract.VERDICT_STRAGGLER)
-    assert [(v.rank, v.stage, v.reason) for v in onsets] == [(3, "grads-ready", judge.REASON_SLOW_VS_PEERS)]
+    assert [(v.rank, v.stage, v.reason) for v in onsets] == [(3, "grads-ready", contract.REASON_SLOW_VS_PEERS)]
     assert "*" in onsets[0].also_slow and onsets[0].window == 6
     # control: without it the whole step is said first, the stage a window later
-    monkeypatch.setattr(judge, "CARRIED_SHARE", math.inf)
+    monkeypatch.setattr(leading_stage, "CARRIED_SHARE", math.inf)
     onsets = select(run(job, 150)[0], contract.VERDICT_STRAGGLER)
     assert [(v.stage, v.window) for v in onsets] == [("*", 6), ("grads-ready", 7)]
 
@@ -609,11 +609,11 @@ def test_an_intermittent_whole_step_onset_goes_to_the_stage_that_carries_it(monk
         3, 1.45, stages=["grads-ready"], from_step=40)
     onsets = select(run(job, 150)[0], contract.VERDICT_STRAGGLER)
     assert [(v.rank, v.stage, v.reason, v.also_slow) for v in onsets] == [
-        (3, "grads-ready", judge.REASON_INTERMITTENT, ("*",))]
+        (3, "grads-ready", contract.REASON_INTERMITTENT, ("*",))]
     assert onsets[0].slow_steps["slow"] > 0
-    monkeypatch.setattr(judge, "CARRIED_SHARE", math.inf)  # control: the whole step's
+    monkeypatch.setattr(leading_stage, "CARRIED_SHARE", math.inf)  # control: the whole step's
     assert [(v.stage, v.reason) for v in select(run(job, 150)[0], contract.VERDICT_STRAGGLER)] == [
-        ("*", judge.REASON_INTERMITTENT)]
+        ("*", contract.REASON_INTERMITTENT)]
 
 
 def test_a_window_that_lacks_a_stage_of_the_rank_does_not_end_its_whole_step_alert():
@@ -795,7 +795,7 @@ def test_case_plus_10_percent_rank_caught_among_63_healthy_ranks_with_jitter():
     job = SyntheticJob(ranks=64, seed=17, jitter=(0.02, 0.03)).slow(40, 1.10)
     verdicts, engine = run(job, 300)
     assert stragglers(verdicts) == {40}
-    assert not select(verdicts, contract.VERDICT_UNCERTAIN, judge.REASON_WORKLOAD_INCOMPARABLE)
+    assert not select(verdicts, contract.VERDICT_UNCERTAIN, contract.REASON_WORKLOAD_INCOMPARABLE)
     healthy = [s.slowdown for s in engine.rank_state() if s.rank != 40 and s.stage == "*"]
     assert len(healthy) == 63 and max(healthy) < 1.05
 
@@ -814,7 +814,7 @@ def test_case_more_tokens_and_longer_is_incomparable_and_an_underworked_peer_is_
         job.workload(rank, int(4096 * 0.7)).slow(rank, 0.7)
     verdicts, _ = run(job, 80)
     assert stragglers(verdicts) == set()
-    incomparable = select(verdicts, contract.VERDICT_UNCERTAIN, judge.REASON_WORKLOAD_INCOMPARABLE)
+    incomparable = select(verdicts, contract.VERDICT_UNCERTAIN, contract.REASON_WORKLOAD_INCOMPARABLE)
     assert {v.rank for v in incomparable} == {3}
     # control: without the workload check, the under-worked ranks pull the reference down
     verdicts, _ = run(job, 80, DetectorConfig(work_tolerance=10.0))
@@ -825,11 +825,11 @@ def test_case_tiny_metadata_stage_with_10x_jitter_never_alerts():
     stages = TRAINING_STAGES + (Stage("metadata", 0.2, device=False),)
     job = SyntheticJob(ranks=32, stages=stages, seed=22).stage_jitter("metadata", 1.2).slow(9, 5.0, stages=["metadata"])
     verdicts, _ = run(job, 300, DetectorConfig(report_below_floor=True))
-    assert select(verdicts, contract.VERDICT_STRAGGLER, judge.REASON_SLOW_VS_PEERS) == []
-    assert select(verdicts, contract.VERDICT_UNCERTAIN, judge.REASON_BELOW_ABSOLUTE_FLOOR, stage="metadata")
+    assert select(verdicts, contract.VERDICT_STRAGGLER, contract.REASON_SLOW_VS_PEERS) == []
+    assert select(verdicts, contract.VERDICT_UNCERTAIN, contract.REASON_BELOW_ABSOLUTE_FLOOR, stage="metadata")
     # the jitter never makes a healthy rank intermittent; rank 9's 5x makes 13% of its steps over
     # the floor (8.5% expected, against 0.35% of its peers'): that one may be (intermittent.py)
-    assert {v.rank for v in select(verdicts, contract.VERDICT_STRAGGLER, judge.REASON_INTERMITTENT)} <= {9}
+    assert {v.rank for v in select(verdicts, contract.VERDICT_STRAGGLER, contract.REASON_INTERMITTENT)} <= {9}
     # control: without the floor the jitter alone raises alerts
     assert stragglers(run(job, 300, DetectorConfig(min_gap_ms=0.0))[0])
 
@@ -853,7 +853,7 @@ def test_case_slow_rank_in_an_all_reduce_job_only_the_slow_rank_is_a_straggler()
     # the others wait, as a majority: not flagged; the slow rank is the one they wait for, which
     # its own slow stage explains: said once, on that stage
     assert [(v.stage, v.reason) for v in select(verdicts, contract.VERDICT_STRAGGLER)] == [
-        ("backward-compute", judge.REASON_SLOW_VS_PEERS)]
+        ("backward-compute", contract.REASON_SLOW_VS_PEERS)]
     assert set(select(verdicts, contract.VERDICT_STRAGGLER)[0].also_slow) == {"all-grads-sync", "*"}
     assert select(verdicts, stage="all-grads-sync") == []
     sync = {s.rank: s.slowdown for s in engine.rank_state() if s.stage == "all-grads-sync"}
@@ -944,7 +944,7 @@ def test_slow_needs_a_deviation_beyond_the_cohorts_own_noise(monkeypatch):
     slow = SyntheticJob(ranks=32, seed=31, noise=HostNoise()).slow(7, 1.5, stages=["forward-compute"])
     assert stragglers(run(slow, 400)[0]) == {7}
     # control: with the noise bound at zero sigmas the drift alone raises alerts
-    monkeypatch.setattr(judge, "_noise_z", lambda comparisons, false_alarm_rate: 0.0)
+    monkeypatch.setattr(stage_noise, "noise_z", lambda comparisons, false_alarm_rate: 0.0)
     assert stragglers(run(healthy, 400)[0])
 
 
@@ -966,7 +966,7 @@ def test_contention_that_moves_from_rank_to_rank_is_noise_a_slow_rank_is_not(mon
         slow = SyntheticJob(ranks=4, seed=seed, noise=noise).slow(1, 1.5, stages=["forward-compute"])
         assert stragglers(run(slow, 300)[0]) == {1}
     # control: with the spread across ranks alone, healthy ranks are convicted in some of these jobs
-    monkeypatch.setattr(judge, "NORMAL_MAD", math.inf)
+    monkeypatch.setattr(stage_noise, "NORMAL_MAD", math.inf)
     assert any(healthy_alerts())
 
 
@@ -997,7 +997,7 @@ def test_a_straggler_in_a_cohort_of_three_ranks_on_a_busy_host_is_caught():
         verdicts += engine.advance(max(o.end_unix_nano for o in batch))
     verdicts += engine.drain(observations[-1].end_unix_nano + STEP_NS)
     onsets = select(verdicts, contract.VERDICT_STRAGGLER, stage="forward-compute")
-    assert [(v.rank, v.window, v.reason) for v in onsets] == [(5, 4, judge.REASON_SLOW_VS_PEERS)]
+    assert [(v.rank, v.window, v.reason) for v in onsets] == [(5, 4, contract.REASON_SLOW_VS_PEERS)]
     assert stragglers(verdicts) == {5}
 
 
@@ -1011,7 +1011,7 @@ def test_a_stage_that_ends_at_a_synchronization_point_is_judged_as_a_collective(
     unmarked = replaced(job.observations(120), lambda o: o.collective, lambda o: {"collective": False})
     verdicts = feed(Engine(DetectorConfig()), unmarked, chunk=8 * 3)
     assert stragglers(verdicts) == {3}
-    assert {v.reason for v in select(verdicts, contract.VERDICT_STRAGGLER, stage="backward-compute")} <= {judge.REASON_LAST_TO_ARRIVE}
+    assert {v.reason for v in select(verdicts, contract.VERDICT_STRAGGLER, stage="backward-compute")} <= {contract.REASON_LAST_TO_ARRIVE}
 
 
 def test_at_a_collective_the_rank_its_peers_wait_for_is_last_to_arrive():
@@ -1022,7 +1022,7 @@ def test_at_a_collective_the_rank_its_peers_wait_for_is_last_to_arrive():
     timed = [o for o in job.observations(120) if o.stage != "untimed"]
     verdicts = feed(Engine(DetectorConfig()), timed, chunk=16 * 2)
     onsets = select(verdicts, contract.VERDICT_STRAGGLER)
-    assert {(v.rank, v.stage, v.reason) for v in onsets} == {(5, "all-grads-sync", judge.REASON_LAST_TO_ARRIVE)}
+    assert {(v.rank, v.stage, v.reason) for v in onsets} == {(5, "all-grads-sync", contract.REASON_LAST_TO_ARRIVE)}
     assert all(v.slowdown and v.slowdown > 1.3 and v.gap_ms < 0 for v in onsets)
 
 

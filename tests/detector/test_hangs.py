@@ -118,7 +118,7 @@ def test_hang_a_shared_pause_shorter_than_the_timeout_is_no_hang():
     job = ScriptedJob(Engine(CONFIG))
     job.run(30)
     found = hangs(job.run(75, progress=False, open_stages=in_stage("checkpoint-save", job.now)))
-    assert [(v.rank, v.reason, v.stage) for v in found] == [(None, liveness.REASON_ALL_RANKS_STALLED, "checkpoint-save")]
+    assert [(v.rank, v.reason, v.stage) for v in found] == [(None, contract.HANG_ALL_RANKS_STALLED, "checkpoint-save")]
 
 
 def test_hang_needs_a_live_rank_inside_a_stage():

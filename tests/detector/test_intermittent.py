@@ -12,8 +12,8 @@ from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.engine import Engine
 from otel_straggler.detector.intermittent import (EXACT_TAIL_STEPS, HORIZON, MIN_SHARE, binomial_tail,
                                                   CollectiveWaits, collective_slack, count_slow_steps, tails_below)
-from otel_straggler.detector.judge import (REASON_INTERMITTENT, REASON_LAST_TO_ARRIVE, REASON_SLOW_VS_PEERS,
-                                          REASON_WITHIN_TOLERANCE)
+from otel_straggler.contract import (REASON_INTERMITTENT, REASON_LAST_TO_ARRIVE, REASON_SLOW_VS_PEERS,
+                                     REASON_WITHIN_TOLERANCE)
 
 from .host_noise import HostNoise
 from .synthetic import LARGE_MODEL_STAGES, SyntheticJob

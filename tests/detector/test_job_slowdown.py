@@ -7,7 +7,7 @@ from __future__ import annotations
 from otel_straggler import contract
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.engine import Engine
-from otel_straggler.detector.job_baseline import REASON_BACK_TO_BASELINE, REASON_SLOWER_THAN_BASELINE
+from otel_straggler.contract import REASON_BACK_TO_BASELINE, REASON_SLOWER_THAN_BASELINE
 
 from .synthetic import Stage, SyntheticJob
 from .test_engine_rules import feed, replaced

@@ -13,7 +13,7 @@ from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.decode import DecodedBatch
 from otel_straggler.detector.engine import Engine
 from otel_straggler.detector.observation import Heartbeat, Observation
-from otel_straggler.detector.pipeline import MAX_JOBS_WITHOUT_STAGES_NAMED, EngineDriver, IntakeCounters
+from otel_straggler.detector.driver import MAX_JOBS_WITHOUT_STAGES_NAMED, EngineDriver, IntakeCounters
 
 from .otlp_spans import heartbeat_span, running_service, service_config, stage_spans
 

@@ -215,21 +215,18 @@ def test_wrong_paths_methods_types_and_encodings_get_their_http_codes(tmp_path):
         assert post(port, body)[0] == 200
 
 
-class GatedEngine:
+class GatedEngine(Engine):
     """The real engine behind a gate: ingest_many waits until the test opens it."""
 
     def __init__(self, config) -> None:
-        self.engine = Engine(config)
+        super().__init__(config)
         self.entered = threading.Event()
         self.gate = threading.Event()
 
     def ingest_many(self, observations):
         self.entered.set()
         self.gate.wait(30)
-        return self.engine.ingest_many(observations)
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
+        return super().ingest_many(observations)
 
 
 def _fill_the_queue(service, engine) -> None:

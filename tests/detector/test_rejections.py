@@ -5,7 +5,9 @@ import logging
 
 from otel_straggler.detector import decode
 from otel_straggler.detector.decode import RejectedSpan
-from otel_straggler.detector.pipeline import EngineDriver, IntakeCounters
+from otel_straggler.detector.config import DetectorConfig
+from otel_straggler.detector.driver import EngineDriver, IntakeCounters
+from otel_straggler.detector.engine import Engine
 from otel_straggler.detector.rejections import RejectionLog
 
 LOGGER = "otel_straggler.detector.rejections"
@@ -85,16 +87,13 @@ def test_a_sender_cannot_put_a_long_name_into_the_log(caplog):
 
 
 def test_rejections_by_kind_add_up_to_the_malformed_count_engine_refusals_included(caplog):
-    class RefusingEngine:
-        def stats(self):
-            return {}
-
+    class RefusingEngine(Engine):
         def ingest_many(self, observations):
             return {"accepted": 0, "malformed": len(observations)}
 
     caplog.set_level(logging.WARNING, LOGGER)
     counters = IntakeCounters()
-    driver = EngineDriver(RefusingEngine(), counters, deliver=lambda verdicts: None)
+    driver = EngineDriver(RefusingEngine(DetectorConfig()), counters, deliver=lambda verdicts: None)
     batch = decode.DecodedBatch()
     for _ in range(3):
         batch.reject("forward-compute", decode.MISSING_STEP, "job-1", 0, "node-0")

@@ -39,7 +39,6 @@ from opentelemetry.trace import SpanContext, TraceFlags
 from otel_straggler import contract
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.evidence import WINDOWS_FILE
-from otel_straggler.detector.judge import REASON_SLOW_VS_PEERS
 from otel_straggler.detector.service import DetectorService
 
 from . import services
@@ -335,7 +334,7 @@ def test_shards_added_and_removed_mid_job_move_cohorts_without_false_verdicts(pi
     failed = exporter_spans("otelcol_exporter_send_failed_spans")
     lost = job.sent - sum(accepted.values())
 
-    expected = {(contract.VERDICT_STRAGGLER, REASON_SLOW_VS_PEERS),
+    expected = {(contract.VERDICT_STRAGGLER, contract.REASON_SLOW_VS_PEERS),
                 (contract.VERDICT_RECOVERED, contract.REASON_COHORT_DEPARTED)}
     false_verdicts = [(round(t - started, 1), name, v.verdict, v.reason, v.cohort, v.rank) for t, name, v in events
                       if v.rank != slow_rank or (v.verdict, v.reason) not in expected]

@@ -10,7 +10,7 @@ import time
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.decode import DecodedBatch
 from otel_straggler.detector.engine import Engine
-from otel_straggler.detector.pipeline import ADVANCE_INTERVAL_S, IDLE_WAKE_S, EngineDriver, IntakeCounters, SpanPipeline
+from otel_straggler.detector.driver import ADVANCE_INTERVAL_S, IDLE_WAKE_S, EngineDriver, IntakeCounters, SpanPipeline
 
 from .test_engine_rules import observation
 
@@ -110,7 +110,7 @@ def test_the_first_late_spans_are_explained_once_in_the_log(caplog):
     driver.advance(now)
     now += 10**9  # after the cohort's startup hold
     driver.advance(now)  # every rank is past window 0: it is judged
-    with caplog.at_level(logging.WARNING, logger="otel_straggler.detector.pipeline"):
+    with caplog.at_level(logging.WARNING, logger="otel_straggler.detector.driver"):
         driver.ingest(DecodedBatch([observation(rank=3, step=0)], 0, 0), now)
         driver.ingest(DecodedBatch([observation(rank=4, step=0)], 0, 0), now)
     assert driver.counters.snapshot()["spans"]["late"] == 2

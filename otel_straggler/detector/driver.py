@@ -19,6 +19,7 @@ from typing import Callable, Optional
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler import contract
 from otel_straggler.detector.decode import OTHER_KIND, DecodedBatch, RejectedSpan, Rejection
+from otel_straggler.detector.engine_interface import DetectorEngine
 from otel_straggler.detector.observation import Verdict
 from otel_straggler.detector.rejections import RejectionLog
 
@@ -52,7 +53,8 @@ class IntakeCounters:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._spans: Counter[str] = Counter({outcome: 0 for outcome in SPAN_OUTCOMES + ("ignored", "heartbeats", "gpu_fields_invalid")})
+        self._spans: Counter[str] = Counter(
+            {outcome: 0 for outcome in SPAN_OUTCOMES + ("ignored", "heartbeats", "gpu_fields_invalid")})
         self._rejections: Counter[str] = Counter()
         self._requests: Counter[str] = Counter()
         self._errors: Counter[str] = Counter()
@@ -89,7 +91,7 @@ class EngineDriver:
     counted and logged, and intake goes on: fail open. Malformed spans are counted by kind and
     logged, rate-limited (rejections.py)."""
 
-    def __init__(self, engine, counters: IntakeCounters, deliver: VerdictSink,
+    def __init__(self, engine: DetectorEngine, counters: IntakeCounters, deliver: VerdictSink,
                  on_ingest_lag: Optional[Callable[[float], None]] = None) -> None:
         self.engine = engine
         self.counters = counters
@@ -141,12 +143,12 @@ class EngineDriver:
             self._on_ingest_lag(max(0.0, (now_unix_nano - observations[-1].end_unix_nano) / 1e9))
 
     def _ingest_liveness(self, batch: DecodedBatch, now_unix_nano: int) -> None:
-        """Where ranks run and their heartbeats; an engine without liveness ignores them."""
+        """Where ranks run and their heartbeats."""
         try:
             with self._engine_lock:
-                if batch.placements and hasattr(self.engine, "ingest_placements"):
+                if batch.placements:
                     self.engine.ingest_placements(batch.placements)
-                if batch.heartbeats and hasattr(self.engine, "ingest_heartbeats"):
+                if batch.heartbeats:
                     self.engine.ingest_heartbeats(batch.heartbeats, now_unix_nano)
         except Exception:  # noqa: BLE001 - an engine bug must not stop intake
             self._engine_failed("ingest_heartbeats")
@@ -160,19 +162,16 @@ class EngineDriver:
 
     def detector_stalled(self, stalled_ns: int) -> None:
         """The engine thread did not look for `stalled_ns` longer than it should have."""
-        stalled = getattr(self.engine, "detector_stalled", None)
-        if stalled is None:
-            return
         try:
             with self._engine_lock:
-                stalled(stalled_ns)
+                self.engine.detector_stalled(stalled_ns)
         except Exception:  # noqa: BLE001
             self._engine_failed("detector_stalled")
 
     def _close(self, method: str, now_unix_nano: int) -> None:
         try:
             with self._engine_lock:
-                verdicts = getattr(self.engine, method)(now_unix_nano)
+                verdicts = self.engine.drain(now_unix_nano) if method == "drain" else self.engine.advance(now_unix_nano)
                 self._stats = dict(self.engine.stats())
                 self._next_close = self._engine_next_close()
                 looking = method == "drain" or now_unix_nano >= self._next_stageless_look
@@ -181,7 +180,7 @@ class EngineDriver:
                     self._look_for_jobs_without_stages(now_unix_nano)
                 # alerts start and end with verdicts; a host's rank count changes slowly
                 if looking or any(v.verdict in _ALERT_CHANGES for v in verdicts):
-                    self._nodes = self.engine.node_state() if hasattr(self.engine, "node_state") else []
+                    self._nodes = self.engine.node_state()
         except Exception:  # noqa: BLE001
             self._engine_failed(method)
             return
@@ -193,14 +192,14 @@ class EngineDriver:
             return self.engine.rank_state()
 
     def hang_state(self):
-        """The engine's hang series (straggler.job.hang); none for an engine without liveness."""
+        """The engine's hang series (straggler.job.hang)."""
         with self._engine_lock:
-            return self.engine.hang_state() if hasattr(self.engine, "hang_state") else []
+            return self.engine.hang_state()
 
     def job_slowdown_state(self):
-        """The engine's straggler.job.slowdown series; none for an engine without them."""
+        """The engine's straggler.job.slowdown series."""
         with self._engine_lock:
-            return self.engine.job_slowdown_state() if hasattr(self.engine, "job_slowdown_state") else []
+            return self.engine.job_slowdown_state()
 
     def node_state(self) -> list:
         """The engine's node roll-up (nodes.py) as of the latest verdict that started or ended an
@@ -218,9 +217,7 @@ class EngineDriver:
         return self._jobs_without_stages
 
     def _look_for_jobs_without_stages(self, now_unix_nano: int) -> None:
-        """Under the engine lock; an engine that cannot tell (a custom engine) reports none."""
-        if not hasattr(self.engine, "jobs_without_stages"):
-            return
+        """Under the engine lock."""
         try:
             count, jobs = self.engine.jobs_without_stages(now_unix_nano, MAX_JOBS_WITHOUT_STAGES_NAMED)
         except Exception:  # noqa: BLE001 - the verdicts of this advance still go out
@@ -231,12 +228,11 @@ class EngineDriver:
 
     def next_close_unix_nano(self) -> Optional[int]:
         """As of the latest advance: when a window could next close with no more data (None: no
-        window open; 0: now, also for an engine that cannot tell)."""
+        window open; 0: now)."""
         return self._next_close
 
     def _engine_next_close(self) -> Optional[int]:
-        next_close = getattr(self.engine, "next_close_unix_nano", None)
-        return 0 if next_close is None else next_close()
+        return self.engine.next_close_unix_nano()
 
     def _engine_failed(self, method: str) -> None:
         self.counters.add_error("engine")

@@ -1,0 +1,101 @@
+"""What a cohort's judge (judge.py) remembers between windows, as arrays per rank and per (stage code, rank)."""
+from __future__ import annotations
+
+import numpy as np
+
+from otel_straggler.detector.intermittent import IntermittentState
+from otel_straggler.detector.job_baseline import JobBaseline
+
+
+class CohortVerdictState:
+    """What is remembered between windows, as arrays: per slot (rank) and per (code, slot)."""
+
+    def __init__(self) -> None:
+        self.windows_seen = np.zeros(0, dtype=np.int64)  # closed windows the rank had rows in
+        self.missed_windows = np.zeros(0, dtype=np.int64)  # consecutive closed windows without its rows
+        self.silent = np.zeros(0, dtype=bool)  # missed silent_windows windows: no longer waited for
+        self.silent_reported = np.zeros(0, dtype=bool)  # ... and its `silent` verdict was emitted
+        self.last_end_unix_nano = np.zeros(0, dtype=np.int64)  # latest interval end in its judged windows
+        self.alert = np.zeros((0, 0), dtype=bool)
+        self.slow_streak = np.zeros((0, 0), dtype=np.int64)
+        self.within_streak = np.zeros((0, 0), dtype=np.int64)  # consecutive judged windows within tolerance
+        self.floor_streak = np.zeros((0, 0), dtype=np.int64)
+        self.last_uncertain = np.zeros((0, 0), dtype=np.int8)
+        self.slowdown = np.zeros((0, 0))  # latest window's slowdown; nan: none yet
+        # per code: the smoothed slope of the ranks' end-time deviations on their start-time
+        # deviations (near 0: the stage ends at a synchronization point), and the smoothed variance
+        # of the ranks' relative deviations from their references, host and device (nan: none yet)
+        self.sync_slope = np.zeros(0)
+        self.noise_var = np.zeros((2, 0))
+        # per kind (host, device) and (code, slot): its latest log median's offset from the stage's median over ranks
+        self.last_offset = np.zeros((2, 0, 0))
+        self.late_streak = np.zeros((0, 0), dtype=np.int64)  # per (collective code, slot)
+        self.arrival_var = np.zeros(0)  # per collective code: smoothed variance of the ranks' lateness
+        self.collective_seen = np.zeros(0, dtype=bool)  # per code: judged as a collective in some window
+        self.full_window_steps = 0  # the most distinct steps a judged window of the cohort had
+        self.job = JobBaseline()  # the cohort's pace against its own baseline (job_baseline.py)
+        self.intermittent = IntermittentState()  # slow steps per (code, slot), recent windows
+
+    def ensure(self, stage_count: int, slot_count: int) -> None:
+        """Room for `stage_count` stage indices (two codes each) and `slot_count` slots, grown by doubling."""
+        codes, slots = self.alert.shape
+        if 2 * stage_count <= codes and slot_count <= slots:
+            return
+        codes = codes if 2 * stage_count <= codes else max(2 * codes, 2 * stage_count, 4)
+        slots = slots if slot_count <= slots else max(2 * slots, slot_count, 16)
+        for name in ("windows_seen", "missed_windows", "silent", "silent_reported", "last_end_unix_nano"):
+            old = getattr(self, name)
+            new = np.zeros(slots, dtype=old.dtype)
+            new[:old.size] = old
+            setattr(self, name, new)
+        if codes > self.sync_slope.size:
+            grown = np.full(codes, np.nan)
+            grown[:self.sync_slope.size] = self.sync_slope
+            self.sync_slope = grown
+            noise = np.full((2, codes), np.nan)
+            noise[:, :self.noise_var.shape[1]] = self.noise_var
+            self.noise_var = noise
+            arrival = np.full(codes, np.nan)
+            arrival[:self.arrival_var.size] = self.arrival_var
+            self.arrival_var = arrival
+            seen = np.zeros(codes, dtype=bool)
+            seen[:self.collective_seen.size] = self.collective_seen
+            self.collective_seen = seen
+
+        for name, fill in (("alert", False), ("slow_streak", 0), ("within_streak", 0), ("floor_streak", 0),
+                           ("late_streak", 0),
+                           ("last_uncertain", 0), ("slowdown", np.nan)):
+            old = getattr(self, name)
+            new = np.full((codes, slots), fill, dtype=old.dtype)
+            new[:old.shape[0], :old.shape[1]] = old
+            setattr(self, name, new)
+        offset = np.full((2, codes, slots), np.nan)
+        offset[:, :self.last_offset.shape[1], :self.last_offset.shape[2]] = self.last_offset
+        self.last_offset = offset
+        self.intermittent.ensure(codes, slots)
+
+    def reset_slot(self, slot: int) -> None:
+        self.windows_seen[slot] = self.missed_windows[slot] = self.last_end_unix_nano[slot] = 0
+        self.silent[slot] = self.silent_reported[slot] = False
+        self._reset((slice(None), slot))
+        self.intermittent.reset((slice(None), slot))
+
+    def reset_code(self, code: int) -> None:
+        self._reset((code, slice(None)))
+        self.intermittent.reset((code, slice(None)))
+        self.sync_slope[code] = np.nan
+        self.noise_var[:, code] = np.nan
+        self.arrival_var[code] = np.nan
+        self.collective_seen[code] = False
+
+    def rejoin(self, slot: int) -> None:
+        """A silent rank reports again, likely a new process: warmup starts over."""
+        self.windows_seen[slot] = self.missed_windows[slot] = 0
+        self.silent[slot] = self.silent_reported[slot] = False
+
+    def _reset(self, where) -> None:
+        self.alert[where] = False
+        self.slow_streak[where] = self.within_streak[where] = self.floor_streak[where] = self.late_streak[where] = 0
+        self.last_uncertain[where] = 0
+        self.slowdown[where] = np.nan
+        self.last_offset[(slice(None),) + where] = np.nan

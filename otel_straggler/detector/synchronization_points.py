@@ -1,0 +1,96 @@
+"""Stages that end at a synchronization point (a collective hidden inside, such as DDP's all-reduce
+inside backward), found from the ranks' start and end times and judged as collectives (judge.py)."""
+from __future__ import annotations
+
+import numpy as np
+
+from otel_straggler.detector.cohort_state import CohortVerdictState
+from otel_straggler.detector.grouped import dense_groups, grouped_medians_signed
+from otel_straggler.detector.windows import RowLayout
+
+SYNC_SLOPE_LIMIT = 0.5  # halfway between a synchronized end (slope 0) and a free one (slope 1)
+SYNC_SMOOTHING = 0.3  # weight of each window's slope in the smoothed one
+SYNC_MIN_RANKS = 3  # ranks with the same (stage, step) for its deviations to count
+SYNC_MIN_STEPS = 3
+SYNC_MIN_START_SPREAD_MS = 0.1  # rms start deviation below which the ends say nothing
+
+
+def mark_synchronization_points(state: CohortVerdictState, code: np.ndarray, slot: np.ndarray,
+                                step_offset: np.ndarray, host: np.ndarray, end_unix_nano: np.ndarray, layout: RowLayout,
+                                slot_count: int) -> np.ndarray:
+    """`code` with the collective bit set on the rows of stages that end at a synchronization point
+    (a collective hidden inside, such as DDP's all-reduce inside backward), judged as collectives.
+
+    A collective ends at the same instant on every rank of its group, so across ranks the end of
+    such a stage does not follow its start: per (stage, step), each rank's start and end deviate
+    from the ranks' medians; each rank's own median deviation over the window's steps is removed
+    (a clock offset, or a rank that is consistently later); the slope of the end deviations on the
+    start deviations is near 0 at a synchronization point and near 1 for a stage each rank runs on
+    its own. The slope is smoothed over windows and compared with SYNC_SLOPE_LIMIT."""
+    stage_rows = ((code & 1) == 0) & (code > 0)
+    if not stage_rows.any():
+        return code
+    end_ms = (end_unix_nano[stage_rows] - end_unix_nano[stage_rows].min()) / 1e6
+    start_ms = end_ms - host[stage_rows]
+    # one cell per (stage, rank, step): its last interval, the one a synchronization point would
+    # end (of several micro-batches, only the one that synchronizes does)
+    # cells keyed over the cohort's slots: (code * slot_count + slot) * window_steps + step offset
+    cells, index = dense_groups((code[stage_rows] * slot_count + slot[stage_rows]) * layout.window_steps
+                                + step_offset[stage_rows])
+    finite = np.isfinite(end_ms) & np.isfinite(start_ms)
+    if cells.size == index.size:  # one interval per cell (no micro-batches): it is the last
+        last = np.empty_like(index)
+        last[index] = np.arange(index.size)
+    else:
+        order = np.lexsort((np.where(finite, end_ms, -np.inf), index))
+        last = order[np.r_[index[order][1:] != index[order][:-1], True]]  # per cell, its row with the latest end
+    cell_end = np.where(finite[last], end_ms[last], np.inf)
+    cell_start = np.where(finite[last], start_ms[last], np.inf)
+    cell_group = cells // layout.window_steps
+    cell_step = cells - cell_group * layout.window_steps
+    cell_code = cell_group // slot_count
+    cell_slot = cell_group - cell_code * slot_count
+    usable = np.isfinite(cell_start) & np.isfinite(cell_end)
+    cell_code, cell_slot, cell_step = cell_code[usable], cell_slot[usable], cell_step[usable]
+    cell_start, cell_end = cell_start[usable], cell_end[usable]
+    # deviations from the ranks' medians of the same (stage, step), where enough ranks have it
+    step_ids, by_step = dense_groups(cell_code * layout.window_steps + cell_step)
+    ranks_in_step = np.bincount(by_step)
+    _, median_end = grouped_medians_signed(by_step, cell_end, step_ids.size)
+    _, median_start = grouped_medians_signed(by_step, cell_start, step_ids.size)
+    enough = ranks_in_step[by_step] >= SYNC_MIN_RANKS
+    end_dev = (cell_end - median_end[by_step])[enough]
+    start_dev = (cell_start - median_start[by_step])[enough]
+    cell_code, cell_slot = cell_code[enough], cell_slot[enough]
+    # each rank's own offset over the window removed
+    rank_ids, by_rank = dense_groups(cell_code * slot_count + cell_slot)
+    _, rank_end = grouped_medians_signed(by_rank, end_dev, rank_ids.size)
+    _, rank_start = grouped_medians_signed(by_rank, start_dev, rank_ids.size)
+    end_dev = end_dev - rank_end[by_rank]
+    start_dev = start_dev - rank_start[by_rank]
+    codes, by_code = dense_groups(cell_code)
+    cells_per_code = np.bincount(by_code, minlength=codes.size)
+    covariance = np.bincount(by_code, weights=end_dev * start_dev, minlength=codes.size)
+    start_variance = np.bincount(by_code, weights=start_dev * start_dev, minlength=codes.size)
+    end_variance = np.bincount(by_code, weights=end_dev * end_dev, minlength=codes.size)
+    duration_dev = end_dev - start_dev
+    duration_variance = np.bincount(by_code, weights=duration_dev * duration_dev, minlength=codes.size)
+    # evidence: enough cells; starts that differ enough for their ends to be telling; ends closer
+    # together than the starts, and durations that absorb the starts' spread (a wait does; a stage
+    # too short to hold one does not)
+    evident = (cells_per_code >= SYNC_MIN_RANKS * SYNC_MIN_STEPS) & \
+        (start_variance > cells_per_code * SYNC_MIN_START_SPREAD_MS ** 2) & (end_variance < start_variance) & \
+        (duration_variance >= 0.25 * start_variance)
+    slope = covariance[evident] / start_variance[evident]
+    evident_codes = codes[evident]
+    previous = state.sync_slope[evident_codes]
+    state.sync_slope[evident_codes] = np.where(np.isnan(previous), slope,
+                                               previous + SYNC_SMOOTHING * (slope - previous))
+    # judged as a synchronization point in a window with its own evidence and a smoothed slope
+    # under the limit
+    synchronized = np.zeros(state.sync_slope.size, dtype=bool)
+    synchronized[evident_codes] = state.sync_slope[evident_codes] < SYNC_SLOPE_LIMIT
+    if not synchronized.any():
+        return code
+    marked = stage_rows & synchronized[np.minimum(code, synchronized.size - 1)]
+    return np.where(marked, code | 1, code)

@@ -137,7 +137,8 @@ class RankGroup:
             self._first_exit_at = self._first_exit_at or now
             if now - self._first_exit_at > self.plan.exit_timeout_s:
                 stuck = [rank for rank, code in enumerate(codes) if code is None]
-                raise RankFailure(f"ranks {stuck} did not exit {self.plan.exit_timeout_s:g} s after the others finished")
+                raise RankFailure(
+                    f"ranks {stuck} did not exit {self.plan.exit_timeout_s:g} s after the others finished")
         waited = now - self._last_progress
         if self._steps_done == 0 and waited > self.plan.startup_timeout_s:
             raise RankFailure(f"no training step within {self.plan.startup_timeout_s:g} s of starting; "
@@ -151,7 +152,8 @@ class RankGroup:
         if self._processes[rank].poll() is not None:
             self._drain_output([rank])
         try:
-            lines = [line.strip() for line in self.log_path(rank).read_text(encoding="utf-8").splitlines() if line.strip()]
+            text = self.log_path(rank).read_text(encoding="utf-8")
+            lines = [line.strip() for line in text.splitlines() if line.strip()]
         except OSError:
             lines = []
         last = f"its last output: {lines[-1][:200]!r}; " if lines else ""

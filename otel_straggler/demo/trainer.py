@@ -69,7 +69,7 @@ def average_gradients(parameters: list[torch.nn.Parameter], world_size: int) -> 
     flat = torch.cat([grad.reshape(-1) for grad in grads])
     dist.all_reduce(flat)
     flat /= world_size
-    for grad, averaged in zip(grads, flat.split([grad.numel() for grad in grads])):
+    for grad, averaged in zip(grads, flat.split([grad.numel() for grad in grads]), strict=True):
         grad.copy_(averaged.view_as(grad))
 
 
@@ -97,7 +97,8 @@ def train(args: argparse.Namespace) -> None:
         with ots.stage("backward-compute"), straggler.inside("backward-compute"):
             optimizer.zero_grad()
             loss.backward()
-        with ots.stage("all-grads-sync", collective=True), straggler.inside("all-grads-sync"):  # waits for the slowest rank
+        # waits for the slowest rank
+        with ots.stage("all-grads-sync", collective=True), straggler.inside("all-grads-sync"):
             average_gradients(parameters, world_size)
         with ots.stage("optimizer"), straggler.inside("optimizer"):
             optimizer.step()

@@ -233,7 +233,7 @@ def _gpu_sample(values: tuple) -> tuple[Optional[GpuSample], int]:
     """A heartbeat's GPU_KEYS values (None: absent) -> (its GpuSample, None when it has none of
     them; how many present values were invalid)."""
     fields, invalid = [], 0
-    for value, (_, kind, largest) in zip(values, _GPU_FIELDS):
+    for value, (_, kind, largest) in zip(values, _GPU_FIELDS, strict=True):
         if value is not None:
             if kind == "int":
                 ok = type(value) is int and 0 <= value <= largest
@@ -288,7 +288,8 @@ _new_observation = tuple.__new__  # Observation(...) without its Python-level __
 def _view_classes() -> tuple[type, type, type]:
     """Builds the OTLP view schema described in the module doc: its Request, Resource and Span classes."""
     F = descriptor_pb2.FieldDescriptorProto
-    proto = descriptor_pb2.FileDescriptorProto(name="otel_straggler_otlp_view.proto", package="otlp_view", syntax="proto3")
+    proto = descriptor_pb2.FileDescriptorProto(name="otel_straggler_otlp_view.proto", package="otlp_view",
+                                               syntax="proto3")
 
     def message(name: str, *fields: tuple, attributes_field: int = 0) -> None:
         descriptor = proto.message_type.add(name=name)
@@ -475,12 +476,13 @@ class ProtobufDecoder:
         """`where`: the resource's values of _PLACEMENT_KEYS (None: absent)."""
         get = span.attributes.get
         values = [value if value is not None else self._value(get(key))
-                  for key, value in zip(_IDENTITY_KEYS, resource_values)]
+                  for key, value in zip(_IDENTITY_KEYS, resource_values, strict=True)]
         identity = _identity(*values)
         result = _heartbeat(identity, _int_any_value(get(contract.STEP)),
                             _array_any_value(get(contract.HEARTBEAT_OPEN_STAGES)),
                             _array_any_value(get(contract.HEARTBEAT_OPEN_SINCE)), span.end_time_unix_nano)
-        where = tuple(value if value is not None else self._value(get(key)) for value, key in zip(where, _PLACEMENT_KEYS))
+        where = tuple(value if value is not None else self._value(get(key))
+                      for value, key in zip(where, _PLACEMENT_KEYS, strict=True))
         if type(result) is Rejection:
             batch.reject(span.name, result, values[0], values[3], _shown_host(where))
             return
@@ -716,7 +718,8 @@ def decode_json_request(request: Any) -> DecodedBatch:
                     attributes = _json_attributes(span.get("attributes", []))
                 except MalformedPayload as error:
                     batch.reject(name, Rejection(BAD_ATTRIBUTES_KIND, str(error)), resource.get(contract.JOB_ID),
-                                 resource.get(contract.RANK), resource.get(contract.K8S_NODE_NAME) or resource.get(contract.HOST_NAME))
+                                 resource.get(contract.RANK),
+                                 resource.get(contract.K8S_NODE_NAME) or resource.get(contract.HOST_NAME))
                     continue
                 values = [attributes.get(key) if resource.get(key) is None else resource[key]
                           for key in (*_IDENTITY_KEYS, contract.HOST_NAME)]

@@ -62,8 +62,8 @@ def next_step(record: Mapping[str, Any]) -> str:
         cause = ("power: power caps, the PSU, a power brake" if reasons and all("power" in r for r in reasons)
                  else "cooling: fans, inlet temperature, airflow" if reasons and all("thermal" in r for r in reasons)
                  else "cooling and power")
-        return (f"{gpu_name} runs at reduced clocks: check {cause}; `nvidia-smi -q -d PERFORMANCE,CLOCK,TEMPERATURE,POWER`, "
-                f"then `dcgmi diag -r 3` on that GPU.")
+        return (f"{gpu_name} runs at reduced clocks: check {cause}; "
+                "`nvidia-smi -q -d PERFORMANCE,CLOCK,TEMPERATURE,POWER`, then `dcgmi diag -r 3` on that GPU.")
     if kind == "gpu":
         return (f"The rank's GPU work is slower with no throttling in its samples: look for another process on "
                 f"{gpu_name} (`nvidia-smi`), compare its clocks (`nvidia-smi -q -d PERFORMANCE,CLOCK`), then "

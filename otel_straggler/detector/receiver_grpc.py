@@ -107,11 +107,13 @@ class OtlpGrpcReceiver:
             # and silently take half of the first one's connections
             ("grpc.so_reuseport", 0)])
         handler = grpc.stream_unary_rpc_method_handler(self._export, response_serializer=_Response.SerializeToString)
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE.full_name, {"Export": handler}),))
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(_SERVICE.full_name, {"Export": handler}),))
         for service, response_type in _OTHER_SIGNALS.items():
             other = grpc.stream_unary_rpc_method_handler(self._other_signal(response_type),
                                                          response_serializer=response_type.SerializeToString)
-            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, {"Export": other}),))
+            server.add_generic_rpc_handlers(
+                (grpc.method_handlers_generic_handler(service.full_name, {"Export": other}),))
         try:
             if tls_key_and_cert is None:
                 port = server.add_insecure_port(target)

@@ -80,9 +80,10 @@ def exposition_text(data: Optional[MetricsData]) -> str:
                         lines.append(f"{name}{_labels(point.attributes)} {_number(point.value)}")
                         continue
                     cumulative = 0
-                    for bound, count in zip(list(point.explicit_bounds) + [math.inf], point.bucket_counts):
+                    for bound, count in zip(list(point.explicit_bounds) + [math.inf], point.bucket_counts, strict=True):
                         cumulative += count
-                        lines.append(f"{name}_bucket{_labels(point.attributes, ('le', _number(float(bound))))} {cumulative}")
+                        labels = _labels(point.attributes, ("le", _number(float(bound))))
+                        lines.append(f"{name}_bucket{labels} {cumulative}")
                     lines.append(f"{name}_sum{_labels(point.attributes)} {_number(point.sum)}")
                     lines.append(f"{name}_count{_labels(point.attributes)} {point.count}")
     return "\n".join(lines) + "\n"

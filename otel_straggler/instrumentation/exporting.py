@@ -21,7 +21,8 @@ def _http_url(endpoint: str, path: str) -> str:
     return base if base.rstrip("/").endswith(path) else base.rstrip("/") + path
 
 
-def span_exporter(endpoint: Optional[str], protocol: Optional[str], environ: Mapping[str, str] = os.environ) -> SpanExporter:
+def span_exporter(endpoint: Optional[str], protocol: Optional[str],
+                  environ: Mapping[str, str] = os.environ) -> SpanExporter:
     """An OTLP span exporter of ours (otlp_exporters); an explicit endpoint wins over the env."""
     protocol = resolve_protocol(protocol, environ, "TRACES")
     check_exporter_environ("traces", protocol, environ)

@@ -189,7 +189,8 @@ class GpuHealth:
         try:
             nvml = self.nvml if self.nvml is not None else load_nvml()
         except ImportError:
-            self._off("nvml_not_installed", "the nvidia-ml-py package is not installed (pip install otel-straggler[gpu])")
+            self._off("nvml_not_installed",
+                      "the nvidia-ml-py package is not installed (pip install otel-straggler[gpu])")
             return
         self.nvml = nvml
         try:

@@ -245,7 +245,8 @@ class Timers:
         lines = [f"{header} on {_this_rank_label()} (ms):"]
         for name, (min_time, max_time) in name_to_min_max_time.items():
             label = (name + " ").ljust(48, ".")
-            lines.append(f"    {label}: {max_time:.2f}" if max_only else f"    {label}: ({min_time:.2f}, {max_time:.2f})")
+            lines.append(f"    {label}: {max_time:.2f}" if max_only
+                         else f"    {label}: ({min_time:.2f}, {max_time:.2f})")
         return "\n".join(lines)
 
     def _get_all_ranks_time_string(self, names: Iterable[str], reset: bool, barrier: bool,

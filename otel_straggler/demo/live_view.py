@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Optional, TextIO
+from typing import Any, Optional, TextIO, cast
 
 from otel_straggler import contract
 from otel_straggler.demo.summary import describe_alert, stage_phrase
@@ -149,7 +149,8 @@ class LiveView:
 
     def on_verdict(self, verdict: dict[str, Any]) -> None:
         with self._lock:
-            key = (verdict.get("rank"), verdict.get("stage"))
+            # kept for straggler alerts and their recoveries only, which name a rank and a stage
+            key = cast("tuple[int, str]", (verdict.get("rank"), verdict.get("stage")))
             if verdict.get("verdict") == contract.VERDICT_STRAGGLER:
                 self._active_alerts.add(key)
                 if verdict.get("host"):

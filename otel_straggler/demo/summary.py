@@ -125,6 +125,7 @@ def describe_hang_culprit(verdict: Verdict) -> str:
 
 def _summarize_hang(run: RunRecord, verdicts: list[Verdict]) -> list[str]:
     injection = run.injection
+    assert injection is not None  # called for a run that injected a hang only
     hangs = hang_verdicts(verdicts)
     culprit = next((verdict for verdict in hangs if verdict.get("rank") == injection.rank), None)
     blocked = f"rank {injection.rank} blocked in {injection.stage} at step {injection.from_step}"

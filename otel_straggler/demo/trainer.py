@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-from typing import Iterator
+from typing import Iterator, cast
 
 import torch
 import torch.distributed as dist
@@ -65,7 +65,8 @@ def average_gradients(parameters: list[torch.nn.Parameter], world_size: int) -> 
     """One all-reduce over all gradients flattened together, as DDP's buckets do. The sync is
     explicit (not DDP's hooks, which overlap it with backward) so that compute and
     communication are separate stages, as in Megatron's timers."""
-    grads = [parameter.grad for parameter in parameters]
+    # every parameter has its gradient once backward ran
+    grads = cast(list[torch.Tensor], [parameter.grad for parameter in parameters])
     flat = torch.cat([grad.reshape(-1) for grad in grads])
     dist.all_reduce(flat)
     flat /= world_size

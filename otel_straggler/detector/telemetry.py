@@ -61,10 +61,12 @@ def otlp_endpoint_configured(signal: str, environ: Mapping[str, str] = os.enviro
 
 def _otlp_metric_exporter_class(protocol: str) -> type:
     if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-    else:
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-    return OTLPMetricExporter
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GrpcExporter
+
+        return GrpcExporter
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as HttpExporter
+
+    return HttpExporter
 
 
 def _otlp_exporter(signal: str, environ: Mapping[str, str], make: Callable[[str], Any]):

@@ -14,7 +14,9 @@ import ssl
 import threading
 from typing import Callable, Optional
 
-from opentelemetry.sdk.metrics.export import Gauge, Histogram, InMemoryMetricReader, MetricsData, Sum
+from opentelemetry.sdk.metrics.export import (
+    Gauge, Histogram, HistogramDataPoint, InMemoryMetricReader, MetricsData, NumberDataPoint, Sum,
+)
 
 from otel_straggler.detector.http_server import BoundedHTTPServer, BoundedRequestHandler
 from otel_straggler.detector.receiver import bearer_matches
@@ -75,9 +77,11 @@ def exposition_text(data: Optional[MetricsData]) -> str:
                 if metric.description:
                     lines.append(f"# HELP {name} {metric.description.replace(chr(10), ' ')}")
                 lines.append(f"# TYPE {name} {kind}")
-                for point in points:
-                    if kind != "histogram":
+                for point in points:  # a sum's and a gauge's are NumberDataPoints, a histogram's HistogramDataPoints
+                    if isinstance(point, NumberDataPoint):
                         lines.append(f"{name}{_labels(point.attributes)} {_number(point.value)}")
+                        continue
+                    if not isinstance(point, HistogramDataPoint):
                         continue
                     cumulative = 0
                     for bound, count in zip(list(point.explicit_bounds) + [math.inf], point.bucket_counts, strict=True):

@@ -102,7 +102,7 @@ def _grad_enabled_without_torch() -> bool:
 
 # torch's, set by _install (this module imports without torch)
 _grad_enabled: Callable[[], bool] = _grad_enabled_without_torch
-_Module: type = type(None)
+_Module: type[Any] = type(None)
 _COUNTER_NAMES = ("errors", "deferred_to_explicit", "not_restored", "models_instrumented", "configure_failed", "roots")
 _counts = dict.fromkeys(_COUNTER_NAMES, 0)
 
@@ -457,7 +457,7 @@ def _timed_async(state: _State, original: Callable, stage: str, args: tuple, kwa
 
     start_ns = time.time_ns()
     work = original(*args, **kwargs)
-    if not timed or work is None:
+    if recorder is None or not timed or work is None:
         return work
     try:
         binding = recorder.binding

@@ -71,10 +71,11 @@ class CountingSpanExporter(SpanExporter):
 
     def _export_within(self, spans: Sequence[Any], deadline: Optional[float]) -> SpanExportResult:
         try:
-            if deadline is None or getattr(self.exporter, "export_within", None) is None:
+            export_within = getattr(self.exporter, "export_within", None)
+            if deadline is None or export_within is None:
                 result = self.exporter.export(spans)
             else:
-                result = self.exporter.export_within(spans, deadline)
+                result = export_within(spans, deadline)
         except Exception:
             result = SpanExportResult.FAILURE
         with self._lock:

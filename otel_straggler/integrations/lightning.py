@@ -56,7 +56,8 @@ from typing import Any, Optional
 try:
     from lightning.pytorch import Callback
 except ImportError:  # only the older package name is installed
-    from pytorch_lightning import Callback
+    # the older package's class of the same name and hooks
+    from pytorch_lightning import Callback  # type: ignore[assignment]
 
 from otel_straggler.instrumentation import api, automatic, rank_state
 from otel_straggler.integrations.fail_open import fails_open

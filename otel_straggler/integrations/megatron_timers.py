@@ -86,7 +86,7 @@ class Timer:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._open = None  # the recorder's open interval while running with the instrumentation on
+        self._open: Optional[tuple] = None  # the recorder's open interval while running with the instrumentation on
         self._started = False
         self._started_ns = 0  # start of the running interval
         self._accounted_ns = 0  # of the running interval, what elapsed() already counted
@@ -168,7 +168,7 @@ class Timer:
                 "active_ns": self._active_ns}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["name"])
+        type(self).__init__(self, state["name"])
         self._elapsed_ns, self._elapsed_set = state["elapsed_ns"], state["elapsed_set"]
         self._active_ns = state["active_ns"]
 
@@ -309,7 +309,7 @@ class Timers:
                 "timers": self._timers, "log_levels": self._log_levels}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["log_level"], state["log_option"])
+        type(self).__init__(self, state["log_level"], state["log_option"])
         self._timers = state["timers"]
         self._log_levels = state["log_levels"]
 

@@ -44,7 +44,7 @@ class NVMLError_GpuIsLost(NVMLError):  # noqa: N801 - pynvml's name
         super().__init__(NVML_ERROR_GPU_IS_LOST)
 
 
-# the class under a name FakeNvml's attribute of the same name does not hide in its methods' annotations
+# NVMLError under a second name: in FakeNvml's annotations its class attribute NVMLError hides the class
 _NvmlError = NVMLError
 
 

@@ -4,7 +4,7 @@ SHELL := /bin/bash
 VENV ?= $(or $(OTEL_STRAGGLER_VENV),$(HOME)/.cache/otel-straggler/venv)
 PYTHON := $(VENV)/bin/python
 
-.PHONY: venv demo test test-unit services-build bench
+.PHONY: venv demo test test-unit lint services-build bench
 
 venv:
 	scripts/setup_venv.sh "$(VENV)"
@@ -20,6 +20,10 @@ test: venv services-build
 # without the services: what runs in seconds while editing
 test-unit: venv
 	$(PYTHON) -m pytest -q -m "not services and not slow" $(ARGS)
+
+# ruff and mypy on the package (settings in pyproject.toml); `make test` runs them first too
+lint: venv
+	scripts/lint.sh "$(VENV)"
 
 services-build:
 	scripts/services.sh build

@@ -26,4 +26,7 @@ __version__ = "0.1.0"
 # A ready Timers at the most detailed level, for scripts that want Megatron-style timers.
 timers = Timers(log_level=2)
 
-__all__ = ["Instrumentation", "Timer", "Timers", "configure", "current", "instrument_ddp", "stage", "step", "timers", "__version__"]
+__all__ = [
+    "Instrumentation", "Timer", "Timers", "configure", "current", "instrument_ddp", "stage", "step", "timers",
+    "__version__",
+]

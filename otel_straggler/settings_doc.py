@@ -25,7 +25,8 @@ def _bounds(setting: Setting) -> str:
 
 
 def markdown_table(settings: Iterable[Setting], with_flags: bool) -> str:
-    header = "| env var | flag | default | bounds | meaning |" if with_flags else "| env var | default | bounds | meaning |"
+    header = ("| env var | flag | default | bounds | meaning |" if with_flags
+              else "| env var | default | bounds | meaning |")
     rule = "|---|---|---|---|---|" if with_flags else "|---|---|---|---|"
     rows = [header, rule]
     for setting in settings:

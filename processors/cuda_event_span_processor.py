@@ -101,7 +101,7 @@ class CudaEventSpanProcessor(SpanProcessor):
         # is held after that drain (on_end then forwards it itself).
         self._last_drain_lock = threading.Lock()
         self._drained_for_good = False
-        self.counters = collections.Counter()
+        self.counters: collections.Counter[str] = collections.Counter()
         self._worker = threading.Thread(target=self._run, name="otel-straggler-device-timing", daemon=True)
         self._worker.start()
 
@@ -243,7 +243,7 @@ class CudaEventSpanProcessor(SpanProcessor):
         for _ in range(min(len(self._timed_out), TIMED_OUT_QUERIES_PER_POLL)):
             event = self._timed_out.popleft()
             try:
-                passed = self.backend.query(event)
+                passed = self.backend.query(event)  # type: ignore[union-attr]  # events exist only with a backend
             except Exception:
                 continue  # a failing event is not reused (as in _read)
             if passed:
@@ -273,8 +273,9 @@ class CudaEventSpanProcessor(SpanProcessor):
         """The device attributes of an event pair; None while it is still running on the device
         and `deadline` (time.monotonic()) is ahead, unless told to give up."""
         try:
-            if self.backend.query(end_event) and self.backend.query(start_event):
-                duration_ms = float(self.backend.elapsed_ms(start_event, end_event))
+            backend = self.backend  # set: there are events to read only with a backend
+            if backend.query(end_event) and backend.query(start_event):  # type: ignore[union-attr]
+                duration_ms = float(backend.elapsed_ms(start_event, end_event))  # type: ignore[union-attr]
                 give_back(self.release_event, (start_event, end_event))
                 return {contract.TIMING: contract.TIMING_DEVICE, contract.DEVICE_DURATION_MS: duration_ms}
             if give_up or time.monotonic() >= deadline:

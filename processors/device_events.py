@@ -61,7 +61,8 @@ class TorchCudaEvents:
         if generic is not None and hasattr(generic, "elapsed_time"):
             self.event_api = "torch.Event"
             self._new_event = functools.partial(generic, "cuda", enable_timing=True)
-            self.record = generic.record  # the C method itself: record(event), no Python frame
+            # the C method itself: record(event), no Python frame (it stands in for the method below)
+            self.record = generic.record  # type: ignore[method-assign]
         else:
             self.event_api = "torch.cuda.Event"
             self._new_event = functools.partial(torch.cuda.Event, enable_timing=True)

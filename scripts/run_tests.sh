@@ -9,6 +9,9 @@ shift || true
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
 export PATH="$venv/bin:$PATH"
+# ruff and mypy on the package first: a finding fails the run, after the tests have run too
+scripts/lint.sh "$venv"
+lint=$?
 python -m pytest -q -p no:cacheprovider "$@"
 suite=$?
 # the torch-free part again on the lowest Python the package declares (only with no arguments:
@@ -25,4 +28,4 @@ if [ $# -eq 0 ]; then
   scripts/test_megatron_lm.sh
   megatron_lm=$?
 fi
-exit $(( suite != 0 ? suite : floor != 0 ? floor : megatron_lm ))
+exit $(( suite != 0 ? suite : lint != 0 ? lint : floor != 0 ? floor : megatron_lm ))

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Creates (or reuses) the project's one virtualenv and installs the package with its test
-# extras. torch comes from PyPI (the CUDA build, several GB): the venv is kept outside the
+# Creates (or reuses) the project's one virtualenv and installs the package with its test and
+# lint extras. torch comes from PyPI (the CUDA build, several GB): the venv is kept outside the
 # checkout so every clone on this machine shares one download.
 #   scripts/setup_venv.sh [VENV] [PACKAGE-EXTRAS [MORE-REQUIREMENTS...]]
-# PACKAGE-EXTRAS defaults to "test"; PYTHON picks the interpreter the venv is made from.
+# PACKAGE-EXTRAS defaults to "test,lint"; PYTHON picks the interpreter the venv is made from.
 # MORE-REQUIREMENTS go to pip as they are, so pip options such as `-c CONSTRAINTS-FILE` work too.
 set -euo pipefail
 venv=${1:-${OTEL_STRAGGLER_VENV:-$HOME/.cache/otel-straggler/venv}}
-extras=${2:-test}
+extras=${2:-test,lint}
 requirements=("${@:3}")
 repo=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-python3}

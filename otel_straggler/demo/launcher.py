@@ -108,6 +108,7 @@ class RankGroup:
 
     def _copy_output(self, rank: int, process: subprocess.Popen) -> None:
         """Tees the rank's output into its log; rank 0's progress lines also go to the view."""
+        assert process.stdout is not None  # started with stdout=PIPE
         with self.log_path(rank).open("w", encoding="utf-8") as log:
             for line in process.stdout:
                 log.write(line)
@@ -120,14 +121,14 @@ class RankGroup:
 
     def poll(self) -> bool:
         codes = [process.poll() for process in self._processes]
-        failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+        failed = {rank: code for rank, code in enumerate(codes) if code is not None and code != 0}
         if failed:
             # A killed rank takes its peers down with it (their collectives fail): blame the
             # one a signal ended, if any, and name the others.
-            culprit = next((rank for rank in failed if codes[rank] < 0), failed[0])
+            culprit = next((rank for rank, code in failed.items() if code < 0), next(iter(failed)))
             others = [rank for rank in failed if rank != culprit]
             also = f" (ranks {others} failed too)" if others else ""
-            raise RankFailure(f"rank {culprit} {describe_exit(codes[culprit])} after step {self._steps_done}{also}; "
+            raise RankFailure(f"rank {culprit} {describe_exit(failed[culprit])} after step {self._steps_done}{also}; "
                               f"{self._log_hint(culprit)}")
         if all(code == 0 for code in codes):
             self._drain_output(range(len(self._readers)))
@@ -137,7 +138,8 @@ class RankGroup:
             self._first_exit_at = self._first_exit_at or now
             if now - self._first_exit_at > self.plan.exit_timeout_s:
                 stuck = [rank for rank, code in enumerate(codes) if code is None]
-                raise RankFailure(f"ranks {stuck} did not exit {self.plan.exit_timeout_s:g} s after the others finished")
+                raise RankFailure(
+                    f"ranks {stuck} did not exit {self.plan.exit_timeout_s:g} s after the others finished")
         waited = now - self._last_progress
         if self._steps_done == 0 and waited > self.plan.startup_timeout_s:
             raise RankFailure(f"no training step within {self.plan.startup_timeout_s:g} s of starting; "
@@ -151,7 +153,8 @@ class RankGroup:
         if self._processes[rank].poll() is not None:
             self._drain_output([rank])
         try:
-            lines = [line.strip() for line in self.log_path(rank).read_text(encoding="utf-8").splitlines() if line.strip()]
+            text = self.log_path(rank).read_text(encoding="utf-8")
+            lines = [line.strip() for line in text.splitlines() if line.strip()]
         except OSError:
             lines = []
         last = f"its last output: {lines[-1][:200]!r}; " if lines else ""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Optional, TextIO
+from typing import Any, Optional, TextIO, cast
 
 from otel_straggler import contract
 from otel_straggler.detector.gpu_evidence import describe
@@ -54,7 +54,8 @@ def verdict_line(verdict: dict[str, Any]) -> Optional[str]:
 def describe_hang(verdict: dict[str, Any]) -> str:
     """'no step for 31 s: rank 2 never left forward-compute (never_entered_collective); ranks 0, 1, 3
     wait in the collective (31.0 s)'."""
-    stalled = f"no interval ended for {verdict['stalled_s']:.0f} s" if verdict.get("stalled_s") is not None else "stalled"
+    stalled = (f"no interval ended for {verdict['stalled_s']:.0f} s" if verdict.get("stalled_s") is not None
+               else "stalled")
     waiting = verdict.get("reference_ranks") or []
     waited = f" ({verdict['reference_ms'] / 1000:.1f} s)" if verdict.get("reference_ms") is not None else ""
     others = f"; ranks {', '.join(map(str, waiting))} wait in the collective{waited}" if waiting else ""
@@ -75,11 +76,11 @@ def window_table(
     first_step = window * window_steps
     lines = [f"window {window} (steps {first_step}-{first_step + window_steps - 1}), median ms per stage"]
     widths = [max(len(stage), 7) for stage in stages]
-    lines.append("rank   " + "  ".join(stage.rjust(width) + " " for stage, width in zip(stages, widths)))
+    lines.append("rank   " + "  ".join(stage.rjust(width) + " " for stage, width in zip(stages, widths, strict=True)))
     for rank in sorted(medians):
         whole_step = (rank, contract.WHOLE_STEP_STAGE) in flagged
         cells = []
-        for stage, width in zip(stages, widths):
+        for stage, width in zip(stages, widths, strict=True):
             value = medians[rank].get(stage)
             text = "-" if value is None else f"{value:.1f}"
             cells.append(_mark(text.rjust(width), (rank, stage) in flagged, color))
@@ -148,7 +149,8 @@ class LiveView:
 
     def on_verdict(self, verdict: dict[str, Any]) -> None:
         with self._lock:
-            key = (verdict.get("rank"), verdict.get("stage"))
+            # kept for straggler alerts and their recoveries only, which name a rank and a stage
+            key = cast("tuple[int, str]", (verdict.get("rank"), verdict.get("stage")))
             if verdict.get("verdict") == contract.VERDICT_STRAGGLER:
                 self._active_alerts.add(key)
                 if verdict.get("host"):

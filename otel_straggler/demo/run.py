@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional, TextIO
+from typing import Any, Mapping, Optional, TextIO
 
 from otel_straggler import contract
 from otel_straggler.cli import UsageError
@@ -87,7 +87,7 @@ def rank_environment(settings: DemoSettings, endpoint: Optional[str], environ: M
 def trainer_arguments(settings: DemoSettings, collective_timeout_s: Optional[float] = None) -> tuple[str, ...]:
     """The trainer's flags, the same for every rank: the injection is the trainer's own slowed rank
     (straggler.py), slow in its own code as a real straggler is."""
-    arguments = ("--steps", str(settings.steps), "--log-every", "1")
+    arguments: tuple[str, ...] = ("--steps", str(settings.steps), "--log-every", "1")
     if collective_timeout_s is not None:
         arguments += ("--collective-timeout-s", f"{collective_timeout_s:g}")
     injection = settings.injection
@@ -200,12 +200,17 @@ def run(settings: DemoSettings, stream: TextIO) -> RunResult:
 
     # a --hang run waits for the detector: its ranks' collectives, and the launcher's patience with
     # a stall, outlast the hang timeout
-    patience_s = settings.hang_timeout_s + 60.0 if hang_run else None
+    collective_timeout_s: Optional[float] = None
+    launch_options: dict[str, Any] = {}
+    if hang_run:
+        patience_s = settings.hang_timeout_s + 60.0
+        collective_timeout_s = patience_s + 60
+        launch_options["stall_timeout_s"] = patience_s
     plan = LaunchPlan(ranks=settings.ranks,
-                      trainer_args=trainer_arguments(settings, patience_s + 60 if hang_run else None),
+                      trainer_args=trainer_arguments(settings, collective_timeout_s),
                       env=rank_environment(settings, None if service is None else endpoint, os.environ),
                       log_dir=settings.out_dir / "ranks",
-                      **({"stall_timeout_s": patience_s} if hang_run else {}))
+                      **launch_options)
     group = RankGroup(plan, on_progress)
     failure: Optional[str] = None
     try:

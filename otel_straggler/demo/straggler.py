@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser, stages: tuple[str, ...]) -> N
                             f"on ({BLOCK_FOR_GOOD_S:g}: for good, a hang)")
 
 
-def slow_rank_args(rank: int, stage: str, from_step: int, slowdown: float = 0.0, block_s: float = 0.0) -> tuple[str, ...]:
+def slow_rank_args(rank: int, stage: str, from_step: int, slowdown: float = 0.0,
+                   block_s: float = 0.0) -> tuple[str, ...]:
     """The trainer flags that slow `rank` down (the demo's injection, the tests')."""
     return ("--slow-rank", str(rank), "--slow-stage", stage, "--from-step", str(from_step),
             "--slowdown", repr(slowdown), "--block-s", repr(block_s))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-from typing import Iterator
+from typing import Iterator, cast
 
 import torch
 import torch.distributed as dist
@@ -65,11 +65,12 @@ def average_gradients(parameters: list[torch.nn.Parameter], world_size: int) -> 
     """One all-reduce over all gradients flattened together, as DDP's buckets do. The sync is
     explicit (not DDP's hooks, which overlap it with backward) so that compute and
     communication are separate stages, as in Megatron's timers."""
-    grads = [parameter.grad for parameter in parameters]
+    # every parameter has its gradient once backward ran
+    grads = cast(list[torch.Tensor], [parameter.grad for parameter in parameters])
     flat = torch.cat([grad.reshape(-1) for grad in grads])
     dist.all_reduce(flat)
     flat /= world_size
-    for grad, averaged in zip(grads, flat.split([grad.numel() for grad in grads])):
+    for grad, averaged in zip(grads, flat.split([grad.numel() for grad in grads]), strict=True):
         grad.copy_(averaged.view_as(grad))
 
 
@@ -97,7 +98,8 @@ def train(args: argparse.Namespace) -> None:
         with ots.stage("backward-compute"), straggler.inside("backward-compute"):
             optimizer.zero_grad()
             loss.backward()
-        with ots.stage("all-grads-sync", collective=True), straggler.inside("all-grads-sync"):  # waits for the slowest rank
+        # waits for the slowest rank
+        with ots.stage("all-grads-sync", collective=True), straggler.inside("all-grads-sync"):
             average_gradients(parameters, world_size)
         with ots.stage("optimizer"), straggler.inside("optimizer"):
             optimizer.step()

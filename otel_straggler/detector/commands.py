@@ -25,7 +25,8 @@ CONSOLE_STOP_TIMEOUT_S = 5.0  # for the last verdict lines to be written (a stde
 # Settings that only the live service uses; replay takes every other one (engine rules, evidence).
 _SERVICE_ONLY = {
     "listen_address", "grpc_port", "http_port", "max_request_bytes", "max_pending_requests", "max_pending_spans",
-    "receiver_threads", "max_http_connections", "max_grpc_calls", "auth_token_file", "auth_token", "tls_cert_file", "tls_key_file", "prometheus_port",
+    "receiver_threads", "max_http_connections", "max_grpc_calls", "auth_token_file", "auth_token", "tls_cert_file",
+    "tls_key_file", "prometheus_port",
     "console_verdicts", "console_status_interval_s",
 }
 

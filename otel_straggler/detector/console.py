@@ -99,7 +99,8 @@ def _plural(count: int, noun: str) -> str:
 
 def _by_kind(counts: Optional[dict]) -> str:
     """' (missing_job_id 10, bad_rank 2)': the largest first, at most MAX_KINDS; '' for none."""
-    kinds = sorted(((count, kind) for kind, count in (counts or {}).items() if count), key=lambda item: (-item[0], item[1]))
+    kinds = sorted(((count, kind) for kind, count in (counts or {}).items() if count),
+                   key=lambda item: (-item[0], item[1]))
     if not kinds:
         return ""
     listed = ", ".join(f"{shown(kind)} {count}" for count, kind in kinds[:MAX_KINDS])
@@ -127,7 +128,8 @@ def status_text(status: dict, previous: Optional[dict], alerts_active: Optional[
     parts = [_plural(engine.get("jobs", 0), "job"), _plural(engine.get("ranks", 0), "rank"), f"{rate:.0f} spans/s"]
     if alerts_active is not None:
         parts.append(f"{_plural(alerts_active, 'alert')} active")
-    totals = [f"{spans.get('late', 0)} late", f"{spans.get('malformed', 0)} malformed{_by_kind(status.get('rejections'))}"]
+    totals = [f"{spans.get('late', 0)} late",
+              f"{spans.get('malformed', 0)} malformed{_by_kind(status.get('rejections'))}"]
     if spans.get("dropped"):
         totals.append(f"{spans['dropped']} dropped")
     refused = {result: count for result, count in (status.get("requests") or {}).items() if result not in _NOT_REFUSED}

@@ -36,7 +36,7 @@ import math
 import struct
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, final
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
@@ -57,6 +57,8 @@ class MalformedPayload(ValueError):
     """The request as a whole cannot be decoded; the message says why in one line."""
 
 
+# final: the decoder tells a rejection by `type(x) is Rejection`, quicker than isinstance
+@final
 @dataclass(frozen=True)
 class Rejection:
     """Why a stage span is malformed: `kind` for machines, `reason` for people."""
@@ -233,7 +235,7 @@ def _gpu_sample(values: tuple) -> tuple[Optional[GpuSample], int]:
     """A heartbeat's GPU_KEYS values (None: absent) -> (its GpuSample, None when it has none of
     them; how many present values were invalid)."""
     fields, invalid = [], 0
-    for value, (_, kind, largest) in zip(values, _GPU_FIELDS):
+    for value, (_, kind, largest) in zip(values, _GPU_FIELDS, strict=True):
         if value is not None:
             if kind == "int":
                 ok = type(value) is int and 0 <= value <= largest
@@ -251,7 +253,7 @@ def _gpu_sample(values: tuple) -> tuple[Optional[GpuSample], int]:
 
 
 def _observation(
-    identity: tuple | str, stage: Any, step: Any, seq: Any, timing: Any, device_ms: Any, collective: Any,
+    identity: tuple | Rejection, stage: Any, step: Any, seq: Any, timing: Any, device_ms: Any, collective: Any,
     tokens: Any, samples: Any, start: int, end: int,
 ) -> Observation | Rejection:
     """One stage span's typed values -> its Observation, or why it is rejected."""
@@ -285,10 +287,11 @@ _new_observation = tuple.__new__  # Observation(...) without its Python-level __
 
 # ---------------------------------------------------------------- protobuf
 
-def _view_classes() -> tuple[type, type, type]:
+def _view_classes() -> tuple[Any, ...]:  # message classes built at run time: no static fields
     """Builds the OTLP view schema described in the module doc: its Request, Resource and Span classes."""
     F = descriptor_pb2.FieldDescriptorProto
-    proto = descriptor_pb2.FileDescriptorProto(name="otel_straggler_otlp_view.proto", package="otlp_view", syntax="proto3")
+    proto = descriptor_pb2.FileDescriptorProto(name="otel_straggler_otlp_view.proto", package="otlp_view",
+                                               syntax="proto3")
 
     def message(name: str, *fields: tuple, attributes_field: int = 0) -> None:
         descriptor = proto.message_type.add(name=name)
@@ -421,7 +424,7 @@ class ProtobufDecoder:
     is the value cache, whose worst race is a miss."""
 
     def __init__(self) -> None:
-        self._value_cache: dict[bytes, Any] = {}
+        self._value_cache: dict[Optional[bytes], Any] = {}  # never holds None: looked up with it
         # raw Resource bytes -> (its identity values, its Placement or None): a rank sends the same
         # resource with every request
         self._resource_cache: dict[bytes, tuple] = {}
@@ -475,12 +478,13 @@ class ProtobufDecoder:
         """`where`: the resource's values of _PLACEMENT_KEYS (None: absent)."""
         get = span.attributes.get
         values = [value if value is not None else self._value(get(key))
-                  for key, value in zip(_IDENTITY_KEYS, resource_values)]
+                  for key, value in zip(_IDENTITY_KEYS, resource_values, strict=True)]
         identity = _identity(*values)
         result = _heartbeat(identity, _int_any_value(get(contract.STEP)),
                             _array_any_value(get(contract.HEARTBEAT_OPEN_STAGES)),
                             _array_any_value(get(contract.HEARTBEAT_OPEN_SINCE)), span.end_time_unix_nano)
-        where = tuple(value if value is not None else self._value(get(key)) for value, key in zip(where, _PLACEMENT_KEYS))
+        where = tuple(value if value is not None else self._value(get(key))
+                      for value, key in zip(where, _PLACEMENT_KEYS, strict=True))
         if type(result) is Rejection:
             batch.reject(span.name, result, values[0], values[3], _shown_host(where))
             return
@@ -716,7 +720,8 @@ def decode_json_request(request: Any) -> DecodedBatch:
                     attributes = _json_attributes(span.get("attributes", []))
                 except MalformedPayload as error:
                     batch.reject(name, Rejection(BAD_ATTRIBUTES_KIND, str(error)), resource.get(contract.JOB_ID),
-                                 resource.get(contract.RANK), resource.get(contract.K8S_NODE_NAME) or resource.get(contract.HOST_NAME))
+                                 resource.get(contract.RANK),
+                                 resource.get(contract.K8S_NODE_NAME) or resource.get(contract.HOST_NAME))
                     continue
                 values = [attributes.get(key) if resource.get(key) is None else resource[key]
                           for key in (*_IDENTITY_KEYS, contract.HOST_NAME)]
@@ -736,17 +741,17 @@ def decode_json_request(request: Any) -> DecodedBatch:
                     batch.heartbeats.append(result if gpu is None else result._replace(gpu=gpu))
                     continue
                 identity = _identity(*values[:-1])
-                result = _observation(
+                observation = _observation(
                     identity, attributes[contract.STAGE], attributes.get(contract.STEP), attributes.get(contract.SEQ),
                     attributes.get(contract.TIMING), attributes.get(contract.DEVICE_DURATION_MS),
                     attributes.get(contract.COLLECTIVE), attributes.get(contract.WORKLOAD_TOKENS),
                     attributes.get(contract.WORKLOAD_SAMPLES),
                     _json_time(span.get("startTimeUnixNano", 0)), _json_time(span.get("endTimeUnixNano", 0)),
                 )
-                if type(result) is Rejection:
-                    batch.reject(name, result, values[0], values[3], values[-1])
+                if type(observation) is Rejection:
+                    batch.reject(name, observation, values[0], values[3], values[-1])
                 else:
-                    batch.observations.append(result)
+                    batch.observations.append(observation)
         if placement is not None and len(batch.observations) + len(batch.heartbeats) > found:
             batch.placements.append(placement)
     return batch

@@ -56,7 +56,8 @@ class VerdictEmitter(PeriodicWriter):
 
     def counts(self) -> dict:
         with self._counts_lock:
-            return {"verdicts": dict(self._verdicts), "verdicts_dropped": dict(self._dropped), "errors": dict(self._errors)}
+            return {"verdicts": dict(self._verdicts), "verdicts_dropped": dict(self._dropped),
+                    "errors": dict(self._errors)}
 
     def evidence_counts(self) -> dict:
         return {"path": self._evidence.verdicts_path, "bytes": self._evidence.size,

@@ -88,8 +88,8 @@ class EventExporter:
         self._thread = threading.Thread(target=self._run, name="straggler-event-export", daemon=True)
         self._thread.start()
 
-    def emit(self, time_unix_nano: int, severity_number: int, body: str, attributes: Mapping[str, Any],
-             event_name: str) -> None:
+    def emit(self, time_unix_nano: int, severity_number: SeverityNumber.ValueType, body: str,
+             attributes: Mapping[str, Any], event_name: str) -> None:
         """Queues one event; never blocks (beyond a lock held only to append or to take a batch)."""
         event = (time_unix_nano, time.time_ns(), severity_number, body, attributes, event_name)
         with self._ready:
@@ -161,7 +161,7 @@ class EventExporter:
             self._on_dropped("export_failed", len(records))
 
     @staticmethod
-    def _record(time_unix_nano: int, observed_unix_nano: int, severity_number: int, body: str,
+    def _record(time_unix_nano: int, observed_unix_nano: int, severity_number: SeverityNumber.ValueType, body: str,
                 attributes: Mapping[str, Any], event_name: str) -> LogRecord:
         return LogRecord(time_unix_nano=time_unix_nano, observed_time_unix_nano=observed_unix_nano,
                          severity_number=severity_number, body=any_value(body), attributes=key_values(attributes),

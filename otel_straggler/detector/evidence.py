@@ -106,11 +106,13 @@ class JsonLinesFile:
     def _repair(self) -> None:
         """Cuts the file back to where the failed write began; if that fails too, the next append
         tries again first."""
+        fd, torn_from = self._fd, self._torn_from
+        assert fd is not None and torn_from is not None  # called on an open file with a torn write only
         try:
-            os.ftruncate(self._fd, self._torn_from)
+            os.ftruncate(fd, torn_from)
         except OSError:
             return
-        self.size, self._torn_from = self._torn_from, None
+        self.size, self._torn_from = torn_from, None
 
     def close(self) -> None:
         if self._fd is not None:
@@ -158,7 +160,9 @@ def carried_counters(status_path: str) -> dict:
         if isinstance(counts, dict) and all(isinstance(value, int) and not isinstance(value, bool)
                                             for value in counts.values()):
             carried[section] = counts
-    history = previous.get("history") if isinstance(previous.get("history"), dict) else {}
+    history = previous.get("history")
+    if not isinstance(history, dict):
+        history = {}
     processes = history.get("processes", 1)
     since = history.get("counting_since_unix_nano", previous.get("started_unix_nano"))
     carried["processes"] = processes if isinstance(processes, int) else 1

@@ -5,7 +5,8 @@ Windows are made of steps, and each heartbeat names the step its rank was in, so
 window w reads the samples its rank took during w's steps. Heartbeats come every few seconds and a
 window can be shorter (fast steps): then the samples of the windows that built the verdict's
 evidence (persist_windows of them, ending at w) serve, and failing those the rank's sample nearest
-to w in steps (before or after it). A hang or a silent rank is told by its latest samples. The reference is the same rule applied to each reference rank: the median of their
+to w in steps (before or after it). A hang or a silent rank is told by its latest samples. The
+reference is the same rule applied to each reference rank: the median of their
 medians, so one odd peer does not move it. Counters (ECC, PCIe replays) count up from the driver's
 load; their growth runs from the sample before the first one used to the last one used (a counter
 that went down was reset, and what it shows then counts as growth).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import statistics
 from collections import OrderedDict, deque
+from itertools import pairwise
 from typing import Iterable, NamedTuple, Optional
 
 from otel_straggler import contract
@@ -145,7 +147,7 @@ def _growth(used: list[_TimedSample], before: Optional[_TimedSample], field: str
     if not counts:
         return None
     # a counter that went down was reset (the driver reloaded): what it counted since is growth too
-    return sum(later - earlier if later >= earlier else later for earlier, later in zip(counts, counts[1:]))
+    return sum(later - earlier if later >= earlier else later for earlier, later in pairwise(counts))
 
 
 def throttling(gpu: Optional[dict]) -> list[str]:

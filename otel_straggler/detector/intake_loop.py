@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from concurrent import futures
-from typing import Awaitable, Callable, Optional, TypeVar
+from typing import Any, Callable, Coroutine, Optional, TypeVar
 
 _T = TypeVar("_T")
 
@@ -30,7 +30,7 @@ class IntakeLoop:
     def start(self) -> None:
         self._thread.start()
 
-    def call(self, coroutine: Awaitable[_T], timeout_s: Optional[float] = 30.0) -> _T:
+    def call(self, coroutine: Coroutine[Any, Any, _T], timeout_s: Optional[float] = 30.0) -> _T:
         """Runs `coroutine` on the loop and returns its result (or raises its exception) here."""
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
 

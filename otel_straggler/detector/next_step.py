@@ -29,7 +29,7 @@ def suspect(record: Mapping[str, Any]) -> str:
     if throttling(gpu) or (clock is not None and peer and clock < CLOCK_SHORTFALL * peer):
         return "gpu_throttled"
     return {contract.ATTRIBUTION_GPU: "gpu", contract.ATTRIBUTION_HOST: "host",
-            contract.ATTRIBUTION_WAITING: "peer_wait"}.get(record.get('attribution'), "unknown")
+            contract.ATTRIBUTION_WAITING: "peer_wait"}.get(record.get('attribution') or "", "unknown")
 
 
 def _gpu_name(record: Mapping[str, Any]) -> str:
@@ -62,8 +62,8 @@ def next_step(record: Mapping[str, Any]) -> str:
         cause = ("power: power caps, the PSU, a power brake" if reasons and all("power" in r for r in reasons)
                  else "cooling: fans, inlet temperature, airflow" if reasons and all("thermal" in r for r in reasons)
                  else "cooling and power")
-        return (f"{gpu_name} runs at reduced clocks: check {cause}; `nvidia-smi -q -d PERFORMANCE,CLOCK,TEMPERATURE,POWER`, "
-                f"then `dcgmi diag -r 3` on that GPU.")
+        return (f"{gpu_name} runs at reduced clocks: check {cause}; "
+                "`nvidia-smi -q -d PERFORMANCE,CLOCK,TEMPERATURE,POWER`, then `dcgmi diag -r 3` on that GPU.")
     if kind == "gpu":
         return (f"The rank's GPU work is slower with no throttling in its samples: look for another process on "
                 f"{gpu_name} (`nvidia-smi`), compare its clocks (`nvidia-smi -q -d PERFORMANCE,CLOCK`), then "
@@ -79,7 +79,7 @@ def next_step(record: Mapping[str, Any]) -> str:
             f"CPU load on {_host(record)}, then the rank's input pipeline.")
 
 
-def hang_next_step(reason: str, rank: Optional[int], host: Optional[str], local_rank: Optional[int]) -> str:
+def hang_next_step(reason: Optional[str], rank: Optional[int], host: Optional[str], local_rank: Optional[int]) -> str:
     where = f" on {host}" if host else ""
     worker = f"the worker with LOCAL_RANK={local_rank}" if local_rank is not None else f"rank {rank}'s worker"
     if reason == contract.HANG_NEVER_ENTERED_COLLECTIVE:

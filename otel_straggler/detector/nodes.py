@@ -24,8 +24,8 @@ class NodeRollup(NamedTuple):
 
     @property
     def degraded(self) -> bool:
-        slow = len(self.slow_ranks)
-        return slow >= MIN_SLOW_RANKS and bool(self.ranks) and slow >= NODE_SHARE * self.ranks
+        slow, ranks = len(self.slow_ranks), self.ranks or 0  # 0: not known
+        return slow >= MIN_SLOW_RANKS and bool(ranks) and slow >= NODE_SHARE * ranks
 
     def line(self) -> str:
         """'node017: 8 of 8 ranks slow (0-7): suspect the node, not a GPU: cordon or drain ...'"""

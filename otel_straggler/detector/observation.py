@@ -33,7 +33,8 @@ class GpuSample(NamedTuple):
     """The GPU health a heartbeat carries (CONTRACT §2c); a field the rank did not send, or sent
     with a value out of its type or range, is None."""
 
-    index: Optional[int] = None
+    # shadows tuple.index, which no caller of a GpuSample uses: the field is the GPU's NVML index
+    index: Optional[int] = None  # type: ignore[assignment]
     uuid: Optional[str] = None
     sm_clock_mhz: Optional[int] = None
     sm_clock_max_mhz: Optional[int] = None

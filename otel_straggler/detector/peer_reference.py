@@ -128,7 +128,7 @@ def _filter_by_workload(result: PeerReferences, start: int, end: int, values: np
     pool_values = values[by_workload].tolist()
     lows, highs, has_peers = low.tolist(), high.tolist(), (peers >= 1).tolist()
     in_low = in_high = 0
-    for k, (first, stop) in enumerate(zip(low_bound.tolist(), high_bound.tolist())):
+    for k, (first, stop) in enumerate(zip(low_bound.tolist(), high_bound.tolist(), strict=True)):
         while in_high < stop:
             bisect.insort(pool, pool_values[in_high])
             in_high += 1

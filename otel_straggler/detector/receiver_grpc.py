@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import Optional
+from typing import Any, Optional
 
 import grpc
 from google.protobuf.any_pb2 import Any as AnyMessage
+from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.duration_pb2 import Duration
+from google.protobuf.message import Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from opentelemetry.proto.collector.logs.v1 import logs_service_pb2
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
@@ -39,7 +41,7 @@ from otel_straggler.detector.receiver import RETRY_AFTER_S, OtlpIntake, Result
 _SERVICE = trace_service_pb2.DESCRIPTOR.services_by_name["TraceService"]
 _Response = trace_service_pb2.ExportTraceServiceResponse
 # accepted and dropped (receiver.OTHER_SIGNALS): service -> its empty response
-_OTHER_SIGNALS = {
+_OTHER_SIGNALS: dict[ServiceDescriptor, type[Message]] = {
     metrics_service_pb2.DESCRIPTOR.services_by_name["MetricsService"]: metrics_service_pb2.ExportMetricsServiceResponse,
     logs_service_pb2.DESCRIPTOR.services_by_name["LogsService"]: logs_service_pb2.ExportLogsServiceResponse,
 }
@@ -106,12 +108,15 @@ class OtlpGrpcReceiver:
             # gRPC sets SO_REUSEPORT by default: a second detector on the same port would then start
             # and silently take half of the first one's connections
             ("grpc.so_reuseport", 0)])
-        handler = grpc.stream_unary_rpc_method_handler(self._export, response_serializer=_Response.SerializeToString)
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE.full_name, {"Export": handler}),))
+        handler: grpc.RpcMethodHandler[Any, Any] = grpc.stream_unary_rpc_method_handler(
+            self._export, response_serializer=_Response.SerializeToString)
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(_SERVICE.full_name, {"Export": handler}),))
         for service, response_type in _OTHER_SIGNALS.items():
-            other = grpc.stream_unary_rpc_method_handler(self._other_signal(response_type),
-                                                         response_serializer=response_type.SerializeToString)
-            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, {"Export": other}),))
+            other: grpc.RpcMethodHandler[Any, Any] = grpc.stream_unary_rpc_method_handler(
+                self._other_signal(response_type), response_serializer=response_type.SerializeToString)
+            server.add_generic_rpc_handlers(
+                (grpc.method_handlers_generic_handler(service.full_name, {"Export": other}),))
         try:
             if tls_key_and_cert is None:
                 port = server.add_insecure_port(target)
@@ -171,7 +176,7 @@ class OtlpGrpcReceiver:
     def _evict_longest_waiting(self) -> bool:
         if not self._waiting:
             return False
-        longest = min(self._waiting, key=self._waiting.get)
+        longest = min(self._waiting, key=self._waiting.__getitem__)
         del self._waiting[longest]
         self._evicted.add(longest)
         longest.cancel()

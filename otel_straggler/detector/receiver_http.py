@@ -177,13 +177,13 @@ class OtlpHttpReceiver:
     def _admit(self, writer: asyncio.StreamWriter) -> bool:
         now = self._loop.loop.time()
         if len(self._connections) >= self._max_connections:
-            waiting = [c for c in self._connections.values() if c.waiting_since is not None]
+            waiting = [(c.waiting_since, c) for c in self._connections.values() if c.waiting_since is not None]
             if not waiting:
                 self._intake.refused(Result.OVERLOADED)
                 writer.write(_REFUSED)
                 writer.close()
                 return False
-            longest = min(waiting, key=lambda c: c.waiting_since)
+            _, longest = min(waiting, key=lambda pair: pair[0])
             self._connections.pop(longest.writer, None)
             longest.writer.close()
             if longest.task is not None:

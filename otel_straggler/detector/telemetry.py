@@ -55,15 +55,18 @@ _LAG_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
 def otlp_endpoint_configured(signal: str, environ: Mapping[str, str] = os.environ) -> bool:
-    return bool(environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+    return bool(environ.get(f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT")
+                or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
 
 
 def _otlp_metric_exporter_class(protocol: str) -> type:
     if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-    else:
-        from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-    return OTLPMetricExporter
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GrpcExporter
+
+        return GrpcExporter
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as HttpExporter
+
+    return HttpExporter
 
 
 def _otlp_exporter(signal: str, environ: Mapping[str, str], make: Callable[[str], Any]):
@@ -178,7 +181,8 @@ class DetectorTelemetry:
         if self.exporting_metrics:
             exporter = _otlp_exporter("metrics", environ, lambda protocol: _counting_failures(
                 _otlp_metric_exporter_class(protocol), lambda: self._failed("metrics"))())
-            periodic = PeriodicExportingMetricReader(exporter, export_interval_millis=config.metric_export_interval_s * 1000)
+            periodic = PeriodicExportingMetricReader(
+                exporter, export_interval_millis=config.metric_export_interval_s * 1000)
             readers.append(periodic)
             if config.prompt_export_spacing_s > 0:
                 self._prompt_export = _PromptExport(periodic, config.prompt_export_spacing_s)
@@ -190,7 +194,8 @@ class DetectorTelemetry:
                     contract.METRIC_JOB_HANG, contract.METRIC_JOB_SLOWDOWN, contract.METRIC_ALERT_EVIDENCE)
         self._meter_provider = MeterProvider(
             metric_readers=readers, resource=resource,
-            views=[View(instrument_name=name, aggregation_cardinality_limit=config.max_metric_series) for name in per_rank],
+            views=[View(instrument_name=name, aggregation_cardinality_limit=config.max_metric_series)
+                   for name in per_rank],
         )
         self._events: Optional[EventExporter] = None
         if self.exporting_events:
@@ -242,7 +247,8 @@ class DetectorTelemetry:
             description="engine state evicted to stay within its bounds, by kind")
         meter.create_observable_counter(
             "straggler.detector.errors", [self._observe_health("errors", "kind")],
-            description="internal errors survived (engine, verdict listener, telemetry, decoding, HTTP connections), by kind")
+            description="internal errors survived (engine, verdict listener, telemetry, decoding, HTTP connections), "
+                        "by kind")
         meter.create_observable_counter(
             "straggler.detector.verdicts.dropped", [self._observe_health("verdicts_dropped", "reason")],
             description="verdicts not written to verdicts.jsonl, by reason")

@@ -14,7 +14,9 @@ import ssl
 import threading
 from typing import Callable, Optional
 
-from opentelemetry.sdk.metrics.export import Gauge, Histogram, InMemoryMetricReader, MetricsData, Sum
+from opentelemetry.sdk.metrics.export import (
+    Gauge, Histogram, HistogramDataPoint, InMemoryMetricReader, MetricsData, NumberDataPoint, Sum,
+)
 
 from otel_straggler.detector.http_server import BoundedHTTPServer, BoundedRequestHandler
 from otel_straggler.detector.receiver import bearer_matches
@@ -75,14 +77,17 @@ def exposition_text(data: Optional[MetricsData]) -> str:
                 if metric.description:
                     lines.append(f"# HELP {name} {metric.description.replace(chr(10), ' ')}")
                 lines.append(f"# TYPE {name} {kind}")
-                for point in points:
-                    if kind != "histogram":
+                for point in points:  # a sum's and a gauge's are NumberDataPoints, a histogram's HistogramDataPoints
+                    if isinstance(point, NumberDataPoint):
                         lines.append(f"{name}{_labels(point.attributes)} {_number(point.value)}")
                         continue
+                    if not isinstance(point, HistogramDataPoint):
+                        continue
                     cumulative = 0
-                    for bound, count in zip(list(point.explicit_bounds) + [math.inf], point.bucket_counts):
+                    for bound, count in zip(list(point.explicit_bounds) + [math.inf], point.bucket_counts, strict=True):
                         cumulative += count
-                        lines.append(f"{name}_bucket{_labels(point.attributes, ('le', _number(float(bound))))} {cumulative}")
+                        labels = _labels(point.attributes, ("le", _number(float(bound))))
+                        lines.append(f"{name}_bucket{labels} {cumulative}")
                     lines.append(f"{name}_sum{_labels(point.attributes)} {_number(point.sum)}")
                     lines.append(f"{name}_count{_labels(point.attributes)} {point.count}")
     return "\n".join(lines) + "\n"

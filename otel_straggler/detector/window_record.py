@@ -3,10 +3,10 @@ and rank timelines and for the demo's live view. Off with `record_windows`; boun
 `max_window_record_bytes`.
 
 The engine thread does next to nothing: the engine hands each window it is about to judge to
-`WindowRecord.judged` (its `windows_judged` listener), which queues the window's rows (closed, so nothing appends to them any more)
-with the cohort's stage names and ranks of that moment. A writer thread of its own wakes every flush
-interval, computes the medians with numpy and appends one line per (rank, stage), so the ingest
-path pays for neither the statistics nor the disk.
+`WindowRecord.judged` (its `windows_judged` listener), which queues the window's rows (closed, so
+nothing appends to them any more) with the cohort's stage names and ranks of that moment. A writer
+thread of its own wakes every flush interval, computes the medians with numpy and appends one line
+per (rank, stage), so the ingest path pays for neither the statistics nor the disk.
 
 Each line is a `WindowMedian`, the statistic the judge compares: per step the rank's intervals of
 the stage summed (micro-batches), then the median over the window's steps, of host durations and,
@@ -61,7 +61,8 @@ class WindowMedian:
     def to_dict(self) -> dict[str, Any]:
         # by hand: dataclasses.asdict deep-copies every field, 5x the cost of the whole line
         record = {"job_id": self.job_id, "cohort": self.cohort, "rank": self.rank, "stage": self.stage,
-                  "window": self.window, "median_ms": self.median_ms, "steps": self.steps, "collective": self.collective}
+                  "window": self.window, "median_ms": self.median_ms, "steps": self.steps,
+                  "collective": self.collective}
         if self.device_ms is not None:  # most ranks measure none: the line stays short
             record["device_ms"] = self.device_ms
         return record
@@ -79,7 +80,8 @@ class WindowMedian:
             )
         except (KeyError, TypeError, ValueError):
             return None
-        if not math.isfinite(median.median_ms) or (median.device_ms is not None and not math.isfinite(median.device_ms)):
+        if not math.isfinite(median.median_ms) or (
+                median.device_ms is not None and not math.isfinite(median.device_ms)):
             return None
         return median
 
@@ -128,12 +130,12 @@ def window_medians(judged: JudgedWindow) -> list[WindowMedian]:
             round(device_ms, 4) if math.isfinite(device_ms) else None)))
 
     for slot_index, host_ms, device_ms, count in zip(whole_slots.tolist(), whole_host.tolist(),
-                                                     whole_device.tolist(), whole_steps.tolist()):
+                                                     whole_device.tolist(), whole_steps.tolist(), strict=True):
         add(slot_index, 0, False, host_ms, device_ms, count)
     stage_code = groups // layout.slot_stride
     for stage_code_, slot_index, host_ms, device_ms, count in zip(
             stage_code.tolist(), (groups - stage_code * layout.slot_stride).tolist(), host_median.tolist(),
-            device_median.tolist(), steps.tolist()):
+            device_median.tolist(), steps.tolist(), strict=True):
         add(slot_index, stage_code_ // 2, bool(stage_code_ & 1), host_ms, device_ms, count)
     cells.sort(key=lambda cell: cell[:2])
     return [median for _, _, median in cells]

@@ -36,7 +36,7 @@ class Instrumentation:
         self.options = options
         self.resource_attributes = resource_attributes
         self.recorder: Optional[IntervalRecorder] = None
-        self._pipeline = None
+        self._pipeline: Any = None  # a RankPipeline once running (imported when needed: the SDK, threads)
         self._shut_down = False
 
     def status(self) -> dict:

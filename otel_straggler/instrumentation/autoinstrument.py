@@ -16,7 +16,8 @@ import os
 import sys
 from typing import Collection
 
-from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+# the module opts out of type checking as a whole (a file-level `type: ignore`), so it shows no names
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
 
 from otel_straggler.instrumentation import api, rank_state
 from otel_straggler.instrumentation.rank_settings import SETTINGS

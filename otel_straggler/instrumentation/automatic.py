@@ -9,7 +9,7 @@ with OTEL_STRAGGLER_ENABLED=true, and what the Hugging Face and Lightning callba
 | `backward-compute` | `Tensor.backward` / `torch.autograd.backward` | patched, restorable |
 | `optimizer` | `Optimizer.step`, from after its closure when one is passed | global optimizer step hooks |
 | `all-reduce`, `broadcast`, `barrier`, ... | the `torch.distributed` collectives a script calls | patched, restorable |
-| `ddp-grads-ready`, `ddp-grads-sync` | every `DistributedDataParallel` made once this is on | `instrument_ddp`'s hooks |
+| `ddp-grads-ready`, `ddp-grads-sync` | each `DistributedDataParallel` made once this is on | `instrument_ddp`'s hooks |
 
 Steps: with `steps="optimizer"` (zero code) a step begins at the first training stage after an
 optimizer step (a fetch, a training forward, a backward) and ends when the optimizer step does, so
@@ -20,9 +20,9 @@ nothing is timed between its steps (the framework's evaluation, checkpointing an
 Which call is outermost is learned: until the first optimizer step, global module hooks see every
 module call and note the modules called at depth 0 (at most MAX_ROOTS); then those modules keep
 their own hooks and the global ones go, so a model's submodules cost nothing per call and
-`torch.compile` sees no global hook. A module first called after that is not timed, unless it is a DistributedDataParallel
-made after that (a second `fit()`). A forward run
-inside a backward (activation checkpointing recomputes) is part of the backward.
+`torch.compile` sees no global hook. A module first called after that is not timed, unless it is a
+DistributedDataParallel made after that (a second `fit()`). A forward run inside a backward
+(activation checkpointing recomputes) is part of the backward.
 
 Explicit calls win: the first time one of these stages would open inside a stage the script opened
 itself (`stage()`, Megatron timers), or a step is bound that this module did not bind (`step()`),
@@ -94,9 +94,15 @@ class _State:
 
 _state: Optional[_State] = None
 _lock = threading.Lock()
+
+
+def _grad_enabled_without_torch() -> bool:
+    return True
+
+
 # torch's, set by _install (this module imports without torch)
-_grad_enabled: Callable[[], bool] = lambda: True
-_Module: type = type(None)
+_grad_enabled: Callable[[], bool] = _grad_enabled_without_torch
+_Module: type[Any] = type(None)
 _COUNTER_NAMES = ("errors", "deferred_to_explicit", "not_restored", "models_instrumented", "configure_failed", "roots")
 _counts = dict.fromkeys(_COUNTER_NAMES, 0)
 
@@ -451,7 +457,7 @@ def _timed_async(state: _State, original: Callable, stage: str, args: tuple, kwa
 
     start_ns = time.time_ns()
     work = original(*args, **kwargs)
-    if not timed or work is None:
+    if recorder is None or not timed or work is None:
         return work
     try:
         binding = recorder.binding

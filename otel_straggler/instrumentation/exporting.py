@@ -21,7 +21,8 @@ def _http_url(endpoint: str, path: str) -> str:
     return base if base.rstrip("/").endswith(path) else base.rstrip("/") + path
 
 
-def span_exporter(endpoint: Optional[str], protocol: Optional[str], environ: Mapping[str, str] = os.environ) -> SpanExporter:
+def span_exporter(endpoint: Optional[str], protocol: Optional[str],
+                  environ: Mapping[str, str] = os.environ) -> SpanExporter:
     """An OTLP span exporter of ours (otlp_exporters); an explicit endpoint wins over the env."""
     protocol = resolve_protocol(protocol, environ, "TRACES")
     check_exporter_environ("traces", protocol, environ)
@@ -70,10 +71,11 @@ class CountingSpanExporter(SpanExporter):
 
     def _export_within(self, spans: Sequence[Any], deadline: Optional[float]) -> SpanExportResult:
         try:
-            if deadline is None or getattr(self.exporter, "export_within", None) is None:
+            export_within = getattr(self.exporter, "export_within", None)
+            if deadline is None or export_within is None:
                 result = self.exporter.export(spans)
             else:
-                result = self.exporter.export_within(spans, deadline)
+                result = export_within(spans, deadline)
         except Exception:
             result = SpanExportResult.FAILURE
         with self._lock:

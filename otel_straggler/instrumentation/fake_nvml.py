@@ -44,6 +44,10 @@ class NVMLError_GpuIsLost(NVMLError):  # noqa: N801 - pynvml's name
         super().__init__(NVML_ERROR_GPU_IS_LOST)
 
 
+# NVMLError under a second name: in FakeNvml's annotations its class attribute NVMLError hides the class
+_NvmlError = NVMLError
+
+
 # the fields a test can make fail, by the NVML function that reads them
 FIELDS = ("clock", "max_clock", "clock_event_reasons", "temperature", "power", "utilization", "ecc", "pcie_replay",
           "memory", "name")
@@ -102,11 +106,12 @@ class FakeNvml:
         self.calls: dict[str, int] = {}
         self._unthrottled: dict[str, dict] = {}  # uuid -> its readings before throttle(True)
         if not event_reasons_api:  # an older binding: the same bitmask under the throttle name only
-            self.nvmlDeviceGetCurrentClocksEventReasons = None
+            # None reads as absent to getattr(nvml, name, None), the way gpu_health probes for it
+            self.nvmlDeviceGetCurrentClocksEventReasons = None  # type: ignore[method-assign,assignment]
 
     # -- test controls ---------------------------------------------------------------------------
 
-    def fail(self, field_name: str, error: Optional[NVMLError]) -> None:
+    def fail(self, field_name: str, error: Optional[_NvmlError]) -> None:
         """Every read of the field raises `error` from now on (None: reads succeed again)."""
         assert field_name in FIELDS, field_name
         if error is None:

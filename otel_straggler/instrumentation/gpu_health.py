@@ -34,10 +34,13 @@ MEMORY_USED = "memory_used_bytes"  # read only for the hw.gpu.memory.usage metri
 _ON_HEARTBEATS = frozenset(contract.GPU_ATTRIBUTES)
 _log = logging.getLogger("otel_straggler")
 
-# NVML's return codes (nvml.h, the same in every driver) -> the kind an error is counted as
-_ERROR_KINDS = {1: "uninitialized", 2: "invalid_argument", 3: "not_supported", 4: "no_permission", 6: "not_found",
-                9: "driver_not_loaded", 10: "timeout", 12: "library_not_found", 13: "function_not_found",
-                15: "gpu_lost", 16: "reset_required", 999: "unknown"}
+# NVML's return codes (nvml.h, the same in every driver) -> the kind an error is counted as; looked
+# up with whatever an error carries as `value`
+_ERROR_KINDS: dict[object, str] = {
+    1: "uninitialized", 2: "invalid_argument", 3: "not_supported", 4: "no_permission", 6: "not_found",
+    9: "driver_not_loaded", 10: "timeout", 12: "library_not_found", 13: "function_not_found",
+    15: "gpu_lost", 16: "reset_required", 999: "unknown",
+}
 _FUNCTION_NOT_FOUND = 13
 
 PENDING, ON, OFF, STOPPED = "pending", "on", "off", "stopped"
@@ -189,7 +192,8 @@ class GpuHealth:
         try:
             nvml = self.nvml if self.nvml is not None else load_nvml()
         except ImportError:
-            self._off("nvml_not_installed", "the nvidia-ml-py package is not installed (pip install otel-straggler[gpu])")
+            self._off("nvml_not_installed",
+                      "the nvidia-ml-py package is not installed (pip install otel-straggler[gpu])")
             return
         self.nvml = nvml
         try:

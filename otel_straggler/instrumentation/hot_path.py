@@ -11,7 +11,8 @@ try:
 
     IMPLEMENTATION = "c"
 except ImportError:  # not built: no C compiler where the package was installed
-    from otel_straggler.instrumentation import hot_path_reference as _implementation
+    # the same API as the extension's (its stub re-exports this module's)
+    from otel_straggler.instrumentation import hot_path_reference as _implementation  # type: ignore[no-redef]
 
     IMPLEMENTATION = "python"
 

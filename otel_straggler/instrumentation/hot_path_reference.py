@@ -1,6 +1,6 @@
 """The training-thread hot path (docs/architecture.md, the training-thread budget), in Python: the
-reference for the C extension _hot_path, which has the same IntervalRecorder, Stage, Step, install() and use_clock() and is
-what runs where it was built (hot_path.py chooses). The layout of the records (INTERVAL, ...) is
+reference for the C extension _hot_path, which has the same IntervalRecorder, Stage, Step, install()
+and use_clock() and is what runs where it was built (hot_path.py chooses). The layout of the records (INTERVAL, ...) is
 defined here for both, and for the code that reads or appends them.
 
 `start()` and `stop()` may only read the host clock, record a CUDA event from the pool, bind
@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 import functools
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional
 
 from otel_straggler.processors.device_events import EventPool
 
@@ -74,7 +74,8 @@ class IntervalRecorder:
         try:
             if type(interval) is not tuple or len(interval) != 6:
                 raise TypeError("not an interval start() returned")  # as the C recorder checks
-            end_event = None if interval[5] is None else self.event_pool.record()
+            # an interval holds an event only once the pool is set, and the pool is never unset
+            end_event = None if interval[5] is None else self.event_pool.record()  # type: ignore[union-attr]
             end_ns = _time_ns()
             duration = end_ns - interval[4]  # before it is queued: a failure here queues nothing
             opened = self.open_intervals
@@ -128,8 +129,8 @@ class IntervalRecorder:
 
     def _give_back(self, *events: Any) -> None:
         for event in events:
-            if event is not None:
-                self.event_pool.release(event)
+            if event is not None:  # there are events only once the pool is set, and it is never unset
+                self.event_pool.release(event)  # type: ignore[union-attr]
 
     def _end_failed(self, interval: Any, end_event: Any) -> None:
         """After a failed stop(): the interval has ended all the same (left open, it would be the
@@ -178,7 +179,7 @@ class Stage:
     def __init__(self, name: str, collective: Optional[bool] = None) -> None:
         self.name = name
         self.collective = collective
-        self._open = None
+        self._open: Optional[OpenInterval] = None
 
     def __enter__(self) -> "Stage":
         recorder = _installed
@@ -191,7 +192,7 @@ class Stage:
             raise TypeError("a stage decorates one function: @stage(name)")
         return timed_by(Stage, self, function[0])
 
-    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> Literal[False]:
         opened = self._open
         if opened is not None:
             self._open = None
@@ -236,7 +237,7 @@ class Step:
     def __enter__(self) -> "Step":
         return self
 
-    def __exit__(self, *exc_info: Any) -> bool:
+    def __exit__(self, *exc_info: Any) -> Literal[False]:
         recorder = _installed
         if recorder is not None:
             recorder.end_step(self.number)

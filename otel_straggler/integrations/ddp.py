@@ -244,6 +244,7 @@ class _GradTiming:
         """Records the backward under way as `ddp-grads-ready`, ending at `end_ns` or else at its
         latest gradient (nothing when it saw none), and learns from it while learning."""
         backward, self.backward = self.backward, None
+        assert backward is not None  # each caller checks first
         self.forward_end = None  # one forward, one backward
         if self._learned < LEARN_BACKWARDS and self._fired:
             self._learn(self._fired[-1])
@@ -314,7 +315,7 @@ class _GradTiming:
             return None
 
 
-def _grad_tensors(output: Any, tensor_type: type) -> list:
+def _grad_tensors(output: Any, tensor_type: type[Any]) -> list:
     """Up to MAX_OUTPUT_HOOKS tensors of a forward's output that backward can reach: the output
     itself, or the items of a tuple, list or mapping (a Hugging Face ModelOutput is one), one level
     down."""

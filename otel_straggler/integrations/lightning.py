@@ -11,16 +11,16 @@ fetch (`batch-generator`), the training forward (`forward-compute`: under DDP th
 (its barriers, the per-batch `broadcast` of the SIGTERM flag, `self.log(..., sync_dist=True)`'s
 barrier and all-reduce) and DDP's `ddp-grads-ready` / `ddp-grads-sync`. A `self.log(...,
 sync_dist=True)` in `training_step` syncs right there: its collectives split that micro-batch's
-`forward-compute` in two, so the wait for the peers is theirs, not the forward's. The callback adds what only the Trainer knows: who this rank is,
-and which optimizer step is under way.
+`forward-compute` in two, so the wait for the peers is theirs, not the forward's. The callback adds
+what only the Trainer knows: who this rank is, and which optimizer step is under way.
 
 | hook | what the callback does |
 |---|---|
-| `setup` (fit) | after the process group is up, before DDP wraps the model: configure(), the automatic timing, step `trainer.global_step` bound |
+| `setup` (fit) | process group up, DDP not wrapped yet: configure(), automatic timing, `trainer.global_step` bound |
 | `on_fit_start` | the model the strategy wrapped gets the DDP hooks if it has none |
 | `on_train_start` | step `trainer.global_step` bound again when a checkpoint restored it |
-| `on_train_batch_end` | after an optimizer step (`trainer.global_step` moved on): the next step bound, unless training ends here |
-| `on_train_end`, `on_exception`, `teardown` | the step ended, what the callback turned on turned off, the spans exported (bounded) |
+| `on_train_batch_end` | after an optimizer step (`trainer.global_step` moved): next step bound unless training ends |
+| `on_train_end`, `on_exception`, `teardown` | step ended, what the callback turned on off, spans exported (bounded) |
 
 Steps are `trainer.global_step`, the optimizer steps: with `accumulate_grad_batches=K` the K
 micro-batches of one optimizer step are one step. A step is bound right after the previous
@@ -56,7 +56,8 @@ from typing import Any, Optional
 try:
     from lightning.pytorch import Callback
 except ImportError:  # only the older package name is installed
-    from pytorch_lightning import Callback
+    # the older package's class of the same name and hooks
+    from pytorch_lightning import Callback  # type: ignore[assignment]
 
 from otel_straggler.instrumentation import api, automatic, rank_state
 from otel_straggler.integrations.fail_open import fails_open

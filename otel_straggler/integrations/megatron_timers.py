@@ -86,7 +86,7 @@ class Timer:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._open = None  # the recorder's open interval while running with the instrumentation on
+        self._open: Optional[tuple] = None  # the recorder's open interval while running with the instrumentation on
         self._started = False
         self._started_ns = 0  # start of the running interval
         self._accounted_ns = 0  # of the running interval, what elapsed() already counted
@@ -168,7 +168,7 @@ class Timer:
                 "active_ns": self._active_ns}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["name"])
+        type(self).__init__(self, state["name"])
         self._elapsed_ns, self._elapsed_set = state["elapsed_ns"], state["elapsed_set"]
         self._active_ns = state["active_ns"]
 
@@ -245,7 +245,8 @@ class Timers:
         lines = [f"{header} on {_this_rank_label()} (ms):"]
         for name, (min_time, max_time) in name_to_min_max_time.items():
             label = (name + " ").ljust(48, ".")
-            lines.append(f"    {label}: {max_time:.2f}" if max_only else f"    {label}: ({min_time:.2f}, {max_time:.2f})")
+            lines.append(f"    {label}: {max_time:.2f}" if max_only
+                         else f"    {label}: ({min_time:.2f}, {max_time:.2f})")
         return "\n".join(lines)
 
     def _get_all_ranks_time_string(self, names: Iterable[str], reset: bool, barrier: bool,
@@ -308,7 +309,7 @@ class Timers:
                 "timers": self._timers, "log_levels": self._log_levels}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["log_level"], state["log_option"])
+        type(self).__init__(self, state["log_level"], state["log_option"])
         self._timers = state["timers"]
         self._log_levels = state["log_levels"]
 

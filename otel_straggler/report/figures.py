@@ -46,8 +46,10 @@ def heatmap(grids: list[StageGrid]) -> bytes:
     rank_count = len(grids[0].ranks)
     height = 0.9 + (min(0.42 * rank_count, MAX_PANEL_HEIGHT) + 0.8) * rows  # a large job's ranks share the height
     figure, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, height), squeeze=False, layout="constrained")
-    for panel, grid in zip(axes.flat, grids):
-        values = np.array([[np.nan if value is None else value for value in row] for row in grid.median_ms], dtype=float)
+    # the grid can have more panels than stages: the spare ones are left out of the loop
+    for panel, grid in zip(axes.flat, grids, strict=False):
+        values = np.array([[np.nan if value is None else value for value in row] for row in grid.median_ms],
+                          dtype=float)
         # From zero, so that color differences are proportional: a 1% spread stays one color.
         image = panel.imshow(np.ma.masked_invalid(values), aspect="auto", cmap="viridis", interpolation="nearest",
                              vmin=0.0, vmax=max(np.nanmax(values), 1e-9) if np.isfinite(values).any() else 1.0)
@@ -82,7 +84,7 @@ def rank_timelines(timelines: list[Timeline]) -> bytes:
     figure, axes = plt.subplots(len(timelines), 1, figsize=(8.5, 0.6 + 3.0 * len(timelines)), squeeze=False,
                                 layout="constrained")
     first, last = min(min(t.windows) for t in timelines), max(max(t.windows) for t in timelines)
-    for axis, timeline in zip(axes[:, 0], timelines):
+    for axis, timeline in zip(axes[:, 0], timelines, strict=True):
         _timeline_panel(axis, timeline, (first - 0.6, last + 0.6))
     axes[-1, 0].set_xlabel("window")
     return _png(figure)
@@ -115,7 +117,7 @@ def _timeline_panel(axis: Any, timeline: Timeline, x_range: tuple[float, float])
     also = f"; also slow: {', '.join(explained)}" if explained else ""
     axis.set_title(f"Rank {timeline.rank}, {_stage_name(timeline.stage)}{also}{source}", fontsize=10, loc="left")
     handles, labels = axis.get_legend_handles_labels()
-    unique = dict(zip(labels, handles))  # several onsets share one entry
+    unique = dict(zip(labels, handles, strict=True))  # several onsets share one entry
     axis.legend(unique.values(), unique.keys(), fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     axis.grid(alpha=0.3)
 

@@ -125,6 +125,7 @@ def describe_hang_culprit(verdict: Verdict) -> str:
 
 def _summarize_hang(run: RunRecord, verdicts: list[Verdict]) -> list[str]:
     injection = run.injection
+    assert injection is not None  # called for a run that injected a hang only
     hangs = hang_verdicts(verdicts)
     culprit = next((verdict for verdict in hangs if verdict.get("rank") == injection.rank), None)
     blocked = f"rank {injection.rank} blocked in {injection.stage} at step {injection.from_step}"
@@ -132,7 +133,8 @@ def _summarize_hang(run: RunRecord, verdicts: list[Verdict]) -> list[str]:
         sentences = [f"The hang ({blocked}) was not named."]
     else:
         started, made = run.injection_started_unix_nano(), culprit.get("time_unix_nano")
-        after = f" {(made - started) / 1e9:.1f} s after it blocked" if started is not None and isinstance(made, int) else ""
+        after = (f" {(made - started) / 1e9:.1f} s after it blocked" if started is not None and isinstance(made, int)
+                 else "")
         timeout = f" (hang timeout {run.hang_timeout_s:g} s)" if run.hang_timeout_s is not None else ""
         sentences = [f"Named the hang's culprit: {describe_hang_culprit(culprit)},{after}{timeout}; {blocked}."]
     others = [verdict for verdict in hangs if verdict is not culprit]

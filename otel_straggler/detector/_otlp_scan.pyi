@@ -1,0 +1,6 @@
+"""Types of the C extension _otlp_scan.c, decode.py's fast path (its method table documents each)."""
+from typing import Any, Optional
+
+def configure(keys: tuple[bytes, ...], observation_type: type, default_cohort: str, device_timing: bytes,
+              heartbeat_name: bytes, /) -> None: ...
+def scan(payload: bytes, /) -> Optional[tuple[Any, ...]]: ...

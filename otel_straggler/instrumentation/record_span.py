@@ -53,11 +53,12 @@ class RecordSpan(ReadableSpan):
         """Only for a field not set: one of ReadableSpan's own, read by one of its methods."""
         if name.startswith("record_") or self.record_whole or not name.startswith("_") or name.startswith("__"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        self.record_whole = True
+        # made whole before it says so: a thread reading meanwhile makes it whole too, alike
         ReadableSpan.__init__(self, name=self.record_name, context=self.context, parent=self.parent,
                               resource=self.record_resource, attributes=self.record_attributes, kind=SpanKind.INTERNAL,
                               status=UNSET_STATUS, start_time=self.record_start_ns, end_time=self.record_end_ns,
                               instrumentation_scope=self.record_scope)
+        self.record_whole = True
         return object.__getattribute__(self, name)
 
     # -- ReadableSpan's public properties, as ReadableSpan(...) of the same span gives them --

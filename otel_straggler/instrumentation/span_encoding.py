@@ -6,8 +6,11 @@ writes the same message (same fields and values; tested against the SDK's encode
 and scope of a batch are encoded once, and a span's own fields are written by the optional C
 extension _otlp_write or, where it is not built or declines a span, in Python at several times
 the cost (benchmarks/rank_background.py compares the two), with key/value pairs that repeat
-(stage names, groups, flags) from a bounded cache. A span neither covers (events, links, attribute values other than str, bool, int,
-float and tuples or lists of these, which only the Python writer takes) goes through the SDK's encoder.
+(stage names, groups, flags) from a bounded cache. The span builder's spans (RecordSpan) are
+written from their record's fields, without making their SpanContexts. A request is joined once
+from its pieces (the extension's join copies a large one without holding the GIL). A span
+neither covers (events, links, attribute values other than str, bool, int, float and tuples or
+lists of these, which only the Python writer takes) goes through the SDK's encoder.
 """
 from __future__ import annotations
 
@@ -212,7 +215,8 @@ class SpanEncoder:
     def _record_fields(self, span: RecordSpan) -> bytes:
         """What _span_fields writes for a RecordSpan (local, INTERNAL, UNSET, no events or links),
         from the record's fields, without making its SpanContexts."""
-        out = [b"\x0a\x10", span.record_trace_id.to_bytes(16, "big"), b"\x12\x08", span.record_span_id.to_bytes(8, "big")]
+        out = [b"\x0a\x10", span.record_trace_id.to_bytes(16, "big"),
+               b"\x12\x08", span.record_span_id.to_bytes(8, "big")]
         if span.record_parent_span_id is not None:
             out += (b"\x22\x08", span.record_parent_span_id.to_bytes(8, "big"))
         out += (_field(b"\x2a", span.record_name.encode()), b"\x30\x01")  # kind: SPAN_KIND_INTERNAL

@@ -33,6 +33,10 @@ typedef struct {
     uint8_t stack[1024];
 } Buffer;
 
+/* A buffer on its own stack, with `len` bytes reserved at its start. Not an initializer: that
+   would zero the whole stack array, on every span and every attribute. */
+#define BUFFER_INIT(b, reserved) ((b).len = (reserved), (b).cap = sizeof (b).stack, (b).data = (b).stack)
+
 /* Room for `more` bytes; -1 with MemoryError set when there is none. */
 static int reserve(Buffer *b, Py_ssize_t more) {
     if (b->len + more <= b->cap) return 0;
@@ -187,8 +191,8 @@ static int put_attribute(Buffer *b, PyObject *key, PyObject *value) {
     Py_ssize_t key_n;
     int result = utf8(key, &key_text, &key_n);
     if (result) return result;
-    Buffer any = {.len = 0, .cap = sizeof any.stack};
-    any.data = any.stack;
+    Buffer any;
+    BUFFER_INIT(any, 0);
     if ((result = put_any_value(&any, value)) == 0) {
         uint64_t pair_n = 1 + varint_size(key_n) + key_n + 1 + varint_size(any.len) + any.len;
         result = put(b, "\x4a", 1) || put_varint(b, pair_n) || put_bytes_field(b, 0x0a, key_text, key_n)
@@ -255,16 +259,16 @@ static PyObject *span(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssi
                         " attributes, status_code) takes 10 arguments");
         return NULL;
     }
-    Buffer b = {.len = HEADER_ROOM, .cap = sizeof b.stack};
-    b.data = b.stack;
+    Buffer b;
+    BUFFER_INIT(b, HEADER_ROOM);
     int result = write_span(&b, args);
     PyObject *written = NULL;
     if (result == 0 && b.len - HEADER_ROOM >= INT32_MAX) result = DECLINE; /* beyond what protobuf takes */
     if (result == 0) {
         uint64_t body_n = (uint64_t)(b.len - HEADER_ROOM);
         int header_n = 1 + varint_size(body_n);
-        Buffer header = {.len = 0, .cap = sizeof header.stack};
-        header.data = header.stack;
+        Buffer header;
+        BUFFER_INIT(header, 0);
         put(&header, "\x12", 1); /* cannot fail: the stack holds it */
         put_varint(&header, body_n);
         uint8_t *start = b.data + HEADER_ROOM - header_n;

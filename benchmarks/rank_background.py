@@ -10,7 +10,8 @@ threads by their kernel names). Arms, each in a fresh process, in an order that 
 round by round (the machine is noisy):
   C writer, gRPC       spans written by the optional extension _otlp_write (the default where
                        built), over OTLP/gRPC (the default protocol)
-  Python writer, gRPC  the same encoder with the extension switched off (the reference: it is
+  Python writer, gRPC  the same encoder with the extension (its span writer and its join of a
+                       request's bytes) switched off (the reference: it is
                        what a rank installed without a C compiler runs, and what the extension
                        must equal)
   C writer, HTTP       over OTLP/HTTP (one kept-alive connection; no threads of its own)
@@ -56,7 +57,7 @@ def arm(writer: str, protocol: str, steps: int, step_s: float, endpoints: dict[s
     if writer == "stock":
         _use_stock_export(protocol, endpoints[protocol])
     elif writer == "python":
-        span_encoding._write_span = None
+        span_encoding._write_span, span_encoding._join = None, b"".join
     elif not span_encoding.writer_built():
         raise SystemExit("the C writer (otel_straggler.instrumentation._otlp_write) is not built here")
     handle = ots.configure(job_id="rank-background", rank=0, world_size=1, endpoint=f"http://{endpoints[protocol]}",

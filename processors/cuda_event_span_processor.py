@@ -25,6 +25,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
 from otel_straggler import contract
+from otel_straggler.instrumentation.record_span import RecordSpan
 from otel_straggler.processors.device_events import DeviceEventBackend, give_back
 
 # How often events past their readout are asked again whether the device has passed them, and
@@ -123,7 +124,7 @@ class CudaEventSpanProcessor(SpanProcessor):
             self._wait_for_device((start, end))
             self.counters["next_processor_error"] += 1
             self._wake.set()  # the worker asks about them from now on
-        waiting[span.get_span_context().span_id] = (start_event, end_event, own_attributes)
+        waiting[_span_id(span)] = (start_event, end_event, own_attributes)
 
     def on_start(self, span: Span, parent_context: Optional[Context] = None) -> None:
         try:
@@ -133,7 +134,7 @@ class CudaEventSpanProcessor(SpanProcessor):
 
     def on_end(self, span: ReadableSpan) -> None:
         try:
-            events = self._events_by_span_id.pop(span.context.span_id, None)
+            events = self._events_by_span_id.pop(_span_id(span), None)
             if events is None and not self._held:
                 self._forward(span)
                 return
@@ -293,6 +294,11 @@ class CudaEventSpanProcessor(SpanProcessor):
             self.next_processor.on_end(span)
         except Exception:
             self.counters["next_processor_error"] += 1
+
+
+def _span_id(span: ReadableSpan) -> int:
+    """The span's id; a RecordSpan's without making its SpanContext."""
+    return span.record_span_id if type(span) is RecordSpan else span.get_span_context().span_id
 
 
 def _unavailable(reason: str) -> dict:

@@ -10,7 +10,14 @@
 
    The span is written into a buffer on the stack, grown on the heap only for large spans, after
    room for the field's header, and copied once into the bytes returned. Field numbers are those of
-   opentelemetry/proto/trace/v1/trace.proto and common/v1/common.proto. */
+   opentelemetry/proto/trace/v1/trace.proto and common/v1/common.proto.
+
+   span() keeps the GIL: nearly all of its work is reading the Python values (ids, times, the
+   attribute dict), which needs it, and the byte writing left (well under a microsecond for a
+   span of ~300 bytes) is shorter than releasing and retaking the GIL, which, with a training
+   thread running Python, waits for that thread's next switch (up to sys.getswitchinterval())
+   on every span: the builder would fall behind. join() releases it for the copying of a whole
+   request, where that pays. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -25,6 +32,10 @@ typedef struct {
     Py_ssize_t len, cap;
     uint8_t stack[1024];
 } Buffer;
+
+/* A buffer on its own stack, with `len` bytes reserved at its start. Not an initializer: that
+   would zero the whole stack array, on every span and every attribute. */
+#define BUFFER_INIT(b, reserved) ((b).len = (reserved), (b).cap = sizeof (b).stack, (b).data = (b).stack)
 
 /* Room for `more` bytes; -1 with MemoryError set when there is none. */
 static int reserve(Buffer *b, Py_ssize_t more) {
@@ -180,8 +191,8 @@ static int put_attribute(Buffer *b, PyObject *key, PyObject *value) {
     Py_ssize_t key_n;
     int result = utf8(key, &key_text, &key_n);
     if (result) return result;
-    Buffer any = {.len = 0, .cap = sizeof any.stack};
-    any.data = any.stack;
+    Buffer any;
+    BUFFER_INIT(any, 0);
     if ((result = put_any_value(&any, value)) == 0) {
         uint64_t pair_n = 1 + varint_size(key_n) + key_n + 1 + varint_size(any.len) + any.len;
         result = put(b, "\x4a", 1) || put_varint(b, pair_n) || put_bytes_field(b, 0x0a, key_text, key_n)
@@ -248,16 +259,16 @@ static PyObject *span(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssi
                         " attributes, status_code) takes 10 arguments");
         return NULL;
     }
-    Buffer b = {.len = HEADER_ROOM, .cap = sizeof b.stack};
-    b.data = b.stack;
+    Buffer b;
+    BUFFER_INIT(b, HEADER_ROOM);
     int result = write_span(&b, args);
     PyObject *written = NULL;
     if (result == 0 && b.len - HEADER_ROOM >= INT32_MAX) result = DECLINE; /* beyond what protobuf takes */
     if (result == 0) {
         uint64_t body_n = (uint64_t)(b.len - HEADER_ROOM);
         int header_n = 1 + varint_size(body_n);
-        Buffer header = {.len = 0, .cap = sizeof header.stack};
-        header.data = header.stack;
+        Buffer header;
+        BUFFER_INIT(header, 0);
         put(&header, "\x12", 1); /* cannot fail: the stack holds it */
         put_varint(&header, body_n);
         uint8_t *start = b.data + HEADER_ROOM - header_n;
@@ -270,7 +281,64 @@ static PyObject *span(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssi
     return written;
 }
 
+/* Below this many bytes a request is copied with the GIL held: releasing it and taking it back
+   would cost more than the copy. */
+#define JOIN_WITHOUT_GIL_FROM 16384
+
+/* join(parts): b"".join(parts) for a list of bytes objects (a request's pieces, in order). The
+   pieces are found and the result made while holding the GIL; the copying, the bulk of the work
+   for a request of hundreds of spans, runs with the GIL released, so a training thread waiting
+   for it need not wait for the copy. The pieces are held by a tuple of our own meanwhile, so the
+   list may change under us without harm. */
+static PyObject *join(PyObject *Py_UNUSED(module), PyObject *parts) {
+    if (!PyList_CheckExact(parts)) {
+        PyErr_SetString(PyExc_TypeError, "join(parts) takes a list of bytes");
+        return NULL;
+    }
+    PyObject *held = PyList_AsTuple(parts);
+    if (held == NULL) return NULL;
+    Py_ssize_t count = PyTuple_GET_SIZE(held), total = 0;
+    const char **sources = PyMem_Malloc(sizeof *sources * (count ? count : 1));
+    Py_ssize_t *sizes = PyMem_Malloc(sizeof *sizes * (count ? count : 1));
+    PyObject *joined = NULL;
+    if (sources == NULL || sizes == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *part = PyTuple_GET_ITEM(held, i);
+        if (!PyBytes_CheckExact(part)) {
+            PyErr_Format(PyExc_TypeError, "join(parts): item %zd is %.100s, not bytes", i, Py_TYPE(part)->tp_name);
+            goto done;
+        }
+        sources[i] = PyBytes_AS_STRING(part);
+        sizes[i] = PyBytes_GET_SIZE(part);
+        if (sizes[i] > PY_SSIZE_T_MAX - total) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        total += sizes[i];
+    }
+    joined = PyBytes_FromStringAndSize(NULL, total);
+    if (joined == NULL) goto done;
+    char *to = PyBytes_AS_STRING(joined);
+    if (total < JOIN_WITHOUT_GIL_FROM) {
+        for (Py_ssize_t i = 0; i < count; to += sizes[i], i++) memcpy(to, sources[i], sizes[i]);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < count; to += sizes[i], i++) memcpy(to, sources[i], sizes[i]);
+        Py_END_ALLOW_THREADS
+    }
+done:
+    PyMem_Free(sources);
+    PyMem_Free(sizes);
+    Py_DECREF(held);
+    return joined;
+}
+
 static PyMethodDef methods[] = {
+    {"join", join, METH_O,
+     "join(parts) -> b''.join(parts) for a list of bytes, copied without holding the GIL when large"},
     {"span", (PyCFunction)(void (*)(void))span, METH_FASTCALL,
      "span(trace_id, span_id, parent_span_id, parent_is_remote, name, kind, start_time, end_time, attributes,"
      " status_code) -> the Span as an encoded field of ScopeSpans, or None where the Python encoder must write it"},

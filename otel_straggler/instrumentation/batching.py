@@ -30,6 +30,8 @@ from typing import Any, Mapping, Optional
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter
 
+from otel_straggler.instrumentation.record_span import RecordSpan
+
 _logger = logging.getLogger(__name__)
 # the SDK's defaults for OTEL_BSP_*
 DEFAULTS = {"OTEL_BSP_SCHEDULE_DELAY": 5000, "OTEL_BSP_MAX_QUEUE_SIZE": 2048, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": 512,
@@ -109,8 +111,10 @@ class BatchingSpanProcessor(SpanProcessor):
         pass
 
     def on_end(self, span: ReadableSpan) -> None:
-        if self._shutdown or not (span.context and span.context.trace_flags.sampled):
+        if self._shutdown:
             return
+        if type(span) is not RecordSpan and not (span.context and span.context.trace_flags.sampled):
+            return  # (a RecordSpan is always sampled: no need to make its SpanContext to ask)
         item: Any = span
         if self._prewrite is not None:
             try:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 from opentelemetry import trace as trace_api
 from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
@@ -31,10 +31,10 @@ from otel_straggler import contract
 from otel_straggler.instrumentation import stage_names
 from otel_straggler.instrumentation.hot_path_reference import (INTERVAL, START_EVENT, START_STEP, STEP_BEGIN, STEP_END,
                                                      IntervalRecorder)
+from otel_straggler.instrumentation.record_span import SAMPLED, RecordSpan
 from otel_straggler.processors.device_events import give_back
 
 _MASK64 = (1 << 64) - 1
-_SAMPLED = trace_api.TraceFlags(trace_api.TraceFlags.SAMPLED)
 MAX_OPEN_PARENTS = 1024  # enclosing intervals with built children, not yet ended themselves
 # build_errors: records of any kind that failed to build; intervals_failed: those of them that
 # were intervals (so status() can account for every interval)
@@ -100,6 +100,10 @@ def step_number(step: Any) -> int:
 
 def workload_value(value: Any) -> Optional[int]:
     """Tokens/samples as reported; anything not a positive finite number is 'not reported'."""
+    if value is None:
+        return None
+    if type(value) is int:  # the usual case, answered without float()
+        return value if value > 0 else None
     try:
         if isinstance(value, bool) or value is None:
             return None
@@ -131,7 +135,7 @@ class TracerSpans:
             context = trace_api.Context()
         else:
             self.ids.choose(span_id)
-            parent = trace_api.SpanContext(trace_id, parent_span_id, is_remote=False, trace_flags=_SAMPLED)
+            parent = trace_api.SpanContext(trace_id, parent_span_id, is_remote=False, trace_flags=SAMPLED)
             context = trace_api.set_span_in_context(trace_api.NonRecordingSpan(parent))
         try:
             span = self.tracer.start_span(name, context=context, attributes=attributes, start_time=start_ns)
@@ -148,10 +152,10 @@ class TracerSpans:
 
 
 class ProcessorSpans:
-    """Spans made as ended ReadableSpans and handed straight to our own provider's processor
-    chain: what its Tracer would make (sampler ALWAYS_ON, default span limits) without the
-    per-span sampler call, attribute cleaning and live Span object, which cost several times
-    more. Used only where that holds (`applies()`)."""
+    """Spans made as ended ReadableSpans (RecordSpan: its SpanContexts made only if read) and
+    handed straight to our own provider's processor chain: what its Tracer would make (sampler
+    ALWAYS_ON, default span limits) without the per-span sampler call, attribute cleaning and live
+    Span object, which cost several times more. Used only where that holds (`applies()`)."""
 
     _PLAIN_VALUES = (str, bool, int, float)
 
@@ -185,22 +189,17 @@ class ProcessorSpans:
         self.processor.on_end(span)
 
     def _readable_span(self, name: str, trace_id: Optional[int], span_id: int, parent_span_id: Optional[int],
-                       attributes: dict, start_ns: int, end_ns: int) -> tuple[ReadableSpan, Any]:
+                       attributes: dict, start_ns: int, end_ns: int) -> tuple[RecordSpan, Any]:
         if trace_id is None:
             trace_id = self._random_ids.generate_trace_id()
         plain = self._PLAIN_VALUES
-        if not all(type(value) in plain for value in attributes.values()):
-            # an odd value (a user's step number of some other type): kept as the SDK would keep it
-            attributes = BoundedAttributes(attributes=attributes, immutable=False)
-        span = ReadableSpan(
-            name=name,
-            context=trace_api.SpanContext(trace_id, span_id, is_remote=False, trace_flags=_SAMPLED),
-            parent=None if parent_span_id is None else trace_api.SpanContext(
-                trace_id, parent_span_id, is_remote=False, trace_flags=_SAMPLED),
-            resource=self.resource, attributes=attributes, start_time=start_ns, end_time=end_ns,
-            instrumentation_scope=self.scope,
-        )
-        return span, attributes
+        for value in attributes.values():
+            if type(value) not in plain:
+                # an odd value (a user's step number of some other type): kept as the SDK would keep it
+                attributes = BoundedAttributes(attributes=attributes, immutable=False)
+                break
+        return RecordSpan(name, trace_id, span_id, parent_span_id, attributes, start_ns, end_ns, self.resource,
+                          self.scope), attributes
 
 
 class SpanBuilder:

@@ -6,8 +6,11 @@ writes the same message (same fields and values; tested against the SDK's encode
 and scope of a batch are encoded once, and a span's own fields are written by the optional C
 extension _otlp_write or, where it is not built or declines a span, in Python at several times
 the cost (benchmarks/rank_background.py compares the two), with key/value pairs that repeat
-(stage names, groups, flags) from a bounded cache. A span neither covers (events, links, attribute values other than str, bool, int,
-float and tuples or lists of these, which only the Python writer takes) goes through the SDK's encoder.
+(stage names, groups, flags) from a bounded cache. The span builder's spans (RecordSpan) are
+written from their record's fields, without making their SpanContexts. A request is joined once
+from its pieces (the extension's join copies a large one without holding the GIL). A span
+neither covers (events, links, attribute values other than str, bool, int, float and tuples or
+lists of these, which only the Python writer takes) goes through the SDK's encoder.
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span as PB2Span
 from opentelemetry.proto.trace.v1.trace_pb2 import SpanFlags
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanKind, StatusCode
+
+from otel_straggler.instrumentation.record_span import RecordSpan
 
 _MASK64 = (1 << 64) - 1
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -55,15 +60,17 @@ def _field(tag: bytes, payload: bytes) -> bytes:
     return tag + _varint(len(payload)) + payload
 
 
-def _load_writer() -> Optional[Callable[..., Optional[bytes]]]:
+def _load_writer() -> tuple[Optional[Callable[..., Optional[bytes]]], Callable[[list], bytes]]:
+    """The C writer's span() and join(), where built; join() copies a large request without
+    holding the GIL."""
     try:
         from otel_straggler.instrumentation import _otlp_write
     except ImportError:  # not built: no C compiler where the package was installed
-        return None
-    return _otlp_write.span
+        return None, b"".join
+    return _otlp_write.span, _otlp_write.join
 
 
-_write_span = _load_writer()  # None: spans are written in Python only
+_write_span, _join = _load_writer()  # _write_span None: spans are written in Python only
 
 
 def writer_built() -> bool:
@@ -85,12 +92,21 @@ class SpanEncoder:
         # a _Group holds its resource and scope, so their ids cannot be reused meanwhile
         self._groups: list[_Group] = []
         self._group_index: dict[tuple[int, int], int] = {}
+        self._last_group: tuple = (None, None, None)  # (resource, scope, index): a rank's spans share one
 
     def prewrite(self, span: ReadableSpan) -> Any:
         """The span as (group index, its encoded Span field): a tuple of atoms, which the garbage
         collector stops tracking, where a span kept for seconds in a batch queue is tracked and
         promoted to the oldest generation, and so brings on full collections. The span itself
         when its resource and scope are one pair too many to remember."""
+        if type(span) is RecordSpan:  # the span builder's: the common case, answered first
+            last_resource, last_scope, index = self._last_group
+            if span.record_resource is last_resource and span.record_scope is last_scope:
+                if _write_span is not None:
+                    written = _write_record_span(span)
+                    if written is not None:
+                        return index, written
+                return index, self._span_field(span)
         index = self._index_of_group(span)
         return span if index is None else (index, self._span_field(span))
 
@@ -114,27 +130,50 @@ class SpanEncoder:
         groups_by_resource: dict[int, list[_Group]] = {}
         for group in spans_by_group:
             groups_by_resource.setdefault(id(group.resource), []).append(group)
-        request = []
+        # one flat list of pieces, each length computed, joined once: the spans' bytes are copied
+        # once, not once for every message that encloses them
+        request: list[bytes] = []
         for groups in groups_by_resource.values():
-            body = [groups[0].resource_fields]
-            body += [_field(b"\x12", group.scope_fields_head + b"".join(spans_by_group[group]) + group.scope_fields_tail)
-                     for group in groups]
-            body.append(groups[0].resource_fields_tail)
-            request.append(_field(b"\x0a", b"".join(body)))
-        return b"".join(request)
+            resource_parts = [groups[0].resource_fields]
+            for group in groups:
+                spans = spans_by_group[group]
+                scope_n = len(group.scope_fields_head) + sum(map(len, spans)) + len(group.scope_fields_tail)
+                resource_parts += (b"\x12", _varint(scope_n), group.scope_fields_head)
+                resource_parts += spans
+                resource_parts.append(group.scope_fields_tail)
+            resource_parts.append(groups[0].resource_fields_tail)
+            request += (b"\x0a", _varint(sum(map(len, resource_parts))))
+            request += resource_parts
+        return _join(request)
 
     def _index_of_group(self, span: ReadableSpan) -> Optional[int]:
         """Index of the span's resource and scope, encoded once by the SDK's encoder."""
-        key = (id(span.resource), id(span.instrumentation_scope))
+        resource, scope = span.resource, span.instrumentation_scope
+        last_resource, last_scope, index = self._last_group
+        if resource is last_resource and scope is last_scope:
+            return index
+        key = (id(resource), id(scope))
         index = self._group_index.get(key)
         if index is None and len(self._groups) < _MAX_GROUPS:
             self._groups.append(_Group(span))
             index = self._group_index[key] = len(self._groups) - 1
+        if index is not None:
+            self._last_group = (resource, scope, index)
         return index
 
     def _span_field(self, span: ReadableSpan) -> bytes:
         """The span as a field of its ScopeSpans (spans, 2)."""
-        if _write_span is not None and type(span) is ReadableSpan:
+        span_type = type(span)
+        if span_type is RecordSpan:
+            if _write_span is not None:
+                written = _write_record_span(span)
+                if written is not None:
+                    return written
+            try:
+                return _field(b"\x12", self._record_fields(span))
+            except Exception:
+                pass  # an odd value: the general path decides
+        elif _write_span is not None and span_type is ReadableSpan:
             written = _write_plain_span(span)
             if written is not None:
                 return written
@@ -171,6 +210,28 @@ class SpanEncoder:
         if status.status_code.value:
             status_body += b"\x18" + _varint(status.status_code.value)
         out += (_field(b"\x7a", status_body), _FLAGS_REMOTE if parent is not None and parent.is_remote else _FLAGS_LOCAL)
+        return b"".join(out)
+
+    def _record_fields(self, span: RecordSpan) -> bytes:
+        """What _span_fields writes for a RecordSpan (local, INTERNAL, UNSET, no events or links),
+        from the record's fields, without making its SpanContexts."""
+        out = [b"\x0a\x10", span.record_trace_id.to_bytes(16, "big"),
+               b"\x12\x08", span.record_span_id.to_bytes(8, "big")]
+        if span.record_parent_span_id is not None:
+            out += (b"\x22\x08", span.record_parent_span_id.to_bytes(8, "big"))
+        out += (_field(b"\x2a", span.record_name.encode()), b"\x30\x01")  # kind: SPAN_KIND_INTERNAL
+        if span.record_start_ns:
+            out += (b"\x39", _FIXED64(span.record_start_ns))
+        if span.record_end_ns:
+            out += (b"\x41", _FIXED64(span.record_end_ns))
+        attributes = span.record_attributes
+        if attributes:
+            attribute = self._attribute
+            out += [attribute(key, value) for key, value in attributes.items()]
+            dropped = span.dropped_attributes
+            if dropped:
+                out += (b"\x50", _varint(dropped))
+        out += (b"\x7a\x00", _FLAGS_LOCAL)  # an empty status; flags: a local parent
         return b"".join(out)
 
     def _attribute(self, key: str, value: Any) -> bytes:
@@ -212,6 +273,16 @@ def _write_plain_span(span: ReadableSpan) -> Optional[bytes]:
                            span._start_time, span._end_time, attributes, 0 if code is StatusCode.UNSET else code.value)
     except Exception:  # e.g. a ReadableSpan laid out otherwise (another SDK release): the Python writer decides
         return None
+
+
+def _write_record_span(span: RecordSpan) -> Optional[bytes]:
+    """A RecordSpan written by _otlp_write from the record's fields; None where the attributes
+    are not a plain dict (BoundedAttributes, for odd values) or hold a value it declines."""
+    attributes = span.record_attributes
+    if attributes is not None and type(attributes) is not dict:
+        return None
+    return _write_span(span.record_trace_id, span.record_span_id, span.record_parent_span_id, False, span.record_name,
+                       1, span.record_start_ns, span.record_end_ns, attributes, 0)
 
 
 class _Group:

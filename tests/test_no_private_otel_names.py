@@ -145,3 +145,38 @@ def method(self):
     return self._sender
 '''
     assert offences_in(source, "example.py") == []
+
+
+def sdk_private_fields() -> set[str]:
+    """The private fields of the SDK objects the rank side handles (a span, a provider, a
+    resource), from live instances of the installed SDK."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+    from opentelemetry.trace import SpanContext
+
+    objects = (ReadableSpan("s", SpanContext(1, 2, False)), TracerProvider(), Resource.create({}))
+    return {name for item in objects for name in vars(item) if private(name)}
+
+
+def field_reads_in(source: str, filename: str, fields: set[str]) -> list[str]:
+    """`x._field` where `_field` is a private field of an SDK object and `x` is not the class's own
+    `self`/`cls`: the values the import check above does not follow."""
+    return [f"{filename}:{node.lineno}: {ast.unparse(node)}" for node in ast.walk(ast.parse(source, filename))
+            if isinstance(node, ast.Attribute) and node.attr in fields
+            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))]
+
+
+def test_the_package_reads_no_private_field_of_an_sdk_object():
+    fields = sdk_private_fields()
+    assert {"_attributes", "_context", "_active_span_processor"} <= fields  # the SDK's objects were read
+    found = []
+    for directory in PACKAGE_DIRS:
+        for path in sorted((REPO / directory).rglob("*.py")):
+            found += field_reads_in(path.read_text(encoding="utf-8"), str(path.relative_to(REPO)), fields)
+    assert found == []
+
+
+def test_the_field_check_catches_a_span_read_through_a_variable():
+    source = "def write(span):\n    return span._attributes, span.attributes, self_like._context\n"
+    found = [line.split(": ", 1)[1] for line in field_reads_in(source, "example.py", {"_attributes", "_context"})]
+    assert found == ["span._attributes", "self_like._context"]

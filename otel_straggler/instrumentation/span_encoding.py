@@ -257,21 +257,22 @@ class SpanEncoder:
 
 
 def _write_plain_span(span: ReadableSpan) -> Optional[bytes]:
-    """A plain ReadableSpan (the span builder makes them) written by _otlp_write from its own
-    fields: its properties copy the events and links and wrap the attributes at every access,
-    which would cost more than writing the span. None where it has more than the C writer
-    covers (events, links, trace state, a status description, counts of dropped items: these
-    need bounded containers, which are not plain tuples and dicts) or a value it declines."""
+    """A ReadableSpan from elsewhere (a user's own provider and processors) written by _otlp_write
+    from its public properties. None where it has more than the C writer covers (events, links,
+    trace state, a status description, dropped attributes) or a value it declines: the Python
+    writer decides those."""
     try:
-        context, parent, status, attributes = span._context, span._parent, span._status, span._attributes
-        if (span._events != () or span._links != () or (attributes is not None and type(attributes) is not dict)
-                or context.trace_state or status.description):
+        if span.events or span.links or span.dropped_attributes:
             return None
+        context, parent, status = span.context, span.parent, span.status
+        if context is None or context.trace_state or status.description:
+            return None
+        attributes = dict(span.attributes) if span.attributes else None
         code = status.status_code
         return _write_span(context.trace_id, context.span_id, None if parent is None else parent.span_id,
-                           parent is not None and parent.is_remote, span._name, _KIND[span._kind],
-                           span._start_time, span._end_time, attributes, 0 if code is StatusCode.UNSET else code.value)
-    except Exception:  # e.g. a ReadableSpan laid out otherwise (another SDK release): the Python writer decides
+                           parent is not None and parent.is_remote, span.name, _KIND[span.kind],
+                           span.start_time, span.end_time, attributes, 0 if code is StatusCode.UNSET else code.value)
+    except Exception:  # a property another SDK release lacks, an odd value: the Python writer decides
         return None
 
 

@@ -4,7 +4,7 @@ SHELL := /bin/bash
 VENV ?= $(or $(OTEL_STRAGGLER_VENV),$(HOME)/.cache/otel-straggler/venv)
 PYTHON := $(VENV)/bin/python
 
-.PHONY: venv demo test test-unit lint services-build bench
+.PHONY: venv demo test test-unit lint services-build bench bench-all
 
 venv:
 	scripts/setup_venv.sh "$(VENV)"
@@ -28,5 +28,10 @@ lint: venv
 services-build:
 	scripts/services.sh build
 
+# `make bench` lists the benchmarks (benchmarks/catalog.py); `make bench NAME=hot_path ARGS="--rounds 3"` runs one
 bench: venv
-	$(PYTHON) benchmarks/hot_path.py
+	$(PYTHON) benchmarks/catalog.py $(if $(NAME),run $(NAME) $(ARGS))
+
+# every CPU benchmark in turn with short settings: that each still runs, not figures to quote
+bench-all: venv services-build
+	$(PYTHON) benchmarks/catalog.py all

@@ -48,7 +48,6 @@ import os
 import random
 import re
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -57,10 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from tests.pipeline import services  # noqa: E402
+from otel_straggler.testing import services
 
 STAGES = ("forward-compute", "backward-compute")
 COLLECTIVE = "all-reduce"

@@ -226,7 +226,6 @@ def run_arm(args: argparse.Namespace, rank: int, arm: str, index: int, counter: 
 def hot_path(intervals: int) -> dict:
     """The training thread's cost of one interval with fake device events, and the builder's
     cost per span, from benchmarks/hot_path.py; median of three rounds."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import hot_path as bench
 
     run = bench.instrumented_arm(bench.stage_loop, device=True)

@@ -1,5 +1,5 @@
 """False positives and detection of the engine's rules, for three reference choices, on seeded
-synthetic jobs (tests/detector/synthetic.py). The figures in docs/detection.md come from this script.
+synthetic jobs (otel_straggler/testing/synthetic.py). The figures in docs/detection.md come from this script.
 
     python benchmarks/detection_rates.py [--seeds 10] [--windows 60]
 
@@ -9,7 +9,7 @@ Jobs: a ~1 s training step (data-load 20 ms, forward 300 ms, backward 600 ms, a 
 - persistent spread: healthy ranks that are persistently up to +-2.5% apart (a slower GPU, thermals)
 - detection: one rank slower by +4% ... +10% on every compute stage: share of seeds where it was
   caught within the run, and the median number of windows from its first judged window to onset
-Busy hosts (tests/detector/host_noise.py): instead of the Gaussian jitter, each rank drifts (an AR(1)
+Busy hosts (otel_straggler/testing/host_noise.py): instead of the Gaussian jitter, each rank drifts (an AR(1)
 factor, 3.5% std dev, correlation time 5 windows), its per-step jitter is Student-t (3 degrees of
 freedom) and 0.5% of intervals are 3x, so healthy ranks sit 5-8% off their peers for windows in a row.
 - false positives: healthy ranks under that noise; then the same jobs with a busy host (the last 8
@@ -48,18 +48,16 @@ from typing import Optional
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from otel_straggler import contract  # noqa: E402
-from otel_straggler.detector.config import DetectorConfig  # noqa: E402
-from otel_straggler.detector.engine import Engine  # noqa: E402
-from otel_straggler.contract import REASON_INTERMITTENT  # noqa: E402
-from tests.detector.host_noise import BusyHost, HostNoise  # noqa: E402
-from tests.detector.synthetic import LARGE_MODEL_STAGES as STAGES, SyntheticJob  # noqa: E402
+from otel_straggler import contract
+from otel_straggler.detector.config import DetectorConfig
+from otel_straggler.detector.engine import Engine
+from otel_straggler.contract import REASON_INTERMITTENT
+from otel_straggler.testing.host_noise import BusyHost, HostNoise
+from otel_straggler.testing.synthetic import LARGE_MODEL_STAGES as STAGES, SyntheticJob
 
 QUANTILES = {"median (default)": 0.5, "25th percentile": 0.25, "fastest peer": 0.0}
 STEP_NS = 100_000_000
-HOST_NOISE = HostNoise()  # the defaults: see tests/detector/host_noise.py
+HOST_NOISE = HostNoise()  # the defaults: see otel_straggler/testing/host_noise.py
 NOISY_SLOW_STAGE = "backward-compute"
 WINDOW_STEPS = DetectorConfig().window_steps
 CHANGE_WINDOW = 20  # job slowdown, intermittent and stream scenarios: the window the job changes in

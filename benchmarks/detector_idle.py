@@ -11,7 +11,6 @@ status.json every second), without OTLP export of its own metrics.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -20,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+from measured_on import describe, measured_on
 from thread_cpu import thread_cpu_ns, thread_cpu_since
 
 from otel_straggler.detector.config import DetectorConfig
@@ -69,11 +69,9 @@ def main(argv=None) -> int:
         finally:
             detector.stop()
     reference = polling_reference(args.seconds)
-    report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "cores": os.cpu_count(),
-              "load_average": os.getloadavg(), "seconds": args.seconds, "detector_ms_cpu_per_s": threads,
+    report = {**measured_on(), "seconds": args.seconds, "detector_ms_cpu_per_s": threads,
               "detector_total_ms_cpu_per_s": sum(threads.values()), "reference": reference}
-    print(f"\nidle detector, CPU by thread — {report['date']}, {report['cores']} cores,"
-          f" load average {report['load_average'][0]:.1f}, {args.seconds:.0f} s each")
+    print(f"\nidle detector, CPU by thread — {describe(report)}, {args.seconds:.0f} s each")
     print(f"\n{'thread':36} {'ms CPU/s':>9}")
     for name, ms in sorted(threads.items(), key=lambda item: -item[1]):
         print(f"{name:36} {ms:9.3f}")

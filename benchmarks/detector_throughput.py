@@ -8,7 +8,7 @@ the protobuf parse-only rate of the same payloads, and the detector's peak memor
 Payloads are what the rank side sends: each rank's stage spans encoded by the OTel SDK's own OTLP
 encoder (trace/span/parent ids, kind, status, scope, resource and every contract attribute), one
 request per rank per `--steps-per-request` steps (a BatchSpanProcessor flush). Durations come from
-the engine's synthetic job (tests/detector/synthetic.py) with one rank 10% slow, 10 stages.
+the engine's synthetic job (otel_straggler/testing/synthetic.py) with one rank 10% slow, 10 stages.
 Layouts, each with its own table: one cohort of all ranks (data parallel), and the same ranks as
 cohorts of `--small-cohorts` (a TP x PP grid: many small windows, where per-window costs show),
 each cohort with one rank 10% slow.
@@ -38,17 +38,15 @@ import sys
 import time
 from collections import defaultdict
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans  # noqa: E402
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest  # noqa: E402
-
-from otel_straggler import contract  # noqa: E402
-from otel_straggler.detector.config import DetectorConfig  # noqa: E402
-from otel_straggler.detector.decode import ProtobufDecoder  # noqa: E402
-from otel_straggler.detector.engine import Engine  # noqa: E402
-from tests.detector.otlp_spans import rank_resource, readable_span  # noqa: E402
-from tests.detector.synthetic import TEN_STAGES, SyntheticJob  # noqa: E402
+from otel_straggler import contract
+from otel_straggler.detector.config import DetectorConfig
+from otel_straggler.detector.decode import ProtobufDecoder
+from otel_straggler.detector.engine import Engine
+from otel_straggler.testing.otlp_spans import rank_resource, readable_span
+from otel_straggler.testing.synthetic import TEN_STAGES, SyntheticJob
 
 STEP_NS = 100_000_000
 TARGET = 1_000_000  # spans/s/core end to end, per layout

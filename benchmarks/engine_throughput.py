@@ -18,17 +18,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import statistics
 import sys
 import time
 import tracemalloc
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from otel_straggler.detector.config import DetectorConfig  # noqa: E402
-from otel_straggler.detector.engine import Engine  # noqa: E402
-from tests.detector.synthetic import TEN_STAGES, SyntheticJob  # noqa: E402
+from otel_straggler.detector.config import DetectorConfig
+from otel_straggler.detector.engine import Engine
+from otel_straggler.testing.synthetic import TEN_STAGES, SyntheticJob
 
 BATCH = 512  # observations per ingest_many call: one OTLP export batch
 STEP_NS = 100_000_000

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import time
 from pathlib import Path
 
 from detector_process import DetectorProcess
+from measured_on import describe, measured_on
 
 PACE_S = 0.5  # OTEL_BSP_SCHEDULE_DELAY of the demo's ranks and the overhead benchmark
 ROUNDS = 3
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
         finally:
             detector.stop()
     print(f"\nCPU per OTLP span export of {args.spans} spans ({body_bytes:,} bytes) to a live detector, whole process;"
-          f" {ROUNDS} rounds, median (min-max); {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
+          f" {ROUNDS} rounds, median (min-max); {describe(measured_on())}")
     print(f"\n{'transport':24} {'back to back µs':>22} {'paced every 500 ms µs':>26}")
     for arm, figures in results.items():
         cells = []

@@ -28,7 +28,6 @@ import contextlib
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -38,9 +37,8 @@ from torch.utils.data import DataLoader
 
 import otel_straggler as ots
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "field_jobs"))
-from job_common import Samples  # noqa: E402
-from slowdowns import SlowBackward, SlowForward, SlowSwitch  # noqa: E402
+from field_jobs.job_common import Samples
+from field_jobs.slowdowns import SlowBackward, SlowForward, SlowSwitch
 
 FEATURES, HIDDEN, BATCH = 1024, 1536, 128
 SHAPES = ("plain", "accumulate", "fetch-between")

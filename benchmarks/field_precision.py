@@ -43,10 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from detector_process import DetectorProcess  # noqa: E402
-from otel_straggler.demo.ports import free_port  # noqa: E402
+from detector_process import DetectorProcess
+from otel_straggler.demo.ports import free_port
 
 JOB = Path(__file__).resolve().parent / "field_job.py"
 WORLD_SIZE = 4

@@ -44,13 +44,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from detector_process import DetectorProcess  # noqa: E402
-from field_precision import (CAUSE, SLOW_RANK, WORLD_SIZE, RunResult, _kind, cpu_hog,  # noqa: E402
+from detector_process import DetectorProcess
+from field_precision import (CAUSE, SLOW_RANK, WORLD_SIZE, RunResult, _kind, cpu_hog,
                              exact, summarize)
 
-from otel_straggler.demo.ports import free_port  # noqa: E402
+from otel_straggler.demo.ports import free_port
 
 JOBS = Path(__file__).resolve().parent / "field_jobs"
 BIN = Path(sys.executable).parent  # torchrun and opentelemetry-instrument of this environment

@@ -49,14 +49,13 @@ from otel_straggler.instrumentation import hot_path as hot_path_choice
 from otel_straggler.processors.cuda_event_span_processor import CudaEventSpanProcessor
 from otel_straggler.processors.device_events import TorchCudaEvents
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import hot_path as hot_path_bench  # noqa: E402
-from detector_process import DetectorProcess  # noqa: E402
-from paired_protocol import ON, Protocol, summarize  # noqa: E402
+import hot_path as hot_path_bench
+from detector_process import DetectorProcess
+from paired_protocol import ON, Protocol, summarize
 
 try:  # the CUDA checks need torch; the GPU health check does not
     import torch
-    from demo_training import state_sha256  # noqa: E402
+    from demo_training import state_sha256
 except ImportError as missing:
     torch = None
     TORCH_MISSING = str(missing)

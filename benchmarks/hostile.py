@@ -33,26 +33,23 @@ import json
 import os
 import socket
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import grpc
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.trace.export import SpanExportResult
 
-import grpc  # noqa: E402
-from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter  # noqa: E402
-from opentelemetry.sdk.trace.export import SpanExportResult  # noqa: E402
-
-from otel_straggler import contract  # noqa: E402
-from otel_straggler.detector.config import DetectorConfig  # noqa: E402
-from otel_straggler.detector.engine import Engine  # noqa: E402
-from otel_straggler.detector.observation import Observation  # noqa: E402
-from otel_straggler.detector.service import DetectorService  # noqa: E402
-from tests.detector.otlp_spans import per_step_requests, request_bytes, stage_spans  # noqa: E402
-from tests.detector.scripted_job import CONFIG as HANG_CONFIG, SECOND, ScriptedJob, hangs, stuck_rank_one  # noqa: E402
-from tests.detector.synthetic import TRAINING_STAGES, SyntheticJob  # noqa: E402
+from otel_straggler import contract
+from otel_straggler.detector.config import DetectorConfig
+from otel_straggler.detector.engine import Engine
+from otel_straggler.detector.observation import Observation
+from otel_straggler.detector.service import DetectorService
+from otel_straggler.testing.otlp_spans import per_step_requests, request_bytes, stage_spans
+from otel_straggler.testing.scripted_job import CONFIG as HANG_CONFIG, SECOND, ScriptedJob, hangs, stuck_rank_one
+from otel_straggler.testing.synthetic import TRAINING_STAGES, SyntheticJob
 
 EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 LEGIT_EVERY_S = 0.02

@@ -26,7 +26,6 @@ mere presence does, and `on-one-burst` against `on` shows what the pauses betwee
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -34,6 +33,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from measured_on import describe, measured_on
 
 ARMS = ("off", "on", "on-host", "on-python", "on-deferred", "on-one-burst")
 DEVICE_TIMING = {"on": "fake", "on-host": "off", "on-python": "fake", "on-deferred": "fake", "on-one-burst": "fake"}
@@ -165,10 +166,9 @@ def main(argv=None) -> int:
                      "waiting_us_per_step_by_round": [statistics.mean(record["waiting_ns"]) / 1e3 for record in records[arm]],
                      "spans_lost": sum(record["spans_lost"] for record in records[arm]),
                      "hot_path": sorted({record["hot_path"] for record in records[arm]})} for arm in arms}
-    report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "cores": os.cpu_count(),
-              "load_average": os.getloadavg(), "rounds": args.rounds, "steps": args.steps, "arms": results}
+    report = {**measured_on(), "rounds": args.rounds, "steps": args.steps, "arms": results}
     off = results["off"]
-    print(f"\nhot path in situ — {report['date']}, {report['cores']} cores, load average {report['load_average'][0]:.1f};"
+    print(f"\nhot path in situ — {describe(report)};"
           f" {args.rounds} rounds x {args.steps} steps per arm; median per step of step() + 4 x stage() made, entered and exited,"
           f" timer included; waiting: mean per step of wall minus the training thread's CPU")
     print(f"\n{'arm':20} {'hot path':9} {'in training µs':>15} {'minus off':>10} {'tight loop µs':>14} {'minus off':>10}"

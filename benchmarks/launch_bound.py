@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from detector_process import DetectorProcess
+from measured_on import describe, measured_on
 from paired_protocol import OFF, ON, Protocol, pair_estimates, bootstrap_ci
 
 STAGES = ("batch-generator", "forward-compute", "backward-compute", "optimizer")
@@ -110,8 +111,7 @@ def main(argv=None) -> int:
     off = [m for which, m in zip(schedule, means) if which == OFF]
     on_runs = [run for which, run in zip(schedule, results) if which == ON]
     print(f"\nlaunch-bound proxy on the CPU: {protocol.describe()}; {args.step_ops} tiny ops a step, 5 spans a step,"
-          f" OTLP ({args.protocol}) to a live detector every 500 ms; {os.cpu_count()} cores,"
-          f" load average {os.getloadavg()[0]:.1f}")
+          f" OTLP ({args.protocol}) to a live detector every 500 ms; {describe(measured_on())}")
     print(f"\n{'OFF ms/step':>12} {'ON ms/step':>11} {'overhead % [95% CI]':>28} {'per-pair spread':>16} {'target':>8}")
     on_means = [m for which, m in zip(schedule, means) if which == ON]
     print(f"{statistics.median(off) * 1e3:12.3f} {statistics.median(on_means) * 1e3:11.3f}"

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime
 import json
 import os
 import resource
@@ -35,6 +34,7 @@ from pathlib import Path
 from allocators import ALLOCATORS, KEPT_MMAP_THRESHOLD, KEPT_TOP_PAD, KEPT_TRIM_THRESHOLD, allocator_environment
 from demo_training import DEMO_RANK_ENVIRONMENT, Training
 from detector_process import detector_in_this_process
+from measured_on import describe, measured_on
 
 WARMUP_STEPS = 30
 BLOCK_STEPS, BLOCK_SETTLE_STEPS, BLOCK_PAIRS = 15, 3, 12
@@ -157,11 +157,9 @@ def main(argv=None) -> int:
                     ["--child", arm, "--endpoint", endpoint, "--steps", str(args.steps), *sizes], allocator))
             print(f"processes {index + 1}/{args.processes} of each done", flush=True)
 
-    report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "cores": os.cpu_count(),
-              "load_average": os.getloadavg(), "fault_cost": cost, "steps": args.steps,
+    report = {**measured_on(), "fault_cost": cost, "steps": args.steps,
               "processes": {f"{allocator}/{arm}": values for (allocator, arm), values in processes.items()}}
-    print(f"\npage faults of the training thread — {report['date']}, {report['cores']} cores,"
-          f" load average {report['load_average'][0]:.1f}")
+    print(f"\npage faults of the training thread — {describe(report)}")
     print(f"\ncost per fault, {BLOCK_PAIRS} pairs of {BLOCK_STEPS}-step blocks in one process, library off:"
           f" {cost['us_per_fault']:.2f} µs ({_spread(cost['us_per_fault_by_pair'])});"
           f" faulting settings {cost['faulting']['faults_per_step']:.0f} faults and {cost['faulting']['cpu_ms_per_step']:.2f} ms"

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 from detector_process import DetectorProcess
+from measured_on import describe, measured_on
 from thread_cpu import thread_cpu_ns, thread_cpu_since
 
 ARMS = {"C writer, gRPC": "c,grpc", "Python writer, gRPC": "python,grpc", "stock, gRPC": "stock,grpc",
@@ -145,8 +146,7 @@ def main(argv=None) -> int:
         finally:
             detector.stop()
     print(f"\nrank background CPU per span: {args.rounds} rounds x {args.steps} steps x {1 + len(STAGES)} spans,"
-          f" {args.step_ms:g} ms a step, fake device events, OTLP to a live detector; {os.cpu_count()} cores,"
-          f" load average {os.getloadavg()[0]:.1f}")
+          f" {args.step_ms:g} ms a step, fake device events, OTLP to a live detector; {describe(measured_on())}")
     print(f"\n{'arm':20} {'median µs/span':>15} {'min':>7} {'max':>7} {'vs stock':>9} {'builder':>8} {'rest':>6}"
           f"  threads µs/span")
     summary = {}

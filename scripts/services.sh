@@ -237,10 +237,10 @@ case "${1:-}" in
     await_helm
     ;;
   start)
-    "$(python_for_helpers)" "$REPO/tests/pipeline/services.py" start --dir "$SERVICES_DIR"
+    "$(python_for_helpers)" "$REPO/otel_straggler/testing/services.py" start --dir "$SERVICES_DIR"
     ;;
   stop)
-    "$(python_for_helpers)" "$REPO/tests/pipeline/services.py" stop --dir "$SERVICES_DIR"
+    "$(python_for_helpers)" "$REPO/otel_straggler/testing/services.py" stop --dir "$SERVICES_DIR"
     ;;
   env)
     cat "$SERVICES_DIR/env"

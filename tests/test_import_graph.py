@@ -169,6 +169,18 @@ def test_the_package_has_no_import_cycle():
     assert not found, "import cycles among the package's modules:\n" + "\n".join(found)
 
 
+TESTING = "otel_straggler.testing"
+
+
+def test_only_the_testing_package_imports_itself():
+    """otel_straggler.testing is for tests and benchmarks: a training job or the detector that
+    imported it would load synthetic streams and the services' process management for nothing."""
+    importers = [f"{module} -> {imported} (line {line})" for module, edges in import_graph().items()
+                 if not (module == TESTING or module.startswith(TESTING + "."))
+                 for imported, line in edges.items() if imported == TESTING or imported.startswith(TESTING + ".")]
+    assert importers == []
+
+
 def test_the_graph_sees_every_kind_of_import_and_the_cycle_check_finds_cycles():
     source = ("import otel_straggler.contract\n"
               "from otel_straggler.instrumentation import api, hot_path\n"

@@ -1,5 +1,5 @@
 """Free loopback TCP ports for processes about to start: the demo's MASTER_PORT, and every
-service the tests start. Standard library only: tests/pipeline/services.py loads this file by
+service the tests start. Standard library only: otel_straggler/testing/services.py loads this file by
 path, from an interpreter that may not have the package's dependencies.
 """
 from __future__ import annotations

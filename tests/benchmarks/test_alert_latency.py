@@ -5,15 +5,11 @@ negative, the chain the sum of its hops), and verdict -> firing stays within wha
 settings allow (docs/pipeline.md#alert-latency); the full run's figures are in the docs."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import alert_latency  # noqa: E402
+import alert_latency
 
-from tests.pipeline import services  # noqa: E402
+from otel_straggler.testing import services
 
 pytestmark = [pytest.mark.slow, pytest.mark.services]
 # the shipped chain's worst case is ~12 s (the verdict writer's 1 s, the gateway's 1 s batch, a 5 s

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from allocators import ALLOCATORS, allocator_environment  # noqa: E402
+from allocators import ALLOCATORS, allocator_environment
 
 # Allocates 8 MiB, writes it, frees it, allocates and writes 8 MiB again: prints the page faults of
 # the second allocation, which memory kept mapped does not take.

@@ -3,17 +3,13 @@ and an automatic block run after an explicit one is timed (a fresh configure() p
 process that called step() keeps the automatic stages off)."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 torch = pytest.importorskip("torch")
-from torch import nn  # noqa: E402
+from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import automatic_cost  # noqa: E402
-from automatic_cost import AUTOMATIC, BARE, EXPLICIT, Block  # noqa: E402
+import automatic_cost
+from automatic_cost import AUTOMATIC, BARE, EXPLICIT, Block
 
 
 def test_each_arm_takes_each_place_in_the_rounds():

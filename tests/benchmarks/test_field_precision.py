@@ -14,16 +14,13 @@ with every span and none late."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.replay import replay
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import field_precision  # noqa: E402
+import field_precision
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.slow

@@ -14,13 +14,9 @@ Six runs of 130 steps: 24-35 s each on the idle 2-core VM (41-122 s with other w
 `python benchmarks/field_zero_code.py`, 10 runs each."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import field_zero_code  # noqa: E402
+import field_zero_code
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.slow

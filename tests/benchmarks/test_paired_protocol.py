@@ -1,14 +1,10 @@
 """The overhead benchmark's protocol and estimator (benchmarks/paired_protocol.py): pure logic."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from paired_protocol import OFF, ON, Protocol, pair_estimates, summarize, verdict  # noqa: E402
+from paired_protocol import OFF, ON, Protocol, pair_estimates, summarize, verdict
 
 
 def arm_means_for(protocol: Protocol, pair_ratios: np.ndarray, off_ms: float = 40.0) -> list[float]:

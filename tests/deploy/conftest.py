@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import services
+from otel_straggler.testing import services
 
 HERE = Path(__file__).resolve().parent
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import services
+from otel_straggler.testing import services
 
 REPO = services.REPO
 CHART = REPO / "deploy" / "helm" / "otel-straggler"

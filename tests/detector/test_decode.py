@@ -15,7 +15,7 @@ from otel_straggler.detector import decode
 from otel_straggler.detector.decode import DEFAULT_COHORT, MalformedPayload, ProtobufDecoder, decode_json
 from otel_straggler.detector.observation import Observation
 
-from .otlp_spans import otlp_json, rank_resource, readable_span, request_bytes
+from otel_straggler.testing.otlp_spans import otlp_json, rank_resource, readable_span, request_bytes
 
 END = 1_700_000_000_000_000_000
 

@@ -17,7 +17,7 @@ from otel_straggler import contract
 from otel_straggler.detector import decode
 from otel_straggler.detector.decode import MalformedPayload, ProtobufDecoder
 
-from .otlp_spans import request_bytes, stage_spans
+from otel_straggler.testing.otlp_spans import request_bytes, stage_spans
 from .test_fuzz import mutations
 
 try:
@@ -84,7 +84,7 @@ def test_what_the_rank_side_sends_is_scanned():
 
     from otel_straggler.instrumentation.span_encoding import SpanEncoder
 
-    from .otlp_spans import readable_span
+    from otel_straggler.testing.otlp_spans import readable_span
     from .test_decode import observation
 
     resource = Resource({contract.JOB_ID: "job-7", contract.RANK: 5, contract.COHORT: "tp1-pp0",

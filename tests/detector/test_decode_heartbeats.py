@@ -8,7 +8,7 @@ from otel_straggler import contract
 from otel_straggler.detector.decode import ProtobufDecoder, decode_json_request
 from otel_straggler.detector.observation import GpuSample, Heartbeat, Placement
 
-from .otlp_spans import heartbeat_span, otlp_json, readable_span, request_bytes, stage_spans
+from otel_straggler.testing.otlp_spans import heartbeat_span, otlp_json, readable_span, request_bytes, stage_spans
 
 T = 1_700_000_000_000_000_000
 DECODERS = {

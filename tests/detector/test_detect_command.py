@@ -19,7 +19,8 @@ from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.decode import ProtobufDecoder
 from otel_straggler.detector.engine import Engine
 
-from .otlp_spans import eventful_observations, per_step_requests, request_bytes, verdict_records, without_time
+from otel_straggler.testing.otlp_spans import (eventful_observations, per_step_requests, request_bytes, verdict_records,
+                                               without_time)
 
 FLUSH_INTERVAL_S = 0.5
 # a short startup hold (max-export-lag-s bounds it): these tests time what comes after the first spans

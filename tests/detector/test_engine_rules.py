@@ -18,7 +18,7 @@ from otel_straggler.detector.engine import Engine
 from otel_straggler.detector.observation import DEFAULT_COHORT, Observation, Placement
 from otel_straggler.detector.peer_reference import peer_references
 
-from .synthetic import LARGE_MODEL_STAGES, TRAINING_STAGES, Stage, SyntheticJob
+from otel_straggler.testing.synthetic import LARGE_MODEL_STAGES, TRAINING_STAGES, Stage, SyntheticJob
 
 START_NS = 1_700_000_000_000_000_000
 STEP_NS = 100_000_000  # the caller's clock moves 0.1 s per step fed
@@ -937,7 +937,7 @@ def test_slow_needs_a_deviation_beyond_the_cohorts_own_noise(monkeypatch):
     """Busy hosts: each rank drifting by 3.5% with a 5-window correlation time, heavy-tailed jitter.
     Healthy ranks then sit 5-8% off their peers for windows on end; none is a straggler. A rank
     50% slower in one stage still is."""
-    from tests.detector.host_noise import HostNoise
+    from otel_straggler.testing.host_noise import HostNoise
 
     healthy = SyntheticJob(ranks=32, seed=31, noise=HostNoise())
     assert stragglers(run(healthy, 400)[0]) == set()
@@ -953,7 +953,7 @@ def test_contention_that_moves_from_rank_to_rank_is_noise_a_slow_rank_is_not(mon
     their own speed. The faster half then bunches at that speed and its spread says little; each
     healthy rank's deviation jumps from window to window, while a rank 50% slower in one stage stays
     slow. The spread over time (the ranks' changes of deviation) keeps the healthy ranks quiet."""
-    from tests.detector.host_noise import HostNoise
+    from otel_straggler.testing.host_noise import HostNoise
 
     noise = HostNoise(drift_std=0.01, contention_share=0.5, contention_steps=1, contention=(1.2, 1.5))
     seeds = range(40, 46)

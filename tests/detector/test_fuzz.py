@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from otel_straggler.detector.decode import MalformedPayload, ProtobufDecoder, decode_json
 
-from .otlp_spans import otlp_json, request_bytes, running_service, service_config, stage_spans
+from otel_straggler.testing.otlp_spans import otlp_json, request_bytes, running_service, service_config, stage_spans
 from .test_receiver import post, raw_grpc_export
 
 VALID = request_bytes(stage_spans(0, 3) + stage_spans(1, 2))

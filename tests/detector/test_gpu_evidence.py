@@ -10,7 +10,7 @@ from otel_straggler.detector.next_step import next_step, suspect
 from otel_straggler.detector.nodes import NodeRollup, roll_up
 from otel_straggler.detector.observation import GpuSample, Heartbeat
 
-from .scripted_job import CONFIG, SECOND, ScriptedJob, hangs, stuck_rank_one
+from otel_straggler.testing.scripted_job import CONFIG, SECOND, ScriptedJob, hangs, stuck_rank_one
 
 COOL = GpuSample(0, "GPU-cool", 1980, 1980, 0x0, 61, 350.0, 0.98, 0, 5)
 

@@ -10,7 +10,7 @@ from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.engine import Engine
 from otel_straggler.detector.observation import DEFAULT_COHORT
 
-from .scripted_job import CONFIG, SECOND, START, ScriptedJob, hangs, in_stage, stuck_rank_one
+from otel_straggler.testing.scripted_job import CONFIG, SECOND, START, ScriptedJob, hangs, in_stage, stuck_rank_one
 
 
 # ---------------------------------------------------------------- hang: who is the culprit

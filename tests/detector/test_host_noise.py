@@ -6,8 +6,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from .host_noise import BusyHost, HostNoise
-from .synthetic import Stage, SyntheticJob
+from otel_straggler.testing.host_noise import BusyHost, HostNoise
+from otel_straggler.testing.synthetic import Stage, SyntheticJob
 
 RANKS, WINDOWS, WINDOW_STEPS = 32, 40, 10
 

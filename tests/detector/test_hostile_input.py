@@ -17,7 +17,7 @@ from otel_straggler.detector import receiver
 from otel_straggler.detector.decode import ProtobufDecoder, decode_json
 from otel_straggler.detector.replay import replay
 
-from .otlp_spans import json_line, request_bytes, running_service, service_config, stage_spans
+from otel_straggler.testing.otlp_spans import json_line, request_bytes, running_service, service_config, stage_spans
 from .test_receiver import accepted, post, raw_grpc_export
 
 END = 1_700_000_000_000_000_000

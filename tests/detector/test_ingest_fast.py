@@ -14,7 +14,7 @@ from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.engine import Engine
 from otel_straggler.detector.observation import Observation
 
-from .synthetic import TEN_STAGES, SyntheticJob
+from otel_straggler.testing.synthetic import TEN_STAGES, SyntheticJob
 
 pytestmark = pytest.mark.skipif(engine_module._append_rows is None, reason="_ingest not built")
 

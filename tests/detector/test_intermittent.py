@@ -15,8 +15,8 @@ from otel_straggler.detector.intermittent import (EXACT_TAIL_STEPS, HORIZON, MIN
 from otel_straggler.contract import (REASON_INTERMITTENT, REASON_LAST_TO_ARRIVE, REASON_SLOW_VS_PEERS,
                                      REASON_WITHIN_TOLERANCE)
 
-from .host_noise import HostNoise
-from .synthetic import LARGE_MODEL_STAGES, SyntheticJob
+from otel_straggler.testing.host_noise import HostNoise
+from otel_straggler.testing.synthetic import LARGE_MODEL_STAGES, SyntheticJob
 from .test_engine_rules import feed, replaced, run
 
 ONSET_STEP = 50  # window 5

@@ -9,7 +9,7 @@ from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.engine import Engine
 from otel_straggler.contract import REASON_BACK_TO_BASELINE, REASON_SLOWER_THAN_BASELINE
 
-from .synthetic import Stage, SyntheticJob
+from otel_straggler.testing.synthetic import Stage, SyntheticJob
 from .test_engine_rules import feed, replaced
 
 STAGES = (Stage("data-load", 8.0, device=False), Stage("forward-compute", 80.0), Stage("backward-compute", 160.0),

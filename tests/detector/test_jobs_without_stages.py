@@ -15,7 +15,7 @@ from otel_straggler.detector.engine import Engine
 from otel_straggler.detector.observation import Heartbeat, Observation
 from otel_straggler.detector.driver import MAX_JOBS_WITHOUT_STAGES_NAMED, EngineDriver, IntakeCounters
 
-from .otlp_spans import heartbeat_span, running_service, service_config, stage_spans
+from otel_straggler.testing.otlp_spans import heartbeat_span, running_service, service_config, stage_spans
 
 START = 1_700_000_000_000_000_000
 SECOND = 1_000_000_000

@@ -8,7 +8,7 @@ from otel_straggler.detector.engine import Engine
 from otel_straggler.detector.observation import Placement
 from otel_straggler.detector.telemetry import _rank_attributes
 
-from .scripted_job import CONFIG, ScriptedJob, hangs
+from otel_straggler.testing.scripted_job import CONFIG, ScriptedJob, hangs
 
 
 def on_kubernetes(job: ScriptedJob) -> ScriptedJob:

@@ -8,7 +8,7 @@ from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExp
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
-from .otlp_spans import running_service, service_config
+from otel_straggler.testing.otlp_spans import running_service, service_config
 from .test_receiver import post
 
 

@@ -27,7 +27,7 @@ from otel_straggler.detector.engine import Engine
 from otel_straggler.detector import receiver_http
 from otel_straggler.detector.receiver import load_token
 
-from .otlp_spans import otlp_json, request_bytes, running_service, service_config, stage_spans
+from otel_straggler.testing.otlp_spans import otlp_json, request_bytes, running_service, service_config, stage_spans
 
 EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 
@@ -112,7 +112,7 @@ def test_duplicates_are_counted_not_accepted_twice(tmp_path):
 
 
 def test_heartbeats_arrive_on_both_receivers_in_every_encoding(tmp_path):
-    from .otlp_spans import heartbeat_span
+    from otel_straggler.testing.otlp_spans import heartbeat_span
 
     beat = [heartbeat_span(3, 1_700_000_000_000_000_000, local_rank=3)]
     with running_service(service_config(tmp_path)) as service:

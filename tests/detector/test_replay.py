@@ -14,9 +14,9 @@ from opentelemetry.sdk.trace.export import SpanExportResult
 from otel_straggler import contract
 from otel_straggler.detector.replay import replay
 
-from .otlp_spans import (eventful_observations, export_batches, heartbeat_span, json_line, otlp_json,
-                         per_step_requests, running_service, service_config, slow_rank_observations,
-                         verdict_records, without_time)
+from otel_straggler.testing.otlp_spans import (eventful_observations, export_batches, heartbeat_span, json_line,
+                                               otlp_json, per_step_requests, running_service, service_config,
+                                               slow_rank_observations, verdict_records, without_time)
 from .test_receiver import post
 
 RANKS = 8
@@ -125,7 +125,7 @@ def test_replay_command_errors_are_one_line_with_the_right_exit_code(tmp_path):
 def test_a_recorded_hang_replays_as_it_happened(tmp_path):
     """Its clock is the latest span end, heartbeats included: the stall after the last interval
     is as long as it was live, and the culprit is named from the recorded heartbeats."""
-    from .otlp_spans import heartbeat_span
+    from otel_straggler.testing.otlp_spans import heartbeat_span
 
     observations = slow_rank_observations(ranks=RANKS, steps=20)  # healthy enough: no straggler yet
     requests = per_step_requests(observations)

@@ -12,7 +12,7 @@ from otel_straggler import contract
 from otel_straggler.detector.engine import Engine
 from otel_straggler.detector.observation import Heartbeat, Observation, Placement
 
-from .scripted_job import CONFIG, SECOND, STAGES, START
+from otel_straggler.testing.scripted_job import CONFIG, SECOND, STAGES, START
 
 COHORTS = {"c0": range(0, 4), "c1": range(4, 8)}  # c1's rank 5 is 40% slow in its compute stages
 SLOW = {5: 1.4}

@@ -13,8 +13,8 @@ from otel_straggler import contract
 from otel_straggler.detector import inherited_alerts, service as service_module
 from otel_straggler.detector.inherited_alerts import AlertKey, read_open_alerts
 
-from .otlp_spans import per_step_requests, running_service, service_config, verdict_records
-from .synthetic import TRAINING_STAGES, SyntheticJob
+from otel_straggler.testing.otlp_spans import per_step_requests, running_service, service_config, verdict_records
+from otel_straggler.testing.synthetic import TRAINING_STAGES, SyntheticJob
 
 RANKS = 8
 STEPS = 40  # per process

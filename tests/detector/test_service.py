@@ -19,8 +19,8 @@ from otel_straggler import contract
 from otel_straggler.detector.config import ConfigError
 from otel_straggler.detector.service import DetectorService
 
-from .otlp_spans import (heartbeat_span, per_step_requests, running_service, service_config, slow_rank_observations,
-                         verdict_records)
+from otel_straggler.testing.otlp_spans import (heartbeat_span, per_step_requests, running_service, service_config,
+                                               slow_rank_observations, verdict_records)
 
 RANKS = 8
 RULES = Path(__file__).resolve().parents[2] / "collector-config" / "prometheus" / "rules.yml"

@@ -12,7 +12,7 @@ import sys
 import grpc
 import pytest
 
-from .otlp_spans import request_bytes, running_service, service_config, stage_spans
+from otel_straggler.testing.otlp_spans import request_bytes, running_service, service_config, stage_spans
 
 TRACES_EXPORT = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 METRICS_EXPORT = "/opentelemetry.proto.collector.metrics.v1.MetricsService/Export"

@@ -1,7 +1,7 @@
 """Streams real clusters send, each with its verdicts right: two jobs in one detector, intervals
 without device durations, malformed spans among good ones, a whole node slow, a quarter of the
 ranks slow, a data loader stall, a device-only slowdown and an elastic re-shard. Synthetic jobs
-(tests/detector/synthetic.py, ~108 ms steps, 10 per window) through the real engine."""
+(otel_straggler/testing/synthetic.py, ~108 ms steps, 10 per window) through the real engine."""
 from __future__ import annotations
 
 import math
@@ -12,7 +12,7 @@ from otel_straggler import contract
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.engine import Engine
 
-from .synthetic import Stage, SyntheticJob
+from otel_straggler.testing.synthetic import Stage, SyntheticJob
 from .test_engine_rules import feed, replaced
 
 

@@ -15,7 +15,7 @@ from otel_straggler.detector.replay import replay
 from otel_straggler.detector.service import DetectorService
 from otel_straggler.detector.window_record import WindowMedian, WindowRecord, detector_engine
 
-from .otlp_spans import json_line, per_step_requests, service_config, slow_rank_observations
+from otel_straggler.testing.otlp_spans import json_line, per_step_requests, service_config, slow_rank_observations
 from .test_service import send_slow_rank_job
 
 STAGES = (("data-load", False), ("forward-compute", False), ("all-grads-sync", True))

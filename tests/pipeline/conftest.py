@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from . import services
+from otel_straggler.testing import services
 
 
 def pytest_collection_modifyitems(config, items):

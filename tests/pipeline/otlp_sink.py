@@ -18,7 +18,7 @@ from opentelemetry.proto.collector.logs.v1 import logs_service_pb2, logs_service
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from .services import LOOPBACK
+from otel_straggler.testing.services import LOOPBACK
 
 
 def attributes_of(key_values) -> dict:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from . import services
+from otel_straggler.testing import services
 
 CONFIG_DIR = services.CONFIG_DIR
 REPO = services.REPO

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from . import services
+from otel_straggler.testing import services
 from .telemetry import Rank, send_rank_steps
 
 pytestmark = pytest.mark.services

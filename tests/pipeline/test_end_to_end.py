@@ -44,7 +44,7 @@ import pytest
 
 from otel_straggler.demo.straggler import slow_rank_args
 
-from . import services
+from otel_straggler.testing import services
 from .training import TrainingRanks, clean_environment
 
 pytestmark = [pytest.mark.services, pytest.mark.slow]

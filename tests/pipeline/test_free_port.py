@@ -6,7 +6,7 @@ import socket
 
 from otel_straggler.demo import launcher, ports
 
-from . import services
+from otel_straggler.testing import services
 
 
 def test_the_demo_and_the_test_services_use_the_same_picker():

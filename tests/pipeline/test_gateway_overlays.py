@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from . import services
+from otel_straggler.testing import services
 from .otlp_sink import make_self_signed_certificate
 from .telemetry import Rank, send_rank_steps, send_verdict_event
 

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from . import services
+from otel_straggler.testing import services
 from .telemetry import Rank, send_rank_steps
 
 pytestmark = pytest.mark.services

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from . import services
+from otel_straggler.testing import services
 from .telemetry import (Rank, send_detector_metrics, send_hang_metrics, send_job_slowdown_metrics, send_rank_steps,
                         send_verdict_event)
 

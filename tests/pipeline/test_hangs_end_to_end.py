@@ -23,7 +23,7 @@ from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.service import DetectorService
 from otel_straggler.detector.windows import Cohort
 
-from . import services
+from otel_straggler.testing import services
 from .training import TrainingRanks, clean_environment
 
 pytest.importorskip("torch")

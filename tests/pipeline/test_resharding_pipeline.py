@@ -41,7 +41,7 @@ from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.evidence import WINDOWS_FILE
 from otel_straggler.detector.service import DetectorService
 
-from . import services
+from otel_straggler.testing import services
 from .telemetry import STAGES, Rank, step_trace_id
 
 pytestmark = pytest.mark.services

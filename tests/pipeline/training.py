@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Optional
 
-from . import services
+from otel_straggler.testing import services
 from .rank_main import STATUS_PREFIX
 
 RANK_MAIN = Path(__file__).resolve().parent / "rank_main.py"

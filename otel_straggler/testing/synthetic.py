@@ -7,7 +7,7 @@ on the device) is 97% of that. Slowdowns are added per rank with `slow(...)`. A 
 lasts its own base time plus the wait for the slowest rank of the step, as a blocking all-reduce does.
 `observations()` returns them in an arrival order close to OTLP exports: step by step, each rank's
 spans together, optionally with ranks' exports delayed, clocks offset and starts skewed (which only
-move `end_unix_nano`, as on real hosts). With `noise` (a `HostNoise`, tests/detector/host_noise.py)
+move `end_unix_nano`, as on real hosts). With `noise` (a `HostNoise`, host_noise.py)
 the per-step noise is that of busy hosts, drifting and heavy-tailed, instead of the Gaussian jitter.
 """
 from __future__ import annotations

@@ -1,7 +1,9 @@
-"""Run the real pipeline programs (collector, Jaeger, Prometheus) on 127.0.0.1 for tests.
+"""Run the real pipeline programs (collector, Jaeger, Prometheus) on 127.0.0.1 for tests and
+benchmarks (benchmarks/alert_latency.py).
 
 Standard library only: `scripts/services.sh start|stop` runs this file as a script, and pytest
-fixtures import it. Every process gets free loopback ports, writes its log to a file, is waited
+fixtures and benchmarks import it. It needs a source checkout: the configs are read from the
+repository's collector-config/. Every process gets free loopback ports, writes its log to a file, is waited
 for with a deadline, and is stopped (SIGTERM, then SIGKILL) when its `with` block ends, whatever
 happened inside.
 

@@ -43,6 +43,13 @@ def test_training_goes_on_and_status_counts_what_never_got_out(configure, unreac
     handle = configure(job_id="collector-down", rank=0, endpoint=endpoint, protocol=protocol, device_timing="fake")
 
     assert train() < 5.0  # generous: a behaviour check, not a speed test
+    # the scene: a full batch is being retried (backoff ~1 s within its 10 s deadline) when shutdown
+    # begins. On a loaded machine the builder can lag the loop; had no export begun by shutdown,
+    # every batch would fail at once by the shutdown deadline and none would be left unexported
+    built = time.monotonic() + 10.0
+    while handle.status()["spans_built"] < STEPS * len(STAGES) and time.monotonic() < built:
+        time.sleep(0.05)
+    time.sleep(0.3)  # the worker takes the first full batch within milliseconds of it filling
     assert shut_down(handle) < SHUTDOWN_TIMEOUT_S + 0.5
 
     status = handle.status()

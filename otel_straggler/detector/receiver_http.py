@@ -103,6 +103,11 @@ MIN_BODY_BYTES_PER_S = 128 * 1024  # a 16 MiB body has 2 min
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers
 WRITE_TIMEOUT_S = 10.0  # a client that does not read its answer
 READ_CHUNK = 256 * 1024
+# a refused connection's request is read and dropped before the close, so that its client reads the
+# 503: closing with bytes unread resets the connection, and a reset can destroy the answer first
+REFUSED_LINGER_S = 0.5
+REFUSED_LINGER_BYTES = 1024 * 1024
+MAX_LINGERING = 64  # refused connections lingering at once; more are closed at once
 
 _REFUSED = (f"HTTP/1.1 503 Service Unavailable\r\nRetry-After: {RETRY_AFTER_S}\r\n"
             "Content-Length: 0\r\nConnection: close\r\n\r\n").encode()
@@ -129,6 +134,7 @@ class OtlpHttpReceiver:
         self._max_connections = max_connections
         self._connections: dict[asyncio.StreamWriter, _Connection] = {}
         self._logged_internal = False
+        self._lingering = 0
         listening = _bound(address, port)
         self._server: asyncio.base_events.Server = loop.call(asyncio.start_server(
             self._serve, sock=listening, ssl=ssl_context,
@@ -154,6 +160,7 @@ class OtlpHttpReceiver:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if not self._admit(writer):
+            await self._close_refused(reader, writer)
             return
         connection = self._connections[writer]
         connection.task = asyncio.current_task()
@@ -174,6 +181,30 @@ class OtlpHttpReceiver:
             self._connections.pop(writer, None)
             writer.close()
 
+    async def _close_refused(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Closes a connection refused with 503 once its client has sent what it was sending (at most
+        REFUSED_LINGER_BYTES, for at most REFUSED_LINGER_S), so the answer is not lost to a reset."""
+        if self._lingering >= MAX_LINGERING:
+            writer.close()
+            return
+        self._lingering += 1
+        try:
+            if writer.can_write_eof():
+                writer.write_eof()  # the answer is complete: the client sees the end after it
+            until = self._loop.loop.time() + REFUSED_LINGER_S
+            left = REFUSED_LINGER_BYTES
+            while left > 0:
+                chunk = await asyncio.wait_for(reader.read(min(left, READ_CHUNK)),
+                                               max(0.0, until - self._loop.loop.time()))
+                if not chunk:
+                    break
+                left -= len(chunk)
+        except (asyncio.TimeoutError, ConnectionError, OSError, ssl.SSLError):
+            pass  # gone, or slower than the linger: closed either way
+        finally:
+            self._lingering -= 1
+            writer.close()
+
     def _admit(self, writer: asyncio.StreamWriter) -> bool:
         now = self._loop.loop.time()
         if len(self._connections) >= self._max_connections:
@@ -181,7 +212,6 @@ class OtlpHttpReceiver:
             if not waiting:
                 self._intake.refused(Result.OVERLOADED)
                 writer.write(_REFUSED)
-                writer.close()
                 return False
             _, longest = min(waiting, key=lambda pair: pair[0])
             self._connections.pop(longest.writer, None)

@@ -355,6 +355,24 @@ def test_a_client_dribbling_its_body_is_cut_at_its_deadline_and_others_get_503_m
         assert service.status()["errors"].get("http_request_deadline") == 1
 
 
+def test_a_refused_client_reads_its_503_even_while_sending_a_large_body(tmp_path, monkeypatch):
+    """The 503 for a newcomer when every connection is busy is answered before its body is read:
+    the server reads and drops what the client is still sending before it closes, since a close
+    with unread bytes resets the connection, and the reset can destroy the answer unread."""
+    monkeypatch.setattr(receiver_http, "BODY_GRACE_S", 5.0)
+    with running_service(service_config(tmp_path, max_http_connections=1)) as service:
+        port = service.bound_ports[1]
+        stop = threading.Event()
+        dribbler = dribbling(port, b"POST /v1/traces HTTP/1.1\r\nHost: d\r\nContent-Type: application/x-protobuf\r\n"
+                                   b"Content-Length: 1000\r\n\r\n", stop)
+        wait_until(lambda: any(connection.waiting_since is None
+                               for connection in list(service._http._connections.values())))
+        large = request_bytes(stage_spans(0, 1)) + b"\0" * (512 * 1024)  # far over a socket's buffers
+        assert [post(port, large)[0] for _ in range(3)] == [503, 503, 503]
+        stop.set()
+        dribbler.join(5)
+
+
 def test_slow_heads_neither_hold_a_slot_nor_last_past_the_head_timeout(tmp_path, monkeypatch):
     """Slowloris: connections sending their head a byte at a time are waiting, so a newcomer takes
     the place of one at once, and each is closed HEAD_TIMEOUT_S after it opened."""

@@ -1,6 +1,7 @@
 """Wire contract v1.1: every attribute, metric and verdict name shared by the rank side,
 the detector and the backends. Outside dashboards and alert rules depend on these strings:
 add names, never rename them."""
+from typing import Any
 
 # §1 resource attributes
 SERVICE_NAME = "service.name"
@@ -196,8 +197,9 @@ ATTRIBUTIONS = {
                          "host and device (intermittent, last_to_arrive, silent, hang, job_slowdown, recovered by "
                          "restart or departure)",
 }
-# field: its values and when
-VERDICT_FIELD_VALUES = {"verdict": VERDICTS, "reason": REASONS, "timing": TIMINGS, "attribution": ATTRIBUTIONS}
+# field: its values and when (each value's entry: its when; for reason, REASONS' (verdicts, when))
+VERDICT_FIELD_VALUES: dict[str, dict[str, Any]] = {"verdict": VERDICTS, "reason": REASONS, "timing": TIMINGS,
+                                                    "attribution": ATTRIBUTIONS}
 
 # §3b metrics
 METRIC_RANK_SLOWDOWN = "straggler.rank.slowdown"

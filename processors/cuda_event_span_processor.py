@@ -298,7 +298,12 @@ class CudaEventSpanProcessor(SpanProcessor):
 
 def _span_id(span: ReadableSpan) -> int:
     """The span's id; a RecordSpan's without making its SpanContext."""
-    return span.record_span_id if type(span) is RecordSpan else span.get_span_context().span_id
+    if type(span) is RecordSpan:
+        return span.record_span_id
+    context = span.get_span_context()
+    if context is None:  # an SDK span always has one; a ReadableSpan made by hand may not
+        raise ValueError(f"span {span.name!r} has no SpanContext to key its device events by")
+    return context.span_id
 
 
 def _unavailable(reason: str) -> dict:

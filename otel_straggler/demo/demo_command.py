@@ -22,7 +22,8 @@ from otel_straggler.report import evidence_files
 from otel_straggler.report.report_command import matplotlib_installed
 from otel_straggler.report.summary import summarize
 
-DEMO_STAGES = ("batch-generator", "forward-compute", "backward-compute", "optimizer")  # the trainer's non-collective stages
+# the trainer's non-collective stages
+DEMO_STAGES = ("batch-generator", "forward-compute", "backward-compute", "optimizer")
 RANKS_PER_CORE = 4  # beyond this, a rank waits for a core longer than it computes
 RANK_MEMORY_BYTES = 600 * 1024 * 1024  # one rank: torch, the model, the OTel SDK
 MIN_RANKS = 3  # a rank is judged against at least two peers (the detector's min_cohort_size)
@@ -106,7 +107,8 @@ def run_demo(args: argparse.Namespace) -> int:
 def _check_demo_arguments(args: argparse.Namespace) -> None:
     limit = machine_rank_limit()
     if args.ranks < MIN_RANKS:
-        raise UsageError(f"--ranks {args.ranks}: at least {MIN_RANKS} ranks are needed, a rank is judged against its peers")
+        raise UsageError(f"--ranks {args.ranks}: at least {MIN_RANKS} ranks are needed, a rank is judged against "
+                         "its peers")
     if args.ranks > limit:
         raise UsageError(f"--ranks {args.ranks}: this machine can run at most {limit} ranks ({RANKS_PER_CORE} "
                          f"per core on {_usable_cores()} cores, {RANK_MEMORY_BYTES >> 20} MiB of free memory each)")

@@ -98,7 +98,7 @@ class RejectedSpan:
     values are as they arrived (None when absent)."""
 
     rejection: Rejection
-    span_name: str
+    span_name: Optional[str]  # None: only the reason is known (a span the engine refused after decoding)
     job_id: Any
     rank: Any
     host: Any

@@ -68,6 +68,7 @@ if Observation._fields != _OBSERVATION_FIELDS:
 # a seq this far below what the rank's ring holds means the rank's process started over
 RESTART_HORIZONS = 4
 
+_append_rows: Optional[Callable[..., tuple[int, int, int, int]]]
 try:  # the intake loop's common case in C (setup.py builds it where a compiler is)
     from otel_straggler.detector._ingest import append_rows as _append_rows
 except ImportError:
@@ -140,7 +141,8 @@ class Engine:
         self._retiring: list[Cohort] = []  # superseded by a new incarnation, judged at the next advance
         self._next_departure_check = 0
         self._liveness = Liveness(config, self._counts)
-        self._flagged_hosts: dict[tuple, None] = {}  # (job, epoch, host) that had a rank alerted, oldest first
+        # (job, epoch, host) that had a rank alerted, oldest first
+        self._flagged_hosts: dict[tuple[str, int, str], None] = {}
         self._gpu = GpuEvidence(config.window_steps, config.persist_windows, config.max_gpu_ranks)
         self._liveness_verdicts: list[Verdict] = []  # made at intake, handed out at the next advance
         self._inherited: Optional[InheritedAlerts] = None  # a previous process's open alerts
@@ -559,7 +561,7 @@ class Engine:
                      | verdict_state.intermittent.alert[:2 * pairs, :slot_count]).reshape(pairs, 2, slot_count)
             as_collective = (alert[:, 1] & ~alert[:, 0]) | (~alert[:, 0] & np.isnan(slowdown[:, 0]))
             value = np.where(as_collective, slowdown[:, 1], slowdown[:, 0])
-            active = alert.any(axis=1)
+            active = np.any(alert, axis=1)
             indices, slots = np.nonzero(~np.isnan(value) | active)
             for index, slot, ratio, alerted in zip(indices.tolist(), slots.tolist(),
                                                   value[indices, slots].tolist(), active[indices, slots].tolist(),
@@ -586,7 +588,7 @@ class Engine:
                 if entry is not None:
                     host = self._liveness.placement(cohort.job_id, cohort.epoch, entry.rank)["host"]
                     slow.append((cohort.job_id, host, entry.rank))
-        epochs = {}
+        epochs: dict[tuple[str, str], int] = {}  # (job, host) -> the latest epoch it was flagged in
         for job_id, epoch, host in self._flagged_hosts:
             epochs[(job_id, host)] = max(epochs.get((job_id, host), epoch), epoch)
         nodes = roll_up(slow, lambda job_id, host: self._liveness.ranks_on_host(

@@ -42,8 +42,8 @@ class JobBaseline:
     """One cohort's pace baseline and job_slowdown alert."""
     per_token: Optional[bool] = None  # the baseline's unit: time per token, or step time
     windows: int = 0  # windows with a pace, warmup included
-    first: list = field(default_factory=list)  # paces of the first windows, until the baseline forms
-    first_stages: list = field(default_factory=list)
+    # the first windows' paces, until the baseline forms from them (None from then on)
+    first: Optional[list[Pace]] = field(default_factory=list)
     baseline: float = float("nan")
     stage_baseline: dict = field(default_factory=dict)  # stage code -> ms
     streak: int = 0
@@ -115,15 +115,15 @@ def judge_pace(baseline: JobBaseline, pace: Optional[Pace], blamed: bool, cohort
         _restart(baseline)  # its unit changed: the old baseline says nothing about the new pace
     baseline.per_token = pace.per_token
     if baseline.first is not None:
-        baseline.first.append(pace.value)
-        baseline.first_stages.append(pace.stages)
+        baseline.first.append(pace)
         if len(baseline.first) < BASELINE_WINDOWS:
             return []
-        baseline.baseline = float(np.median(baseline.first))
-        for code in set().union(*baseline.first_stages):
-            values = [stages[code] for stages in baseline.first_stages if code in stages]
+        baseline.baseline = float(np.median([first.value for first in baseline.first]))
+        first_stages = [first.stages for first in baseline.first]
+        for code in set().union(*first_stages):
+            values = [stages[code] for stages in first_stages if code in stages]
             baseline.stage_baseline[code] = float(np.median(values))
-        baseline.first = baseline.first_stages = None
+        baseline.first = None
         baseline.ratio = pace.value / baseline.baseline
         return []
     ratio = pace.value / baseline.baseline
@@ -151,7 +151,7 @@ def judge_pace(baseline: JobBaseline, pace: Optional[Pace], blamed: bool, cohort
 
 
 def _restart(baseline: JobBaseline) -> None:
-    baseline.first, baseline.first_stages = [], []
+    baseline.first = []
     baseline.baseline = float("nan")
     baseline.stage_baseline = {}
     baseline.streak = 0

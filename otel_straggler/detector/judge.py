@@ -58,9 +58,11 @@ from otel_straggler.detector.window_entries import Entries, window_entries
 from otel_straggler.detector.windows import Cohort, WindowRows
 
 # the last uncertain reason noted per pair, as a small int (0: none), so each is noted once
-_UNCERTAIN_REASONS = (None, contract.REASON_COHORT_BELOW_MIN_SIZE, contract.REASON_WORKLOAD_INCOMPARABLE,
-                      contract.REASON_RECOVERY_EVIDENCE_INSUFFICIENT, contract.REASON_BELOW_ABSOLUTE_FLOOR)
 _SMALL, _INCOMPARABLE, _INSUFFICIENT, _FLOOR = 1, 2, 3, 4
+_UNCERTAIN_REASONS = {_SMALL: contract.REASON_COHORT_BELOW_MIN_SIZE,
+                      _INCOMPARABLE: contract.REASON_WORKLOAD_INCOMPARABLE,
+                      _INSUFFICIENT: contract.REASON_RECOVERY_EVIDENCE_INSUFFICIENT,
+                      _FLOOR: contract.REASON_BELOW_ABSOLUTE_FLOOR}
 
 
 @dataclass
@@ -84,7 +86,7 @@ def judge_window(cohort: Cohort, rows: WindowRows, config: DetectorConfig, now_u
         # on the way (an exporter's full queue while the detector was down); where they outnumber
         # the ranks present, the window is a backlog too thin to compare anyone in
         moved_past = np.count_nonzero(~entries.present & (cohort.latest_windows(slot_count) > rows.window))
-        thin = moved_past > np.count_nonzero(entries.present)
+        thin = bool(moved_past > np.count_nonzero(entries.present))
         judgement = _judge_entries(cohort, rows.window, entries, config, now_unix_nano, thin)
     judgement.invalid_device_rows = invalid_device_rows
     _judge_presence(cohort, rows.window, entries, config, now_unix_nano, judgement)
@@ -265,9 +267,9 @@ def _judge_entries(cohort: Cohort, window: int, entries: Entries, config: Detect
             record = dataclasses.replace(record, also_slow=also_slow[entry])
         judgement.verdicts.append(record)
     for entry in np.flatnonzero(intermittent.onset | intermittent.recovery).tolist():
-        started = bool(intermittent.onset[entry])
-        record = context.verdict(entry, contract.VERDICT_STRAGGLER if started else contract.VERDICT_RECOVERED,
-                                 contract.REASON_INTERMITTENT if started else contract.REASON_WITHIN_TOLERANCE,
+        onset_now = bool(intermittent.onset[entry])
+        record = context.verdict(entry, contract.VERDICT_STRAGGLER if onset_now else contract.VERDICT_RECOVERED,
+                                 contract.REASON_INTERMITTENT if onset_now else contract.REASON_WITHIN_TOLERANCE,
                                  contract.ATTRIBUTION_UNKNOWN, timing_host=True)
         judgement.verdicts.append(dataclasses.replace(record, **intermittent_evidence(intermittent, entry),
                                                       also_slow=intermittent_also_slow.get(entry, ())))

@@ -45,7 +45,7 @@ def lead_intermittent_stages(stage_names: list, state: CohortVerdictState, entri
     whole = np.flatnonzero(intermittent.onset & (entries.code == 0))
     if whole.size == 0:
         return also_slow
-    alerted_before = state.alert[2:, :slots].any(axis=0)
+    alerted_before = np.any(state.alert[2:, :slots], axis=0)
     for entry in whole.tolist():
         slot = int(entries.slot[entry])
         named = np.flatnonzero(intermittent.onset & (entries.slot == slot) & (entries.code >= 2))

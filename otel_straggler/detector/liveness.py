@@ -207,7 +207,7 @@ class Liveness:
         verdicts: list[Verdict] = []
         for job in self._jobs.values():
             if job.hang is not None and job.progress_ns > job.hang.progress_ns:
-                verdicts.extend(self._resume(job, now))
+                verdicts.extend(self._resume(job, job.hang, now))
                 continue
             stalled_from = job.progress_ns or job.first_heartbeat_ns
             if not stalled_from or now - stalled_from < self._timeout_ns or now < job.next_check_ns:
@@ -282,9 +282,9 @@ class Liveness:
             verdicts.append(verdict)
         return verdicts
 
-    def _resume(self, job: JobLiveness, now: int) -> list[Verdict]:
-        """Ends the job's hang: one `recovered` per hang verdict."""
-        ended, job.hang = list(job.hang.verdicts.values()), None
+    def _resume(self, job: JobLiveness, hang: _Hang, now: int) -> list[Verdict]:
+        """Ends the job's hang (`hang`, its declared one): one `recovered` per hang verdict."""
+        ended, job.hang = list(hang.verdicts.values()), None
         job.resumed = ended
         return [Verdict(
             time_unix_nano=now, job_id=v.job_id, cohort=v.cohort, stage=v.stage, rank=v.rank, window=v.window,
@@ -340,7 +340,7 @@ class Liveness:
         job = self._jobs.get(key)
         if job is not None and restart > job.restart:
             if job.hang is not None:
-                verdicts.extend(self._resume(job, now))
+                verdicts.extend(self._resume(job, job.hang, now))
             # a new incarnation: every rank's process is new, the gone ones are not lost
             self._records -= len(job.ranks)
             job.ranks.clear()

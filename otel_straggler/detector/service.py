@@ -174,9 +174,9 @@ class DetectorService:
                     key_and_cert = (key.read(), cert.read())
             except (OSError, ValueError) as error:
                 raise ConfigError(f"--tls-cert-file/--tls-key-file: cannot load: {error}") from None
-        self._telemetry = DetectorTelemetry(config, self.status, self.rank_state,
-                                            export_otlp=config.export_metrics, hang_states=self._driver.hang_state,
-                                            job_slowdown_states=self._driver.job_slowdown_state)
+        self._telemetry = telemetry = DetectorTelemetry(
+            config, self.status, self.rank_state, export_otlp=config.export_metrics,
+            hang_states=self._driver.hang_state, job_slowdown_states=self._driver.job_slowdown_state)
         evidence = EvidenceFiles(config.evidence_dir, config.max_evidence_bytes)
         # a restart in the same evidence directory carries on: its counters, and the alerts left open
         self._carried = carried_counters(evidence.status_path)
@@ -187,17 +187,18 @@ class DetectorService:
         self._emitter = VerdictEmitter(evidence, config.flush_interval_s, self.status, self._telemetry)
         intake = OtlpIntake(self._pipeline, token, config.max_request_bytes)
         address = config.listen_address
-        self._intake_loop = IntakeLoop(config.receiver_threads)
-        self._intake_loop.start()
+        self._intake_loop = intake_loop = IntakeLoop(config.receiver_threads)
+        intake_loop.start()
         self._grpc = _listening("--grpc-port", address, config.grpc_port, lambda: OtlpGrpcReceiver(
-            intake, self._intake_loop, address, config.grpc_port, config.max_grpc_calls, key_and_cert))
+            intake, intake_loop, address, config.grpc_port, config.max_grpc_calls, key_and_cert))
         self._http = _listening("--http-port", address, config.http_port, lambda: OtlpHttpReceiver(
-            intake, self._intake_loop, address, config.http_port, config.max_http_connections, ssl_context))
-        if self._telemetry.scrape_reader is not None:
+            intake, intake_loop, address, config.http_port, config.max_http_connections, ssl_context))
+        scrape_reader = telemetry.scrape_reader
+        if scrape_reader is not None:
             # the OTLP ports' TLS and token guard this one too
             self._prometheus = _listening(
                 "--prometheus-port", address, config.prometheus_port, lambda: PrometheusEndpoint(
-                    self._telemetry.scrape_reader, address, config.prometheus_port,
+                    scrape_reader, address, config.prometheus_port,
                     lambda event: intake.counters.add_error(f"prometheus_{event}"), ssl_context, token))
         self._started_unix_nano = time.time_ns()
         self._emitter.start()

@@ -26,7 +26,8 @@ def intermittent_evidence(judgement: IntermittentJudgement, entry: int) -> dict:
     peer_share = verdict_number(judgement.peer_share[entry])
     if peer_share is not None:  # null where no peer had steps: an event attribute has no null
         counts["peer_share"] = peer_share
-    evidence = {"slow_steps": counts, "rank_ms": None, "reference_ms": None, "gap_ms": None, "slowdown": None}
+    evidence: dict[str, object] = {"slow_steps": counts, "rank_ms": None, "reference_ms": None, "gap_ms": None,
+                                   "slowdown": None}
     if slow:
         rank_ms, reference_ms = float(judgement.slow_ms[entry]), float(judgement.slow_reference_ms[entry])
         evidence.update(rank_ms=verdict_number(rank_ms), reference_ms=verdict_number(reference_ms),
@@ -75,8 +76,8 @@ class VerdictContext:
             time_unix_nano=self.now,
             job_id=self.cohort.job_id,
             cohort=self.cohort.name,
-            stage=self.cohort.stage_names[code // 2],
-            rank=self.cohort.slot_entries[slot].rank,
+            stage=self.cohort.stage_name(code // 2),
+            rank=self.cohort.rank_in(slot),
             window=self.window,
             verdict=verdict,
             reason=reason,
@@ -84,7 +85,7 @@ class VerdictContext:
             gap_ms=verdict_number(rank_ms - reference),
             rank_ms=verdict_number(rank_ms),
             reference_ms=verdict_number(reference),
-            reference_ranks=tuple(self.cohort.slot_entries[int(s)].rank for s in self.entries.slot[peers]),
+            reference_ranks=tuple(self.cohort.rank_in(int(s)) for s in self.entries.slot[peers]),
             timing=contract.TIMING_DEVICE if uses_device else contract.TIMING_HOST,
             attribution=attribution,
             workload_comparable=workload_comparable,

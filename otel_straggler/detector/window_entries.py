@@ -24,14 +24,14 @@ class Entries:
     device: np.ndarray  # nan: no device duration
     tokens: np.ndarray  # the slot's tokens per step; nan: not reported
     present: np.ndarray  # bool per slot: the rank had rows in this window
-    last_end_unix_nano: np.ndarray = None  # per slot: its latest interval end in this window (0: none)
+    last_end_unix_nano: np.ndarray  # per slot: its latest interval end in this window (0: none)
     # collective entries: steps in which its wait was under the step's median wait (it arrived
     # later than half of its peers), and steps with enough ranks to tell; 0 elsewhere
-    late_steps: np.ndarray = None
-    arrival_steps: np.ndarray = None
-    slow_steps: SlowSteps = None  # per entry (compute stages and the whole step): its slow steps
-    steps: int = 0  # distinct steps in the window
-    rows: "Rows" = None  # the window's rows, for the few questions asked of single ranks (lead_stages)
+    late_steps: np.ndarray
+    arrival_steps: np.ndarray
+    slow_steps: SlowSteps  # per entry (compute stages and the whole step): its slow steps
+    steps: int  # distinct steps in the window
+    rows: Rows  # the window's rows, for the few questions asked of single ranks (lead_stages)
 
 
 @dataclass

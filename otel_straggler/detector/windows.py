@@ -78,15 +78,17 @@ class WindowRows:
         self.device_ms = array("d")  # nan: no device duration
         self.tokens = array("d")  # 0: not reported
         self.end_unix_nano = array("q")  # the interval's end by the rank's clock: synchronization points
-        self.rows_noticed = 0
-        self.last_data_unix_nano: Optional[int] = None
+        # rows seen by the last `windows_to_judge` (-1: it never looked), and when it saw the latest
+        # come in (read only once it has looked)
+        self.rows_noticed = -1
+        self.last_data_unix_nano = 0
 
     def __len__(self) -> int:
         return len(self.keys)
 
     def has_unnoticed_rows(self) -> bool:
         """Rows came since the last `windows_to_judge` looked (or it never has)."""
-        return self.rows_noticed != len(self.keys) or self.last_data_unix_nano is None
+        return self.rows_noticed != len(self.keys)
 
     def repair(self) -> None:
         """After an append failed half way: cut every column to the common length."""
@@ -225,6 +227,20 @@ class Cohort:
         entry = self._entries_by_rank.get(rank)
         return None if entry is None else entry.slot
 
+    def rank_in(self, slot: int) -> int:
+        """The rank that holds `slot`, one with rows in a window being judged: never a free slot."""
+        entry = self.slot_entries[slot]
+        if entry is None:
+            raise LookupError(f"no rank holds slot {slot} of cohort {self.name!r}")
+        return entry.rank
+
+    def stage_name(self, index: int) -> str:
+        """The name of stage `index`, one with rows in a window being judged: never a freed index."""
+        name = self.stage_names[index]
+        if name is None:
+            raise LookupError(f"no stage has index {index} in cohort {self.name!r}")
+        return name
+
     def stage_index(self, stage: str) -> Optional[int]:
         """The stage's index (0: the whole step), or None when the cohort has not seen it."""
         if stage == WHOLE_STEP_STAGE:
@@ -288,6 +304,8 @@ class Cohort:
             self._nothing_evictable_at = (self._windows_version, self._nothing_evictable_at[1])
             return None
         evicted = self.slot_entries[slot]
+        if evicted is None:  # a free slot: none while every slot is taken, the one case this is called in
+            return None
         self.remove_rank(evicted)
         self._counts["evictions_ranks"] += 1
         return evicted
@@ -323,13 +341,13 @@ class Cohort:
             if len(rows):
                 _, codes, _, _ = self.layout.unpack(np.frombuffer(rows.keys, dtype=np.int64))
                 in_use.update((np.unique(codes) // 2).tolist())
-        candidates = [index for index, name in enumerate(self.stage_names)
-                      if index and name is not None and index not in in_use]
+        candidates = {index: name for index, name in enumerate(self.stage_names)
+                      if index and name is not None and index not in in_use}
         if not candidates:
             self._nothing_evictable_at = (self._nothing_evictable_at[0], self._windows_version)
             return False
         index = min(candidates, key=self._stage_last_judged.__getitem__)
-        del self.stage_offsets[self.stage_names[index]]
+        del self.stage_offsets[candidates[index]]
         self.stage_names[index] = None
         self._free_stage_indices.append(index)
         self.verdict_state.reset_code(2 * index)
@@ -460,15 +478,15 @@ class Cohort:
         live = [slot for slot in set(slots) if slot < count and entries[slot] is not None]  # not evicted since
         if not live:
             return
-        live = np.array(live, dtype=np.int64)
-        previous = self._reached_ns_by_slot[live]
-        again = live[previous != 0]  # a rank's later deliveries: one gap each
+        live_slots = np.array(live, dtype=np.int64)
+        previous = self._reached_ns_by_slot[live_slots]
+        again = live_slots[previous != 0]  # a rank's later deliveries: one gap each
         gap = np.minimum(np.maximum(now_unix_nano - previous[previous != 0], 0), self._max_lag_ns)
         decayed = (self._delivery_gap_ns_by_slot[again] * GAP_DECAY).astype(np.int64)  # truncated, as int()
         self._delivery_gap_ns_by_slot[again] = np.maximum(gap, decayed)
         seen = self._delivery_gaps_seen_by_slot[again]
         self._delivery_gaps_seen_by_slot[again] = np.where(seen < GAPS_BEFORE_TRUSTED, seen + 1, seen)
-        self._reached_ns_by_slot[live] = now_unix_nano
+        self._reached_ns_by_slot[live_slots] = now_unix_nano
 
     def delivery_clocks_paused(self, paused_ns: int) -> None:
         """The detector did not look for `paused_ns`: each rank's wait for its next delivery starts

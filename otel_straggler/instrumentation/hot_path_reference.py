@@ -46,7 +46,8 @@ class IntervalRecorder:
         self.event_pool = event_pool
         self.open_intervals: list[OpenInterval] = []  # innermost last: the timers' nesting
         self.binding: tuple = (None, None, None)  # (step, tokens, samples), replaced whole
-        self.on_first_step = None  # called once, at the first step(): the pipeline makes the event pool
+        # called once, at the first step(): the pipeline makes the event pool
+        self.on_first_step: Optional[Callable[[], None]] = None
         self.dropped_queue_full = 0  # intervals
         self.dropped_step_records = 0  # step begin/end marks: their train.step spans are lost
         self.internal_errors = 0

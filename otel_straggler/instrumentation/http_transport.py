@@ -116,7 +116,7 @@ class _Reader:
         return data
 
     def chunked(self) -> bytes:
-        parts = []
+        parts: list[bytes] = []
         while True:
             size_line = self.line()
             if size_line is None:
@@ -239,6 +239,7 @@ class KeptAliveHTTPTransport:
         port = parts.port or (443 if scheme == "https" else 80)  # given, so an IPv6 host is not read as host:port
         if self._connection is None or self._origin != (scheme, host, port):
             self._drop()
+            connection: http.client.HTTPConnection
             if scheme == "https":
                 connection = http.client.HTTPSConnection(host, port, timeout=timeout, context=self._tls())
             elif scheme == "http":

@@ -26,8 +26,9 @@ import random
 import threading
 import time
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 from urllib.parse import urlsplit
 
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -36,7 +37,9 @@ try:  # where an instrumentor could see our own sends (opentelemetry-instrument 
     # instrumentation): its public switch keeps them from becoming spans, each exported in turn
     from opentelemetry.instrumentation.utils import suppress_instrumentation
 except ImportError:  # no instrumentation package, so no instrumentor either
-    from contextlib import nullcontext as suppress_instrumentation
+    @contextmanager
+    def suppress_instrumentation() -> Iterator[None]:
+        yield
 
 from otel_straggler.instrumentation.span_encoding import SpanEncoder
 from otel_straggler.settings import ConfigError
@@ -195,7 +198,7 @@ class OtlpSender:
         pass
 
 
-class _SpanExporting(SpanExporter):
+class _SpanExporting(OtlpSender, SpanExporter):
     """The span side of a sender: the SDK's SpanExporter, encoding with span_encoding.SpanEncoder."""
 
     def _start_encoding(self) -> None:
@@ -237,9 +240,9 @@ class GrpcSender(OtlpSender):
         given = endpoint or setting(environ, "ENDPOINT", signal) or "http://localhost:4317"
         try:
             parts = urlsplit(given if "://" in given else f"//{given}")
-            port = parts.port
+            parts.port  # noqa: B018 (raises on a port that is not a number)
         except ValueError:
-            parts, port = None, None
+            parts = None
         if parts is None or parts.scheme not in ("", "http", "https") or not parts.hostname:
             raise ConfigError(f"{source}: expected host:port or an http:// or https:// URL for OTLP/gRPC, "
                               f"got {given!r}")
@@ -265,7 +268,7 @@ class GrpcSender(OtlpSender):
         self._options = (("grpc.primary_user_agent", "otel-straggler"),)
         self._lock = threading.Lock()
         self._channel = None
-        self._call: Optional[Callable[..., Any]] = None
+        self._call: Callable[..., Any]  # the signal's Export method on the current channel, set by _connect
         self._connect()
 
     def _connect(self) -> None:

@@ -84,7 +84,8 @@ class RankPipeline:
             # Export is set up now so a bad endpoint, protocol or exporter variable fails configure(),
             # not later (the metrics exporter is made on the builder thread, where it is only counted)
             if options["export_metrics"]:
-                check_exporter_environ("metrics", resolve_protocol(protocol, self._environ(), "METRICS"), self._environ())
+                check_exporter_environ("metrics", resolve_protocol(protocol, self._environ(), "METRICS"),
+                                       self._environ())
             self.exporter = CountingSpanExporter(span_exporter(endpoint, protocol, self._environ()))
             self.batch_processor = BatchingSpanProcessor(self.exporter, environ=self._environ())
             if self.backend is not None:
@@ -96,7 +97,7 @@ class RankPipeline:
                 )
         if self.backend is not None:
             recorder.on_first_step = self._make_event_pool
-        self.provider = None
+        self.provider: Any = None  # ours (a TracerProvider), or the user's tracer_provider, whatever it is
         self.builder: Optional[SpanBuilder] = None
         self._build_lock = threading.Lock()
         self._flush_lock = threading.Lock()
@@ -153,20 +154,23 @@ class RankPipeline:
         attributes = {**identity.discover(self.options, self.environ), **self.attributes}
         attach = self.device_processor.attach_device_events if self.device_processor else None
         extra: dict = {}
-        if self.user_provider is None:
+        spans: ProcessorSpans | TracerSpans
+        heartbeat_spans: ProcessorSpans | TracerSpans
+        batch_processor = self.batch_processor
+        if batch_processor is not None:  # no user's provider: configure() made our own processors
             # what Resource.create(attributes) makes, with the detectors run already
             resource = self._detect_resource().merge(Resource(attributes))
             # shut down by configure()'s exit handler, within its deadline: the SDK's own, made
             # later and so run first, would close the processors before the last build
             provider = TracerProvider(resource=resource, sampler=ALWAYS_ON, shutdown_on_exit=False)
-            processor = self.device_processor or self.batch_processor
+            processor = self.device_processor or batch_processor
             provider.add_span_processor(processor)  # for flush and shutdown
             self.provider = provider
             if ProcessorSpans.applies(provider):
                 spans = ProcessorSpans(processor, provider.resource, _SCOPE, attach, self._release_event)
                 # past the CudaEventSpanProcessor, which keeps completion order: a heartbeat would
                 # wait there behind spans whose events a stalled GPU never completes
-                heartbeat_spans = ProcessorSpans(self.batch_processor, provider.resource, _SCOPE)
+                heartbeat_spans = ProcessorSpans(batch_processor, provider.resource, _SCOPE)
             else:
                 spans = heartbeat_spans = self._tracer_spans(provider, attach)
             if self.options["export_metrics"]:

@@ -46,7 +46,7 @@ class RecordSpan(ReadableSpan):
         self.record_end_ns = end_ns
         self.record_resource = resource
         self.record_scope = scope
-        self.record_context = None
+        self.record_context: Optional[trace_api.SpanContext] = None  # made at its first read
         self.record_whole = False
 
     def __getattr__(self, name: str) -> Any:

@@ -17,7 +17,7 @@ import math
 import operator
 import os
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, MutableMapping, Optional
 
 from opentelemetry import trace as trace_api
 from opentelemetry.attributes import BoundedAttributes
@@ -115,16 +115,21 @@ def workload_value(value: Any) -> Optional[int]:
         return None
 
 
+def _no_device_timing(span: Any, *events: Any) -> None:
+    """What a span maker made without device timing does with device events: refuses them."""
+    raise TypeError(f"device events for span {getattr(span, 'name', span)!r}, made without device timing")
+
+
 class TracerSpans:
     """Spans started and ended through a Tracer (on a user's TracerProvider), so that its
     sampler, span limits and processors all apply; ids come through the DerivedIdGenerator."""
 
     def __init__(self, tracer: trace_api.Tracer, ids: DerivedIdGenerator,
-                 attach_device_events: Optional[Callable[[Any, Any, Any], None]] = None,
+                 attach_device_events: Optional[Callable[..., None]] = None,
                  release_event: Optional[Callable[[Any], None]] = None) -> None:
         self.tracer = tracer
         self.ids = ids
-        self.attach_device_events = attach_device_events
+        self.attach_device_events = attach_device_events or _no_device_timing
         self.release_event = release_event or (lambda event: None)
         self.sampled_out = 0  # spans the provider's sampler did not record
 
@@ -133,6 +138,8 @@ class TracerSpans:
         if parent_span_id is None:
             self.ids.choose(span_id, trace_id)  # a root: of the step's trace, or a new one when None
             context = trace_api.Context()
+        elif trace_id is None:  # a child is always of its step's trace
+            raise ValueError(f"span {name!r}: a parent span id without a trace id")
         else:
             self.ids.choose(span_id)
             parent = trace_api.SpanContext(trace_id, parent_span_id, is_remote=False, trace_flags=SAMPLED)
@@ -160,12 +167,12 @@ class ProcessorSpans:
     _PLAIN_VALUES = (str, bool, int, float)
 
     def __init__(self, processor: SpanProcessor, resource: Resource, scope_name: str,
-                 attach_device_events: Optional[Callable[[Any, Any, Any], None]] = None,
+                 attach_device_events: Optional[Callable[..., None]] = None,
                  release_event: Optional[Callable[[Any], None]] = None) -> None:
         self.processor = processor
         self.resource = resource
         self.scope = InstrumentationScope(scope_name)
-        self.attach_device_events = attach_device_events
+        self.attach_device_events = attach_device_events or _no_device_timing
         self.release_event = release_event or (lambda event: None)
         self._random_ids = RandomIdGenerator()
 
@@ -189,7 +196,7 @@ class ProcessorSpans:
         self.processor.on_end(span)
 
     def _readable_span(self, name: str, trace_id: Optional[int], span_id: int, parent_span_id: Optional[int],
-                       attributes: dict, start_ns: int, end_ns: int) -> tuple[RecordSpan, Any]:
+                       attributes: MutableMapping[str, Any], start_ns: int, end_ns: int) -> tuple[RecordSpan, Any]:
         if trace_id is None:
             trace_id = self._random_ids.generate_trace_id()
         plain = self._PLAIN_VALUES

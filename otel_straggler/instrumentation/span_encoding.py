@@ -163,8 +163,7 @@ class SpanEncoder:
 
     def _span_field(self, span: ReadableSpan) -> bytes:
         """The span as a field of its ScopeSpans (spans, 2)."""
-        span_type = type(span)
-        if span_type is RecordSpan:
+        if type(span) is RecordSpan:
             if _write_span is not None:
                 written = _write_record_span(span)
                 if written is not None:
@@ -173,7 +172,7 @@ class SpanEncoder:
                 return _field(b"\x12", self._record_fields(span))
             except Exception:
                 pass  # an odd value: the general path decides
-        elif _write_span is not None and span_type is ReadableSpan:
+        elif _write_span is not None and type(span) is ReadableSpan:
             written = _write_plain_span(span)
             if written is not None:
                 return written
@@ -189,7 +188,8 @@ class SpanEncoder:
         context, parent = span.context, span.parent
         out = [b"\x0a\x10", context.trace_id.to_bytes(16, "big"), b"\x12\x08", context.span_id.to_bytes(8, "big")]
         if context.trace_state:
-            out.append(_field(b"\x1a", ",".join(f"{key}={value}" for key, value in context.trace_state.items()).encode()))
+            trace_state = ",".join(f"{key}={value}" for key, value in context.trace_state.items())
+            out.append(_field(b"\x1a", trace_state.encode()))
         if parent is not None:
             out += (b"\x22\x08", parent.span_id.to_bytes(8, "big"))
         out += (_field(b"\x2a", span.name.encode()), b"\x30", _varint(_KIND[span.kind]))
@@ -209,7 +209,8 @@ class SpanEncoder:
             status_body += _field(b"\x12", status.description.encode())
         if status.status_code.value:
             status_body += b"\x18" + _varint(status.status_code.value)
-        out += (_field(b"\x7a", status_body), _FLAGS_REMOTE if parent is not None and parent.is_remote else _FLAGS_LOCAL)
+        out += (_field(b"\x7a", status_body),
+                _FLAGS_REMOTE if parent is not None and parent.is_remote else _FLAGS_LOCAL)
         return b"".join(out)
 
     def _record_fields(self, span: RecordSpan) -> bytes:
@@ -261,6 +262,9 @@ def _write_plain_span(span: ReadableSpan) -> Optional[bytes]:
     from its public properties. None where it has more than the C writer covers (events, links,
     trace state, a status description, dropped attributes) or a value it declines: the Python
     writer decides those."""
+    write_span = _write_span
+    if write_span is None:
+        return None
     try:
         if span.events or span.links or span.dropped_attributes:
             return None
@@ -269,21 +273,25 @@ def _write_plain_span(span: ReadableSpan) -> Optional[bytes]:
             return None
         attributes = dict(span.attributes) if span.attributes else None
         code = status.status_code
-        return _write_span(context.trace_id, context.span_id, None if parent is None else parent.span_id,
-                           parent is not None and parent.is_remote, span.name, _KIND[span.kind],
-                           span.start_time, span.end_time, attributes, 0 if code is StatusCode.UNSET else code.value)
+        return write_span(context.trace_id, context.span_id, None if parent is None else parent.span_id,
+                          parent is not None and parent.is_remote, span.name, _KIND[span.kind],
+                          span.start_time, span.end_time, attributes, 0 if code is StatusCode.UNSET else code.value)
     except Exception:  # a property another SDK release lacks, an odd value: the Python writer decides
         return None
 
 
 def _write_record_span(span: RecordSpan) -> Optional[bytes]:
     """A RecordSpan written by _otlp_write from the record's fields; None where the attributes
-    are not a plain dict (BoundedAttributes, for odd values) or hold a value it declines."""
+    are not a plain dict (BoundedAttributes, for odd values) or hold a value it declines, and
+    where the C writer is not built."""
+    write_span = _write_span
+    if write_span is None:
+        return None
     attributes = span.record_attributes
     if attributes is not None and type(attributes) is not dict:
         return None
-    return _write_span(span.record_trace_id, span.record_span_id, span.record_parent_span_id, False, span.record_name,
-                       1, span.record_start_ns, span.record_end_ns, attributes, 0)
+    return write_span(span.record_trace_id, span.record_span_id, span.record_parent_span_id, False, span.record_name,
+                      1, span.record_start_ns, span.record_end_ns, attributes, 0)
 
 
 class _Group:
@@ -297,7 +305,8 @@ class _Group:
         resource_spans = encode_spans([span]).resource_spans[0]
         scope_spans = resource_spans.scope_spans[0]
         self.resource_fields = _field(b"\x0a", resource_spans.resource.SerializeToString())
-        self.resource_fields_tail = _field(b"\x1a", resource_spans.schema_url.encode()) if resource_spans.schema_url else b""
+        self.resource_fields_tail = (_field(b"\x1a", resource_spans.schema_url.encode())
+                                     if resource_spans.schema_url else b"")
         self.scope_fields_head = _field(b"\x0a", scope_spans.scope.SerializeToString())
         self.scope_fields_tail = _field(b"\x1a", scope_spans.schema_url.encode()) if scope_spans.schema_url else b""
 

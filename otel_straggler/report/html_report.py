@@ -166,7 +166,8 @@ def _html(evidence: evidence_files.Evidence, summary: str, pictures: list[Pictur
     return "\n".join(parts) + "\n"
 
 
-def _settings_rows(run: Optional[evidence_files.RunRecord], rel_threshold: float, min_gap_ms: float) -> list[tuple[str, str]]:
+def _settings_rows(run: Optional[evidence_files.RunRecord], rel_threshold: float,
+                   min_gap_ms: float) -> list[tuple[str, str]]:
     if run is None:
         return []
     injection = run.injection
@@ -204,16 +205,17 @@ def _first_look_section(evidence: evidence_files.Evidence) -> str:
     firsts: dict[tuple, dict[str, Any]] = {}
     for verdict in evidence.verdicts:
         if verdict.get("verdict") in ("straggler", "hang") and verdict.get("rank") is not None:
-            firsts.setdefault((verdict.get("job_id"), verdict["verdict"], verdict["rank"], verdict.get("stage")), verdict)
+            key = (verdict.get("job_id"), verdict["verdict"], verdict["rank"], verdict.get("stage"))
+            firsts.setdefault(key, verdict)
     if not firsts:
         return ""
     escape = html.escape
     # a host's ranks of the job as the detector last counted them (status.json), else unknown
     counted = {(node.get("job_id"), node.get("host")): node.get("ranks")
                for node in (evidence.status or {}).get("nodes") or () if isinstance(node, dict)}
-    nodes = [node for node in roll_up(((v.get("job_id"), v.get("host"), v["rank"]) for v in firsts.values()
-                                       if v["verdict"] == "straggler"),
-                                      lambda job_id, host: counted.get((job_id, host)))
+    slow = [(v.get("job_id"), v.get("host"), v["rank"]) for v in firsts.values() if v["verdict"] == "straggler"]
+    # a verdict line without job_id (evidence_files keeps it) is rolled up under None, as its own job
+    nodes = [node for node in roll_up(slow, lambda job_id, host: counted.get((job_id, host)))  # type: ignore[arg-type]
              if len(node.slow_ranks) > 1]
     rows = []
     for verdict in firsts.values():
@@ -223,7 +225,8 @@ def _first_look_section(evidence: evidence_files.Evidence) -> str:
         kind = suspect(verdict) if verdict["verdict"] == "straggler" else f"hang: {verdict.get('reason')}"
         cells = (verdict.get("window"), verdict["rank"], where, verdict.get("stage"), kind,
                  describe(verdict.get("gpu")) or "no GPU samples", next_step(verdict))
-        rows.append("<tr>" + "".join(f"<td>{escape('' if cell is None else str(cell))}</td>" for cell in cells) + "</tr>")
+        rows.append("<tr>" + "".join(f"<td>{escape('' if cell is None else str(cell))}</td>" for cell in cells)
+                    + "</tr>")
     parts = ["<h2>What to look at first</h2>"]
     if nodes:
         parts.append("<ul class='nodes'>" + "".join(f"<li>{escape(node.line())}</li>" for node in nodes) + "</ul>")

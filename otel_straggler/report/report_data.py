@@ -166,8 +166,8 @@ def _slowest_stage(windows: list[WindowMedian], rank: int) -> Optional[str]:
         row = grid.ranks.index(rank)
         for column in range(len(grid.windows)):
             own = grid.median_ms[row][column]
-            peers = [values[column] for index, values in enumerate(grid.median_ms) if index != row]
-            peers = [value for value in peers if value is not None]
+            column_values = [values[column] for index, values in enumerate(grid.median_ms) if index != row]
+            peers = [value for value in column_values if value is not None]
             if own is not None and peers and statistics.median(peers) > 0:
                 excess.setdefault(grid.stage, []).append(own / statistics.median(peers))
     if not excess:
@@ -197,8 +197,8 @@ def timeline_from_windows(
     row = grid.ranks.index(rank)
     reference, low, high, limit = [], [], [], []
     for column in range(len(grid.windows)):
-        peers = [values[column] for index, values in enumerate(grid.median_ms) if index != row]
-        peers = [value for value in peers if value is not None]
+        column_values = [values[column] for index, values in enumerate(grid.median_ms) if index != row]
+        peers = [value for value in column_values if value is not None]
         median = statistics.median(peers) if peers else None
         reference.append(median)
         low.append(min(peers) if peers else None)
@@ -232,7 +232,8 @@ def timeline_from_verdicts(
     return Timeline(
         rank=rank, stage=stage, windows=windows, rank_ms=[_number(by_window[window]["rank_ms"]) for window in windows],
         reference_ms=reference,
-        threshold_ms=[threshold(value, rel_threshold, min_gap_ms) if value is not None else None for value in reference],
+        threshold_ms=[threshold(value, rel_threshold, min_gap_ms) if value is not None else None
+                      for value in reference],
         peer_low_ms=[None] * len(windows), peer_high_ms=[None] * len(windows),
         alert_windows=sorted({alert_["window"] for alert_ in alerts}), injection_window=injection_window,
         source="verdicts", onset_windows=_onsets(alerts, persist_windows),

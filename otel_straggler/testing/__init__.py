@@ -8,6 +8,6 @@ training job or the detector never loads it).
 | `synthetic` | `SyntheticJob`: seeded stage observations of a data-parallel cohort, with slowdowns |
 | `host_noise` | `HostNoise`, `BusyHost`: the drifting, heavy-tailed noise of busy hosts for `SyntheticJob` |
 | `scripted_job` | `ScriptedJob`: a small job scripted second by second against the real engine (hangs, restarts) |
-| `otlp_spans` | the rank side's spans as SDK ReadableSpans, OTLP requests and collector JSON lines; a service in a thread |
-| `services` | the real collector, Jaeger and Prometheus of a source checkout (`scripts/services.sh build`), on free ports |
+| `otlp_spans` | the rank side's spans as SDK ReadableSpans, OTLP requests, collector JSON lines; a service in a thread|
+| `services` | the real collector, Jaeger, Prometheus of a source checkout (`scripts/services.sh build`), free ports |
 """

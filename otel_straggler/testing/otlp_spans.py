@@ -8,7 +8,7 @@ import contextlib
 import hashlib
 import itertools
 import json
-from typing import Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 from google.protobuf import json_format
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
@@ -26,8 +26,8 @@ _span_ids = itertools.count(1)
 
 
 def rank_resource(job_id: str, rank: int, cohort: Optional[str] = None, epoch: Optional[int] = None) -> Resource:
-    attributes = {contract.SERVICE_NAME: "training", contract.JOB_ID: job_id, contract.RANK: rank,
-                  contract.HOST_NAME: f"node-{rank // 8}"}
+    attributes: dict[str, Any] = {contract.SERVICE_NAME: "training", contract.JOB_ID: job_id, contract.RANK: rank,
+                                  contract.HOST_NAME: f"node-{rank // 8}"}
     if cohort is not None:
         attributes[contract.COHORT] = cohort
     if epoch is not None:
@@ -82,7 +82,8 @@ def stage_spans(rank: int = 0, count: int = 4, job_id: str = "job-1", first_seq:
             for index in range(count)]
 
 
-def slow_rank_observations(ranks: int = 8, steps: int = 40, slow_rank: int = 3, job_id: str = "job-1") -> list[Observation]:
+def slow_rank_observations(ranks: int = 8, steps: int = 40, slow_rank: int = 3,
+                           job_id: str = "job-1") -> list[Observation]:
     """A data-parallel job in which `slow_rank` is 30% slower from step 10 on: with window_steps=5 it
     becomes a straggler after warmup and persistence."""
     from .synthetic import SyntheticJob
@@ -103,7 +104,7 @@ def eventful_observations(ranks: int = 8) -> list[Observation]:
 def per_step_requests(observations: list[Observation]) -> list[list[ReadableSpan]]:
     """Every rank's spans of one step in one export, as a collector in front of the detector batches."""
     return [sum(group, []) for _, group in itertools.groupby(
-        export_batches(observations), key=lambda spans: spans[0].attributes[contract.STEP])]
+        export_batches(observations), key=lambda spans: (spans[0].attributes or {})[contract.STEP])]
 
 
 def request_bytes(spans: list[ReadableSpan]) -> bytes:
@@ -129,8 +130,8 @@ def json_line(spans: list[ReadableSpan]) -> str:
 def service_config(tmp_path, **changes) -> DetectorConfig:
     """Free ports, no OTLP export, quick flushes; windows close by the cohort moving on, never by
     wall-clock grace, so live runs give the same verdicts as replay."""
-    values = dict(grpc_port=0, http_port=0, evidence_dir=str(tmp_path / "evidence"), export_metrics=False,
-                  flush_interval_s=0.05, window_grace_s=3600.0, window_steps=5)
+    values: dict[str, Any] = dict(grpc_port=0, http_port=0, evidence_dir=str(tmp_path / "evidence"),
+                                  export_metrics=False, flush_interval_s=0.05, window_grace_s=3600.0, window_steps=5)
     values.update(changes)
     return DetectorConfig(**values)
 

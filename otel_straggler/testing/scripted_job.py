@@ -69,7 +69,8 @@ class ScriptedJob:
                         continue
                     opened = open_stages(rank, self.now) if open_stages else (("forward-compute", self.now),)
                     skew = self.clock_offset.get(rank, 0)
-                    beats.append(Heartbeat(self.job_id, 0, self.cohort, rank, (restart_of or {}).get(rank, self.restart),
+                    restart = (restart_of or {}).get(rank, self.restart)
+                    beats.append(Heartbeat(self.job_id, 0, self.cohort, rank, restart,
                                            self.step, self.now + skew, tuple(name for name, _ in opened),
                                            tuple(since + skew for _, since in opened),
                                            self.gpu(rank, self.now) if self.gpu else None))
@@ -89,8 +90,8 @@ class ScriptedJob:
             for name, base_ms, collective in STAGES:
                 host_ms = base_ms * (1 if collective else self.slow.get(rank, 1.0)) * self.rng.uniform(0.98, 1.02)
                 end += int(host_ms * 1e6)
-                observations.append(Observation(self.job_id, 0, self.cohort, rank, name, self.step, self.seq[rank], host_ms,
-                                                None, collective, None, None, end,
+                observations.append(Observation(self.job_id, 0, self.cohort, rank, name, self.step, self.seq[rank],
+                                                host_ms, None, collective, None, None, end,
                                                 restart_of.get(rank, self.restart)))
                 self.seq[rank] += 1
         self.step += 1

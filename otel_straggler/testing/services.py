@@ -33,7 +33,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO / "collector-config"
@@ -165,7 +165,8 @@ class ManagedProcess:
         deadline = time.monotonic() + timeout
         while not self.is_ready():
             if self.process.poll() is not None:
-                raise ServiceError(f"{self.name} exited with {self.process.returncode} while starting\n{self.log_tail()}")
+                raise ServiceError(f"{self.name} exited with {self.process.returncode} while starting\n"
+                                   f"{self.log_tail()}")
             if time.monotonic() >= deadline:
                 self.stop()
                 raise ServiceError(f"{self.name} not ready within {timeout:.0f}s\n{self.log_tail()}")
@@ -345,7 +346,8 @@ class Detector(ManagedProcess):
         self.env = {"OTEL_TRACES_EXPORTER": "none",
                     "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         if otlp_endpoint:
-            self.env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{otlp_endpoint}", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
+            self.env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{otlp_endpoint}",
+                             "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
         self.env.update(env or {})
 
     def argv(self) -> list[str]:
@@ -457,7 +459,7 @@ class StackEndpoints:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "StackEndpoints":
-        values = {}
+        values: dict[str, Any] = {}
         for field in dataclasses.fields(cls):
             raw = env[cls.ENV_NAMES[field.name]]
             values[field.name] = int(raw) if field.type in ("int", int) else raw
@@ -501,7 +503,8 @@ class Stack:
             "JAEGER_SAMPLING_PERCENTAGE": "100",
         }
         collector_env.update(env or {})
-        self.collector = Collector(configs or [CONFIG_DIR / "gateway.yaml"], self.workdir, collector_env, name="gateway")
+        self.collector = Collector(configs or [CONFIG_DIR / "gateway.yaml"], self.workdir, collector_env,
+                                   name="gateway")
         self.prometheus.set_targets([self.collector.metrics_address], [self.collector.telemetry_address])
 
     @property

@@ -147,9 +147,10 @@ class SyntheticJob:
         self._spike_rng = np.random.default_rng([self.seed, 0x5B1E])
         for step in range(first_step, first_step + steps):
             host, device = self._step_durations(rng, step, noise_level, noise_factors)
-            for index, (rank, host_row, device_row) in enumerate(zip(rank_ids, host.tolist(), device.tolist())):
+            rows = zip(rank_ids, host.tolist(), device.tolist(), strict=True)
+            for index, (rank, host_row, device_row) in enumerate(rows):
                 batch = []
-                for stage, host_ms, device_ms in zip(self.stages, host_row, device_row):
+                for stage, host_ms, device_ms in zip(self.stages, host_row, device_row, strict=True):
                     clock_ns[rank] += int(host_ms * 1e6)
                     batch.append(Observation(job_id, epoch, cohort, rank, stage.name, step, seq[rank], host_ms,
                                              device_ms if stage.device else None, stage.collective, tokens[rank],

@@ -69,6 +69,7 @@ POLL_S = 0.15
 STRAGGLER_ALERT = "TrainingStragglerDetected"
 HANG_ALERT = "TrainingJobHung"
 FIRE_TIMEOUT_S = 30.0  # the slowest chain here is under 20 s; a verdict with no page is counted, not awaited
+WARM_TIMEOUT_S = 90.0  # spawn, imports and the first windows of 4 ranks on a loaded 2-core machine
 PHASE_JITTER_S = 5.0  # a random pause before each pair, so alerts do not keep one phase to the scrape clock
 
 
@@ -281,14 +282,26 @@ class Alert:
     fired_s: Optional[float] = None  # activeAt
 
 
-def drive_stragglers(job: Job, watcher: Watcher, alerts: list, pairs: list, deadline: float) -> None:
-    if not job.wait_for_step(4 * WINDOW_STEPS, 60):
+def warm(job: Job, notes: list) -> bool:
+    """The job past its detector warmup; a job that never gets there is noted, not awaited."""
+    if job.wait_for_step(4 * WINDOW_STEPS, WARM_TIMEOUT_S):
+        return True
+    notes.append(f"{job.job_id}: not at step {4 * WINDOW_STEPS} within {WARM_TIMEOUT_S:.0f} s (at step {job.step()})")
+    return False
+
+
+def drive_stragglers(job: Job, watcher: Watcher, alerts: list, notes: list, pairs: list, budget_s: float) -> None:
+    if not warm(job, notes):
         return
+    # the budget counts from the warm job, so a slow start (8 processes importing on 2 cores) costs
+    # no pair; the first pair always runs
+    deadline = time.monotonic() + budget_s
     alerted: set = set()
     jitter = random.Random(job.job_id)
-    for rank, stage_index in pairs:
+    for index, (rank, stage_index) in enumerate(pairs):
         time.sleep(jitter.uniform(0, PHASE_JITTER_S))
-        if time.monotonic() > deadline:
+        if index and time.monotonic() > deadline:
+            notes.append(f"{job.job_id}: budget spent after {index} of {len(pairs)} pairs")
             return
         known = {id(v) for v in watcher.verdicts_of(job.job_id, "straggler", rank)}
         job.control[2 * rank] = stage_index
@@ -306,6 +319,9 @@ def drive_stragglers(job: Job, watcher: Watcher, alerts: list, pairs: list, dead
             if onsets and all(watcher.fired(key, v["time_unix_nano"] / 1e9) for key, v in onsets.items()):
                 break
             time.sleep(0.1)
+        if not onsets:
+            notes.append(f"{job.job_id}: rank {rank} {STAGES[stage_index]} slow, no straggler verdict within "
+                         f"{FIRE_TIMEOUT_S:.0f} s")
         for key, verdict in onsets.items():
             alerts.append(Alert("straggler", key, verdict))
         alerted.update(onsets)
@@ -319,13 +335,15 @@ def drive_stragglers(job: Job, watcher: Watcher, alerts: list, pairs: list, dead
         job.wait_for_step(job.step() + 2 * WINDOW_STEPS, 20)
 
 
-def drive_hangs(job: Job, watcher: Watcher, alerts: list, pairs: list, deadline: float) -> None:
-    if not job.wait_for_step(4 * WINDOW_STEPS, 60):
+def drive_hangs(job: Job, watcher: Watcher, alerts: list, notes: list, pairs: list, budget_s: float) -> None:
+    if not warm(job, notes):
         return
+    deadline = time.monotonic() + budget_s
     jitter = random.Random(job.job_id)
-    for rank, stage_index in pairs:
+    for index, (rank, stage_index) in enumerate(pairs):
         time.sleep(jitter.uniform(0, PHASE_JITTER_S))
-        if time.monotonic() + HANG_TIMEOUT_S + 10 > deadline:
+        if index and time.monotonic() + HANG_TIMEOUT_S + 10 > deadline:
+            notes.append(f"{job.job_id}: budget spent after {index} of {len(pairs)} pairs")
             return
         known = {id(v) for v in watcher.verdicts_of(job.job_id, "hang")}
         job.control[2 * rank + 1] = stage_index
@@ -341,6 +359,9 @@ def drive_hangs(job: Job, watcher: Watcher, alerts: list, pairs: list, deadline:
                 watcher.fired(k, v["time_unix_nano"] / 1e9) for k, v in zip(keys, found)):
             time.sleep(0.1)
         stalled_at = job.step()
+        if not found:
+            notes.append(f"{job.job_id}: rank {rank} blocked in {STAGES[stage_index]} at step {stalled_at + 1}, no "
+                         f"hang verdict naming a rank within {HANG_TIMEOUT_S + 5 + FIRE_TIMEOUT_S:.0f} s")
         for verdict, key in zip(found, keys):
             alerts.append(Alert("hang", key, dict(verdict, blocked_step=stalled_at + 1, blocked_rank=rank)))
         job.control[2 * rank + 1] = -1
@@ -391,7 +412,8 @@ class DetectorProcess(services.Detector):
 
 
 def run_setup(setup: Setup, workdir: Path, straggler_jobs: int, hang_jobs: int, pairs_per_job: int,
-              budget_s: float) -> list[Alert]:
+              budget_s: float, notes: list) -> list[Alert]:
+    """The alerts of one configuration's jobs; `notes` gets a line for each pair that gave no alert."""
     workdir.mkdir(parents=True, exist_ok=True)
     context = multiprocessing.get_context("spawn")
     detector_grpc, detector_http = services.free_port(), services.free_port()
@@ -425,11 +447,11 @@ def run_setup(setup: Setup, workdir: Path, straggler_jobs: int, hang_jobs: int, 
             rotated = combos[index % len(combos):] + combos[:index % len(combos)]
             target = drive_stragglers if kind == "straggler" else drive_hangs
             drivers.append(threading.Thread(target=target, daemon=True, args=(
-                job, watcher, alerts, rotated[:pairs_per_job], time.monotonic() + budget_s)))
+                job, watcher, alerts, notes, rotated[:pairs_per_job], budget_s)))
         for driver in drivers:
             driver.start()
         for driver in drivers:
-            driver.join(budget_s + HANG_TIMEOUT_S + FIRE_TIMEOUT_S + 60)
+            driver.join(WARM_TIMEOUT_S + budget_s + HANG_TIMEOUT_S + FIRE_TIMEOUT_S + 60)
         time.sleep(1.0)
         watcher.stop()
         for job in jobs.values():
@@ -471,12 +493,13 @@ HOP_TITLES = {"a": "(a) evidence->verdict", "b": "(b) verdict->series", "c": "(c
               "verdict->firing": "verdict->firing", "evidence->firing": "evidence->firing"}
 
 
-def summarize(alerts: list[Alert]) -> dict:
-    """kind -> {"n", "missed", hop -> (p50, p99, max, n, min)}."""
+def summarize(alerts: list[Alert], notes: list[str]) -> dict:
+    """kind -> {"n", "missed", hop -> (p50, p99, max, n, min), "notes": the pairs that gave no alert}."""
     summary = {}
     for kind in ("straggler", "hang"):
         rows = [hops(alert) for alert in alerts if alert.kind == kind]
-        entry = {"n": len(rows), "missed": sum(1 for row in rows if row["verdict->firing"] is None)}
+        entry: dict = {"n": len(rows), "missed": sum(1 for row in rows if row["verdict->firing"] is None),
+                       "notes": [note for note in notes if f"-{kind}" in note.split(":")[0]]}
         for name in HOP_NAMES:
             values = [row[name] for row in rows if row[name] is not None]
             entry[name] = (statistics.median(values), percentile(values, 0.99), max(values), len(values),
@@ -505,6 +528,8 @@ def print_table(results: dict[str, dict], setups: dict[str, Setup]) -> None:
                 print(f"{name:<9} {kind:<9} {count:>3} {HOP_TITLES[hop]:<22} {p50:7.2f} {p99_text} {top:7.2f}")
             if entry["missed"]:
                 print(f"{name:<9} {kind:<9}     {entry['missed']} verdict(s) whose alert did not fire within {FIRE_TIMEOUT_S:.0f} s")
+            for note in entry.get("notes", ()):
+                print(f"{name:<9} {kind:<9}     {note}")
     print("\np99 is printed only from 20 alerts up; below that read the max.")
 
 
@@ -515,7 +540,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--straggler-jobs", type=int, default=4)
     parser.add_argument("--hang-jobs", type=int, default=4)
     parser.add_argument("--pairs", type=int, default=8, help="(rank, stage) pairs each job goes through (at most 8)")
-    parser.add_argument("--budget-s", type=float, default=120.0, help="time each config's jobs may take for their pairs")
+    parser.add_argument("--budget-s", type=float, default=120.0,
+                        help="time each job may take for its pairs, from its warmup (its first pair always runs)")
     parser.add_argument("--export-interval-s", type=float, help="custom: --metric-export-interval-s")
     parser.add_argument("--no-prompt-export", action="store_true", help="custom: no export on alert changes")
     parser.add_argument("--scrape-s", type=float, help="custom: scrape_interval")
@@ -536,8 +562,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="alert-latency-") as scratch:
         root = args.workdir or Path(scratch)
         for name, setup in setups.items():
-            alerts = run_setup(setup, root / name, args.straggler_jobs, args.hang_jobs, min(8, args.pairs), args.budget_s)
-            results[name] = summarize(alerts)
+            notes: list[str] = []
+            alerts = run_setup(setup, root / name, args.straggler_jobs, args.hang_jobs, min(8, args.pairs),
+                               args.budget_s, notes)
+            results[name] = summarize(alerts, notes)
             details[name] = [{"kind": a.kind, "job": a.key[1], "rank": a.key[2], "stage": a.key[3],
                               "reason": a.verdict["reason"], "window": a.verdict["window"], **hops(a)} for a in alerts]
     print_table(results, setups)

@@ -15,6 +15,7 @@ from otel_straggler.detector.window_entries import Entries, Rows
 CONTAINED_SHARE = 0.8  # of a stage's intervals inside another's, for the other to contain it
 CONTAINED_SLACK_NS = 20_000  # clock reads a few µs apart at nested starts and stops
 CARRIED_SHARE = 0.5  # of the whole step's excess, for a stage within its noise to carry it
+DOMINANT_FACTOR = 2.0  # of the other clearly-over stages' excess together, for one of several to carry it
 
 
 def lead_intermittent_stages(stage_names: list, state: CohortVerdictState, entries: Entries,
@@ -89,8 +90,9 @@ def lead_stages(stage_names: list, entries: Entries, onset: np.ndarray, late_ons
     else the one collective it is latest to (time that no stage covers). Where `*` is slow and no
     named stage is, a named stage that is `clearly_over` (slower than its peers by the relative
     threshold and the floor, though within its own noise, which a noisy stage widens for windows)
-    carries the step's time when it is the only innermost one and holds CARRIED_SHARE of the whole
-    step's excess: the whole step's conviction says the rank is slow, the stages' excess says where.
+    carries the step's time when it holds CARRIED_SHARE of the whole step's excess and, of the
+    innermost such stages, DOMINANT_FACTOR times the others' excess together: the whole step's
+    conviction says the rank is slow, the stages' excess says where.
     An onset of a stage that a leading one explains is that leading stage's onset, said once, with
     the others in `also_slow`; none when the leading stage already holds an alert. Only ranks with
     an onset in the window are looked at."""
@@ -148,10 +150,18 @@ def carrier_stage(entries: Entries, slot: int, candidates: np.ndarray, clearly_o
     over = np.flatnonzero(mine & clearly_over & ((codes & 1) == 0) & (codes > 0)).tolist()
     innermost = [entry for entry in over if not any(
         stage_contains(entries.rows, slot, int(codes[entry]), int(codes[inner])) for inner in over if inner != entry)]
-    if len(innermost) != 1:
+    if not innermost:
         return None
-    whole_gap, gap = float(gap_ms[whole[0]]), float(gap_ms[innermost[0]])
-    return innermost[0] if np.isfinite(whole_gap) and gap >= CARRIED_SHARE * whole_gap else None
+    # the one that holds most of the excess carries it, when it holds CARRIED_SHARE of the whole
+    # step's and DOMINANT_FACTOR times what the other clearly-over stages hold together: a slow
+    # rank's short stages (its data fetch on a busy host, a few ms over) do not hide where its time
+    # went, while two stages sharing the excess leave it to the whole step
+    gaps = [float(gap_ms[entry]) for entry in innermost]
+    best = int(np.argmax(gaps))
+    whole_gap, gap = float(gap_ms[whole[0]]), gaps[best]
+    if not np.isfinite(whole_gap) or gap < CARRIED_SHARE * whole_gap or gap < DOMINANT_FACTOR * (sum(gaps) - gap):
+        return None
+    return innermost[best]
 
 
 def stage_contains(rows: Rows, slot: int, outer_code: int, inner_code: int) -> bool:

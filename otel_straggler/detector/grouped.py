@@ -7,6 +7,7 @@ significant digits, far finer than any threshold here. Values must be finite or 
 """
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import numpy as np
@@ -16,6 +17,49 @@ MAX_UINT16 = (1 << 16) - 1
 # dense_groups counts ids into a table when their range is at most this many times their count, plus this
 DENSE_SPAN_FACTOR = 4
 DENSE_SPAN_SLACK = 1024
+
+
+class _StructureCache:
+    """Groupings of small windows, by the ids' content. A window's structure (which stages, ranks
+    and steps it holds) repeats window after window, and cohort after cohort where they have one
+    shape (a TP x PP grid); counting and sorting the same ids again is much of what judging a small
+    window costs. Large id arrays are not kept: there the work dwarfs the fixed costs, and copies
+    would cost memory. Results are read-only, as they are shared."""
+
+    MAX_IDS = 2048
+    MAX_BYTES = 4 << 20  # keys and results together; the oldest go first
+
+    def __init__(self) -> None:
+        self._results: dict[tuple, tuple] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()  # engines of several threads (tests, replays) share it
+
+    def key(self, kind: str, ids: np.ndarray, *extra) -> Optional[tuple]:
+        if ids.size > self.MAX_IDS:
+            return None
+        return (kind, ids.dtype.str, ids.shape, ids.tobytes()) + extra
+
+    def get(self, key: tuple) -> Optional[tuple]:
+        return self._results.get(key)
+
+    def put(self, key: tuple, result: tuple) -> tuple:
+        for array in result:
+            array.flags.writeable = False
+        with self._lock:
+            if key not in self._results:
+                self._results[key] = result
+                self._bytes += _size(key, result)
+            while self._bytes > self.MAX_BYTES:
+                oldest = next(iter(self._results))
+                self._bytes -= _size(oldest, self._results.pop(oldest))
+        return result
+
+
+def _size(key: tuple, result: tuple) -> int:
+    return len(key[3]) + sum(array.nbytes for array in result)
+
+
+_structures = _StructureCache()
 
 
 def _packed(groups: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -47,6 +91,16 @@ def dense_groups(groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     span a range not much wider than their count (steps, stage codes, a small cohort's cells) are
     counted into a table instead of sorted: the same result, without np.unique's sort and its
     fixed cost, which a small window pays a dozen times."""
+    key = _structures.key("dense", groups)
+    if key is not None:
+        found = _structures.get(key)
+        if found is None:
+            found = _structures.put(key, _dense_groups(groups))
+        return found
+    return _dense_groups(groups)
+
+
+def _dense_groups(groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if groups.size and groups.dtype == np.int64:
         low, high = int(groups.min()), int(groups.max())
         span = high - low + 1
@@ -129,6 +183,16 @@ def _equal_groups(groups: np.ndarray, group_count: Optional[int] = None):
     many rows (a window where every rank has every step) and the ids fit 16 bits; else None. Then
     each group's values are one row of a matrix, sorted row by row: about twice as fast as one
     sort of them all."""
+    key = _structures.key("equal", groups, group_count)
+    if key is None:
+        return _equal_groups_of(groups, group_count)
+    found = _structures.get(key)
+    if found is None:
+        found = _structures.put(key, _equal_groups_of(groups, group_count) or ())
+    return found or None
+
+
+def _equal_groups_of(groups: np.ndarray, group_count: Optional[int]):
     if groups.dtype.kind not in "iu" or not _fit_uint16(groups, group_count):
         return None
     counts = np.bincount(groups)

@@ -123,6 +123,10 @@ def grouped_medians(groups: np.ndarray, values: np.ndarray) -> tuple[np.ndarray,
     """(distinct groups ascending, the median of each group's values)."""
     if groups.size == 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0)
+    if groups.size <= _StructureCache.MAX_IDS:
+        equal = _equal_medians(groups, values)
+        if equal is not None:
+            return equal
     if int(groups.max()) > MAX_GROUP:
         distinct, index = dense_groups(groups)
         dense, medians = grouped_medians(index, values)
@@ -135,6 +139,22 @@ def grouped_medians(groups: np.ndarray, values: np.ndarray) -> tuple[np.ndarray,
     low = sorted_values[starts + (sizes - 1) // 2]
     high = sorted_values[starts + sizes // 2]
     return sorted_groups[starts], (low + high) / 2.0
+
+
+def _equal_medians(groups: np.ndarray, values: np.ndarray) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """grouped_medians of a small window whose groups all have as many rows (every rank has every
+    step): the groups' layout from the structure cache and a row-by-row sort of one matrix, instead
+    of a sort of all rows by (group, value). The values are rounded to float32 first, as the packed
+    sort has them, so the medians are the same to the bit. None where the groups differ in size, or
+    a value is negative or nan (the packed order is that of the values for non-negative ones only)."""
+    distinct, index = dense_groups(groups)
+    equal = _equal_groups(index, distinct.size)
+    if equal is None or not values.min() >= 0:
+        return None
+    rows = (values + 0.0).astype(np.float32)[equal[1]].reshape(distinct.size, -1).astype(np.float64)
+    rows.sort(axis=1)
+    size = rows.shape[1]
+    return distinct.astype(np.int64, copy=False), (rows[:, (size - 1) // 2] + rows[:, size // 2]) / 2.0
 
 
 def grouped_medians_signed(groups: np.ndarray, values: np.ndarray,

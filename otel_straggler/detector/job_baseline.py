@@ -100,7 +100,10 @@ def window_pace(rows, layout, slot_count: int, tokens_by_slot: np.ndarray, prese
         codes, medians = grouped_medians(stage_codes, stage_host)
         stages = {int(code): float(median) for code, median in zip(codes.tolist(), medians.tolist(), strict=True)
                   if np.isfinite(median)}
-    return Pace(float(np.median(values)), per_token, stages)
+    values.sort()  # np.median's value, without its fixed cost that a small cohort pays every window
+    middle = values.size // 2
+    median = values[middle] if values.size % 2 else (values[middle - 1] + values[middle]) / 2.0
+    return Pace(float(median), per_token, stages)
 
 
 def judge_pace(baseline: JobBaseline, pace: Optional[Pace], blamed: bool, cohort, window: int,

@@ -88,7 +88,7 @@ def peer_references(segment: np.ndarray, values: np.ndarray, tokens: np.ndarray,
     highest = np.maximum.reduceat(np.where(reports, tokens, -np.inf), starts)
     checked = reports & (reporting_in_segment[segment_number] >= 2)
     result.workload[checked] = WORKLOAD_COMPARABLE
-    for number in np.flatnonzero((reporting_in_segment >= 2) & (highest > lowest * (1.0 + tolerance))):
+    for number in ((reporting_in_segment >= 2) & (highest > lowest * (1.0 + tolerance))).nonzero()[0]:
         _filter_by_workload(result, int(starts[number]), int(ends[number]), values, tokens, reports,
                             quantile, tolerance)
     return result

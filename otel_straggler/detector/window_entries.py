@@ -138,7 +138,7 @@ def collective_late_steps(code: np.ndarray, slot: np.ndarray, step_offset: np.nd
     wait, and the steps of its code with at least SYNC_MIN_RANKS ranks."""
     count = entry_codes.size
     late, steps = np.zeros(count, np.int64), np.zeros(count, np.int64)
-    rows = np.flatnonzero((code & 1) == 1)
+    rows = ((code & 1) == 1).nonzero()[0]
     if rows.size == 0:
         return late, steps
     step_ids, by_step = dense_groups(code[rows] * layout.window_steps + step_offset[rows])
@@ -146,7 +146,7 @@ def collective_late_steps(code: np.ndarray, slot: np.ndarray, step_offset: np.nd
     _, step_median = grouped_medians_signed(by_step, host[rows], step_ids.size)
     enough_in_step = ranks_in_step >= SYNC_MIN_RANKS
     under = enough_in_step[by_step] & (host[rows] < step_median[by_step])
-    collective = np.flatnonzero(entry_codes & 1)
+    collective = (entry_codes & 1).nonzero()[0]
     entry_codes = entry_codes[collective]
     # counted into tables over the window's codes and the cohort's slots (a small range), not by
     # np.unique's sort of the pairs

@@ -17,6 +17,7 @@ MAX_UINT16 = (1 << 16) - 1
 # dense_groups counts ids into a table when their range is at most this many times their count, plus this
 DENSE_SPAN_FACTOR = 4
 DENSE_SPAN_SLACK = 1024
+SMALL_WINDOW_ROWS = 2048  # id arrays up to this size have their groupings cached (_StructureCache)
 
 
 class _StructureCache:
@@ -26,7 +27,7 @@ class _StructureCache:
     window costs. Large id arrays are not kept: there the work dwarfs the fixed costs, and copies
     would cost memory. Results are read-only, as they are shared."""
 
-    MAX_IDS = 2048
+    MAX_IDS = SMALL_WINDOW_ROWS
     MAX_BYTES = 4 << 20  # keys and results together; the oldest go first
 
     def __init__(self) -> None:

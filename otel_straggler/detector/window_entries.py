@@ -9,7 +9,7 @@ import numpy as np
 
 from otel_straggler.detector.cohort_state import CohortVerdictState
 from otel_straggler.detector.config import DetectorConfig
-from otel_straggler.detector.grouped import dense_groups, grouped_medians, grouped_medians_signed
+from otel_straggler.detector.grouped import SMALL_WINDOW_ROWS, dense_groups, grouped_medians, grouped_medians_signed
 from otel_straggler.detector.intermittent import CollectiveWaits, SlowSteps, count_slow_steps, workload_classes
 from otel_straggler.detector.synchronization_points import SYNC_MIN_RANKS, mark_synchronization_points
 from otel_straggler.detector.windows import RowLayout, WindowRows
@@ -163,6 +163,9 @@ def sums_by_bin(bins: np.ndarray, *weights: np.ndarray) -> tuple[np.ndarray, lis
     """(the distinct bins, each weight column summed per bin)."""
     if bins.size == 0:
         return bins, [np.zeros(0) for _ in weights]
+    if bins.size <= SMALL_WINDOW_ROWS:  # a small window's bins repeat: their grouping is cached
+        distinct, index = dense_groups(bins)
+        return distinct, [np.bincount(index, weights=column) for column in weights]
     if int(bins.max()) < max(4 * bins.size, 1 << 16):  # dense enough to count directly
         used = np.bincount(bins).nonzero()[0]
         return used, [np.bincount(bins, weights=column)[used] for column in weights]

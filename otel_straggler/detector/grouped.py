@@ -8,7 +8,7 @@ significant digits, far finer than any threshold here. Values must be finite or 
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import Callable, Hashable, Optional
 
 import numpy as np
 
@@ -63,6 +63,16 @@ def _size(key: tuple, result: tuple) -> int:
 _structures = _StructureCache()
 
 
+def cached_structure(kind: str, ids: np.ndarray, compute: Callable[[], tuple], *extra: Hashable) -> tuple:
+    """compute(): a tuple of arrays that depends on the content of `ids` (and on `extra`) alone,
+    kept for small windows (_StructureCache); read-only."""
+    key = _structures.key(kind, ids, *extra)
+    if key is None:
+        return compute()
+    found = _structures.get(key)
+    return found if found is not None else _structures.put(key, compute())
+
+
 def _packed(groups: np.ndarray, values: np.ndarray) -> np.ndarray:
     # `+ 0.0` turns -0.0 into +0.0, whose bit pattern would otherwise sort after every positive value
     value_bits = (values + 0.0).astype(np.float32).view(np.uint32).astype(np.int64)
@@ -92,13 +102,8 @@ def dense_groups(groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     span a range not much wider than their count (steps, stage codes, a small cohort's cells) are
     counted into a table instead of sorted: the same result, without np.unique's sort and its
     fixed cost, which a small window pays a dozen times."""
-    key = _structures.key("dense", groups)
-    if key is not None:
-        found = _structures.get(key)
-        if found is None:
-            found = _structures.put(key, _dense_groups(groups))
-        return found
-    return _dense_groups(groups)
+    distinct, index = cached_structure("dense", groups, lambda: _dense_groups(groups))
+    return distinct, index
 
 
 def _dense_groups(groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -204,13 +209,7 @@ def _equal_groups(groups: np.ndarray, group_count: Optional[int] = None):
     many rows (a window where every rank has every step) and the ids fit 16 bits; else None. Then
     each group's values are one row of a matrix, sorted row by row: about twice as fast as one
     sort of them all."""
-    key = _structures.key("equal", groups, group_count)
-    if key is None:
-        return _equal_groups_of(groups, group_count)
-    found = _structures.get(key)
-    if found is None:
-        found = _structures.put(key, _equal_groups_of(groups, group_count) or ())
-    return found or None
+    return cached_structure("equal", groups, lambda: _equal_groups_of(groups, group_count) or (), group_count) or None
 
 
 def _equal_groups_of(groups: np.ndarray, group_count: Optional[int]):

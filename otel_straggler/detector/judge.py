@@ -328,7 +328,7 @@ def _judge_pace(cohort: Cohort, rows: WindowRows, entries: Entries, config: Dete
     tokens_by_slot = np.full(slot_count, np.nan)
     tokens_by_slot[entries.slot] = entries.tokens
     stages = entries.code != 0
-    pace = window_pace(rows, cohort.layout, slot_count, tokens_by_slot, entries.present,
+    pace = window_pace(entries.rows, cohort.layout.window_steps, slot_count, tokens_by_slot, entries.present,
                        entries.code[stages], entries.host[stages])
     # a straggler makes every rank wait: its own alert explains the slower steps
     # an intermittent one only for the whole step: slow steps of one stage are too small a share of

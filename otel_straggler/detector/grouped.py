@@ -7,7 +7,8 @@ significant digits, far finer than any threshold here. Values must be finite or 
 """
 from __future__ import annotations
 
-from typing import Optional
+import threading
+from typing import Callable, Hashable, Optional
 
 import numpy as np
 
@@ -16,6 +17,60 @@ MAX_UINT16 = (1 << 16) - 1
 # dense_groups counts ids into a table when their range is at most this many times their count, plus this
 DENSE_SPAN_FACTOR = 4
 DENSE_SPAN_SLACK = 1024
+SMALL_WINDOW_ROWS = 2048  # id arrays up to this size have their groupings cached (_StructureCache)
+
+
+class _StructureCache:
+    """Groupings of small windows, by the ids' content. A window's structure (which stages, ranks
+    and steps it holds) repeats window after window, and cohort after cohort where they have one
+    shape (a TP x PP grid); counting and sorting the same ids again is much of what judging a small
+    window costs. Large id arrays are not kept: there the work dwarfs the fixed costs, and copies
+    would cost memory. Results are read-only, as they are shared."""
+
+    MAX_IDS = SMALL_WINDOW_ROWS
+    MAX_BYTES = 4 << 20  # keys and results together; the oldest go first
+
+    def __init__(self) -> None:
+        self._results: dict[tuple, tuple] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()  # engines of several threads (tests, replays) share it
+
+    def key(self, kind: str, ids: np.ndarray, *extra) -> Optional[tuple]:
+        if ids.size > self.MAX_IDS:
+            return None
+        return (kind, ids.dtype.str, ids.shape, ids.tobytes()) + extra
+
+    def get(self, key: tuple) -> Optional[tuple]:
+        return self._results.get(key)
+
+    def put(self, key: tuple, result: tuple) -> tuple:
+        for array in result:
+            array.flags.writeable = False
+        with self._lock:
+            if key not in self._results:
+                self._results[key] = result
+                self._bytes += _size(key, result)
+            while self._bytes > self.MAX_BYTES:
+                oldest = next(iter(self._results))
+                self._bytes -= _size(oldest, self._results.pop(oldest))
+        return result
+
+
+def _size(key: tuple, result: tuple) -> int:
+    return len(key[3]) + sum(array.nbytes for array in result)
+
+
+_structures = _StructureCache()
+
+
+def cached_structure(kind: str, ids: np.ndarray, compute: Callable[[], tuple], *extra: Hashable) -> tuple:
+    """compute(): a tuple of arrays that depends on the content of `ids` (and on `extra`) alone,
+    kept for small windows (_StructureCache); read-only."""
+    key = _structures.key(kind, ids, *extra)
+    if key is None:
+        return compute()
+    found = _structures.get(key)
+    return found if found is not None else _structures.put(key, compute())
 
 
 def _packed(groups: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -47,6 +102,11 @@ def dense_groups(groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     span a range not much wider than their count (steps, stage codes, a small cohort's cells) are
     counted into a table instead of sorted: the same result, without np.unique's sort and its
     fixed cost, which a small window pays a dozen times."""
+    distinct, index = cached_structure("dense", groups, lambda: _dense_groups(groups))
+    return distinct, index
+
+
+def _dense_groups(groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if groups.size and groups.dtype == np.int64:
         low, high = int(groups.min()), int(groups.max())
         span = high - low + 1
@@ -69,6 +129,10 @@ def grouped_medians(groups: np.ndarray, values: np.ndarray) -> tuple[np.ndarray,
     """(distinct groups ascending, the median of each group's values)."""
     if groups.size == 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0)
+    if groups.size <= _StructureCache.MAX_IDS:
+        equal = _equal_medians(groups, values)
+        if equal is not None:
+            return equal
     if int(groups.max()) > MAX_GROUP:
         distinct, index = dense_groups(groups)
         dense, medians = grouped_medians(index, values)
@@ -81,6 +145,22 @@ def grouped_medians(groups: np.ndarray, values: np.ndarray) -> tuple[np.ndarray,
     low = sorted_values[starts + (sizes - 1) // 2]
     high = sorted_values[starts + sizes // 2]
     return sorted_groups[starts], (low + high) / 2.0
+
+
+def _equal_medians(groups: np.ndarray, values: np.ndarray) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """grouped_medians of a small window whose groups all have as many rows (every rank has every
+    step): the groups' layout from the structure cache and a row-by-row sort of one matrix, instead
+    of a sort of all rows by (group, value). The values are rounded to float32 first, as the packed
+    sort has them, so the medians are the same to the bit. None where the groups differ in size, or
+    a value is negative or nan (the packed order is that of the values for non-negative ones only)."""
+    distinct, index = dense_groups(groups)
+    equal = _equal_groups(index, distinct.size)
+    if equal is None or not values.min() >= 0:
+        return None
+    rows = (values + 0.0).astype(np.float32)[equal[1]].reshape(distinct.size, -1).astype(np.float64)
+    rows.sort(axis=1)
+    size = rows.shape[1]
+    return distinct.astype(np.int64, copy=False), (rows[:, (size - 1) // 2] + rows[:, size // 2]) / 2.0
 
 
 def grouped_medians_signed(groups: np.ndarray, values: np.ndarray,
@@ -129,6 +209,10 @@ def _equal_groups(groups: np.ndarray, group_count: Optional[int] = None):
     many rows (a window where every rank has every step) and the ids fit 16 bits; else None. Then
     each group's values are one row of a matrix, sorted row by row: about twice as fast as one
     sort of them all."""
+    return cached_structure("equal", groups, lambda: _equal_groups_of(groups, group_count) or (), group_count) or None
+
+
+def _equal_groups_of(groups: np.ndarray, group_count: Optional[int]):
     if groups.dtype.kind not in "iu" or not _fit_uint16(groups, group_count):
         return None
     counts = np.bincount(groups)

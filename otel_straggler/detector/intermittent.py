@@ -263,17 +263,17 @@ def judge_intermittent(state: IntermittentState, code: np.ndarray, slot: np.ndar
     comparisons = max(1, int(np.count_nonzero(judged)))
     level = (false_alarm_rate / comparisons) ** persist_windows
 
-    candidates = np.flatnonzero(tested & ~alert & recurring & (share >= MIN_SHARE) & (peer_n > 0))
+    candidates = (tested & ~alert & recurring & (share >= MIN_SHARE) & (peer_n > 0)).nonzero()[0]
     onset = np.zeros(code.size, dtype=bool)
     onset[candidates] = tails_below(k[candidates], n[candidates], rate[candidates], level)
     recovery = np.zeros(code.size, dtype=bool)
     # with no steps of its own or of its peers counted the window says nothing: the alert holds
-    for entry in np.flatnonzero(alert & judged & ~superseded & (n > 0) & (peer_n > 0)).tolist():
+    for entry in (alert & judged & ~superseded & (n > 0) & (peer_n > 0)).nonzero()[0].tolist():
         recovery[entry] = (share[entry] < MIN_SHARE / 2 or
                            binomial_tail(int(k[entry]), int(n[entry]), float(rate[entry])) >= RECOVERY_LEVEL)
     state.alert[code, slot] = (alert | onset) & ~recovery & ~superseded
     # the slow steps' mean time and median, for the few verdicts only
-    said = np.flatnonzero(onset | recovery)
+    said = (onset | recovery).nonzero()[0]
     slow_ms, slow_reference_ms = np.zeros(code.size), np.zeros(code.size)
     slow_ms[said] = state.slow_ms[:, code[said], slot[said]].sum(axis=0) / np.maximum(k[said], 1)
     slow_reference_ms[said] = state.slow_reference_ms[:, code[said], slot[said]].sum(axis=0) / np.maximum(k[said], 1)
@@ -294,7 +294,7 @@ def tails_below(k: np.ndarray, n: np.ndarray, p: np.ndarray, level: float) -> np
                    + (n - k) * np.log1p(-p))
     below = (bound < level) & (k <= n)
     undecided = ~below & (n <= EXACT_TAIL_STEPS) & (k <= n) & (log_pmf < math.log(level) + 1e-9)
-    for entry in np.flatnonzero(undecided).tolist():
+    for entry in undecided.nonzero()[0].tolist():
         below[entry] = binomial_tail(int(k[entry]), int(n[entry]), float(p[entry])) < level
     return below
 

@@ -59,22 +59,19 @@ class Pace:
     stages: dict  # stage code -> median ms over ranks of the ranks' per-interval medians
 
 
-def window_pace(rows, layout, slot_count: int, tokens_by_slot: np.ndarray, present: np.ndarray,
+def window_pace(rows, steps: int, slot_count: int, tokens_by_slot: np.ndarray, present: np.ndarray,
                 stage_codes: np.ndarray, stage_host: np.ndarray) -> Optional[Pace]:
-    """The pace of a closed window (None: no rank has a period in it). tokens_by_slot: each slot's
-    tokens per step (nan: not reported); stage_codes, stage_host: the window's (stage code, rank)
-    entries and their per-interval medians."""
-    keys = np.frombuffer(rows.keys, dtype=np.int64)
-    if keys.size == 0:
+    """The pace of a closed window (None: no rank has a period in it). rows: the window's rows as
+    judged (window_entries.Rows: slot, step offset, host ms, end), of windows of `steps` steps;
+    tokens_by_slot: each slot's tokens per step (nan: not reported); stage_codes, stage_host: the
+    window's (stage code, rank) entries and their per-interval medians."""
+    if rows.slot.size == 0:
         return None
-    end = np.frombuffer(rows.end_unix_nano, dtype=np.int64)
-    host = np.frombuffer(rows.host_ms, dtype=np.float64)
-    _, _, slot, step_offset = layout.unpack(keys)
-    steps = layout.window_steps
+    slot, step_offset, end, host = rows.slot, rows.step, rows.end_unix_nano, rows.host
     bins = slot * steps + step_offset
-    step_end = np.zeros(slot_count * steps, dtype=np.int64)
-    np.maximum.at(step_end, bins, end)
-    step_end = step_end.reshape(slot_count, steps)
+    latest_end = np.zeros(slot_count * steps, dtype=np.int64)
+    np.maximum.at(latest_end, bins, end)
+    step_end = latest_end.reshape(slot_count, steps)
     if steps > 1:
         # each step a rank has after another of its steps: the time between their ends, per step
         # between them (in slot then step order, one pass, instead of a loop over the steps)
@@ -100,7 +97,10 @@ def window_pace(rows, layout, slot_count: int, tokens_by_slot: np.ndarray, prese
         codes, medians = grouped_medians(stage_codes, stage_host)
         stages = {int(code): float(median) for code, median in zip(codes.tolist(), medians.tolist(), strict=True)
                   if np.isfinite(median)}
-    return Pace(float(np.median(values)), per_token, stages)
+    values.sort()  # np.median's value, without its fixed cost that a small cohort pays every window
+    middle = values.size // 2
+    median = values[middle] if values.size % 2 else (values[middle - 1] + values[middle]) / 2.0
+    return Pace(float(median), per_token, stages)
 
 
 def judge_pace(baseline: JobBaseline, pace: Optional[Pace], blamed: bool, cohort, window: int,

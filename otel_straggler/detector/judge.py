@@ -93,7 +93,7 @@ def judge_window(cohort: Cohort, rows: WindowRows, config: DetectorConfig, now_u
     judgement.verdicts += _judge_pace(cohort, rows, entries, config, now_unix_nano)
     state.windows_seen[:slot_count][entries.present] += 1
     state.collective_seen[entries.code[(entries.code & 1) == 1]] = True  # for hangs: who waits where
-    for stage_index in np.flatnonzero(np.bincount(entries.code // 2)).tolist():
+    for stage_index in np.bincount(entries.code // 2).nonzero()[0].tolist():
         if stage_index:
             cohort.stage_seen(stage_index, rows.window)
     return judgement
@@ -118,7 +118,7 @@ def _judge_entries(cohort: Cohort, window: int, entries: Entries, config: Detect
     flat = entries.code * state.alert.shape[1] + entries.slot
     host = compare_to_peers(everyone, entries.code, entries.host, entries.tokens, floor_ms, config, state.noise_var[0],
                     flat, state.last_offset[0].reshape(-1))
-    with_device = np.flatnonzero(~np.isnan(entries.device))
+    with_device = (~np.isnan(entries.device)).nonzero()[0]
     device = compare_to_peers(with_device, entries.code[with_device], entries.device[with_device],
                       entries.tokens[with_device], floor_ms[with_device], config, state.noise_var[1],
                       flat[with_device], state.last_offset[1].reshape(-1))
@@ -154,7 +154,7 @@ def _judge_entries(cohort: Cohort, window: int, entries: Entries, config: Detect
     late = collective & usable & (lateness > floor_ms) & late_beyond_noise(
         entries.code, entries.host, lateness, step_compute_ms[entries.slot], collective & usable,
         state.arrival_var, stage_noise.noise_z(comparisons, config.false_alarm_rate))
-    for entry in np.flatnonzero(late).tolist():
+    for entry in late.nonzero()[0].tolist():
         late[entry] = consistently_late(int(entries.late_steps[entry]), int(entries.arrival_steps[entry]),
                                          comparisons, config)
 
@@ -226,7 +226,7 @@ def _judge_entries(cohort: Cohort, window: int, entries: Entries, config: Detect
     # the stages a leading stage explains count as under its alert: not tested on their own
     steady_alert = ((alert | onset) & ~recovery) | explained
     comparable = compute & usable  # compute: judged (past warmup) and not a collective
-    started = np.flatnonzero(compute & (onset | explained))
+    started = (compute & (onset | explained)).nonzero()[0]
     state.intermittent.reset((entries.code[started], entries.slot[started]))
     if not partial:  # a thin window is no evidence for either rule
         state.intermittent.record(config.persist_windows, entries.code, entries.slot, entries.slow_steps,
@@ -242,7 +242,7 @@ def _judge_entries(cohort: Cohort, window: int, entries: Entries, config: Detect
     context = VerdictContext(cohort, window, now, entries, host, device, use_device, slowdown)
     # a steady alert that ends as the intermittent one starts is handed over: one straggler verdict
     recovery_said = recovery & ~intermittent.onset
-    for entry in np.flatnonzero(onset | recovery_said | uncertain_notice | floor_notice | waiting_notice).tolist():
+    for entry in (onset | recovery_said | uncertain_notice | floor_notice | waiting_notice).nonzero()[0].tolist():
         if late_onset[entry]:
             record = context.verdict(entry, contract.VERDICT_STRAGGLER, contract.REASON_LAST_TO_ARRIVE,
                                      contract.ATTRIBUTION_UNKNOWN, timing_host=True)
@@ -266,7 +266,7 @@ def _judge_entries(cohort: Cohort, window: int, entries: Entries, config: Detect
         if entry in also_slow and onset[entry]:
             record = dataclasses.replace(record, also_slow=also_slow[entry])
         judgement.verdicts.append(record)
-    for entry in np.flatnonzero(intermittent.onset | intermittent.recovery).tolist():
+    for entry in (intermittent.onset | intermittent.recovery).nonzero()[0].tolist():
         onset_now = bool(intermittent.onset[entry])
         record = context.verdict(entry, contract.VERDICT_STRAGGLER if onset_now else contract.VERDICT_RECOVERED,
                                  contract.REASON_INTERMITTENT if onset_now else contract.REASON_WITHIN_TOLERANCE,
@@ -306,13 +306,13 @@ def _judge_presence(cohort: Cohort, window: int, entries: Entries, config: Detec
     came_back = present & silent
     silent[fell_silent] = True
     silent[came_back] = reported[came_back] = False
-    judgement.fell_silent = np.flatnonzero(fell_silent)
-    judgement.came_back = np.flatnonzero(came_back)
+    judgement.fell_silent = fell_silent.nonzero()[0]
+    judgement.came_back = came_back.nonzero()[0]
     # by the judged windows' own rows (not what has arrived since), so that replay agrees with live
     peers_moved_on = int(last_end.max(initial=0)) - last_end > int(config.max_export_lag_s * 1e9)
     confirmed = roster & silent & ~reported & peers_moved_on
     reported[confirmed] = True
-    for slot in np.flatnonzero(confirmed).tolist():
+    for slot in confirmed.nonzero()[0].tolist():
         judgement.verdicts.append(Verdict(
             time_unix_nano=now, job_id=cohort.job_id, cohort=cohort.name, stage=contract.WHOLE_STEP_STAGE,
             rank=cohort.slot_entries[slot].rank, window=window, verdict=contract.VERDICT_SILENT,
@@ -328,7 +328,7 @@ def _judge_pace(cohort: Cohort, rows: WindowRows, entries: Entries, config: Dete
     tokens_by_slot = np.full(slot_count, np.nan)
     tokens_by_slot[entries.slot] = entries.tokens
     stages = entries.code != 0
-    pace = window_pace(rows, cohort.layout, slot_count, tokens_by_slot, entries.present,
+    pace = window_pace(entries.rows, cohort.layout.window_steps, slot_count, tokens_by_slot, entries.present,
                        entries.code[stages], entries.host[stages])
     # a straggler makes every rank wait: its own alert explains the slower steps
     # an intermittent one only for the whole step: slow steps of one stage are too small a share of

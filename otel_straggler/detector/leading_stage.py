@@ -37,19 +37,19 @@ def lead_intermittent_stages(stage_names: list, state: CohortVerdictState, entri
     slots = state.alert.shape[1]
     codes = state.intermittent.alert.shape[0]
     # named stages starting one on a rank whose whole step already holds one (spread): said there
-    named_onset = np.flatnonzero(intermittent.onset & (entries.code >= 2))
+    named_onset = (intermittent.onset & (entries.code >= 2)).nonzero()[0]
     whole_starting = set(entries.slot[intermittent.onset & (entries.code == 0)].tolist())
     spread = np.array([entry for entry in named_onset.tolist() if state.intermittent.alert[0, entries.slot[entry]]
                        and int(entries.slot[entry]) not in whole_starting], dtype=np.int64)
     intermittent.onset[spread] = False
     state.intermittent.alert[entries.code[spread], entries.slot[spread]] = False
-    whole = np.flatnonzero(intermittent.onset & (entries.code == 0))
+    whole = (intermittent.onset & (entries.code == 0)).nonzero()[0]
     if whole.size == 0:
         return also_slow
     alerted_before = np.any(state.alert[2:, :slots], axis=0)
     for entry in whole.tolist():
         slot = int(entries.slot[entry])
-        named = np.flatnonzero(intermittent.onset & (entries.slot == slot) & (entries.code >= 2))
+        named = (intermittent.onset & (entries.slot == slot) & (entries.code >= 2)).nonzero()[0]
         names = tuple(stage_names[int(entries.code[other]) // 2] for other in named.tolist())
         other_alert = alerted_before[slot] or state.intermittent.alert[2:codes, slot].sum() > named.size
         steady_under_way = not named.size and bool(slow_named[entries.slot == slot].any())
@@ -107,7 +107,7 @@ def lead_stages(stage_names: list, entries: Entries, onset: np.ndarray, late_ons
         if carrier is not None:
             candidates = candidates.copy()
             candidates[carrier] = True
-        slow_here = np.flatnonzero(candidates & (entries.slot == slot))
+        slow_here = (candidates & (entries.slot == slot)).nonzero()[0]
         if slow_here.size < 2:
             continue
         codes = entries.code[slow_here]
@@ -144,10 +144,10 @@ def carrier_stage(entries: Entries, slot: int, candidates: np.ndarray, clearly_o
     lead_stages), or None."""
     mine = entries.slot == slot
     codes = entries.code
-    whole = np.flatnonzero(mine & candidates & (codes == 0))
+    whole = (mine & candidates & (codes == 0)).nonzero()[0]
     if whole.size == 0 or (mine & candidates & ((codes & 1) == 0) & (codes > 0)).any():
         return None
-    over = np.flatnonzero(mine & clearly_over & ((codes & 1) == 0) & (codes > 0)).tolist()
+    over = (mine & clearly_over & ((codes & 1) == 0) & (codes > 0)).nonzero()[0].tolist()
     innermost = [entry for entry in over if not any(
         stage_contains(entries.rows, slot, int(codes[entry]), int(codes[inner])) for inner in over if inner != entry)]
     if not innermost:

@@ -21,7 +21,7 @@ import bisect
 
 import numpy as np
 
-from otel_straggler.detector.grouped import order_within_groups, run_bounds
+from otel_straggler.detector.grouped import cached_structure, order_within_groups, run_bounds
 
 WORKLOAD_NOT_REPORTED = -1  # the rank, or every peer it was compared with, reported no workload
 WORKLOAD_INCOMPARABLE = 0  # the rank reported a workload and no peer's was within tolerance
@@ -61,9 +61,8 @@ def peer_references(segment: np.ndarray, values: np.ndarray, tokens: np.ndarray,
     """`segment` (non-decreasing ints), `values` (finite medians), `tokens` (per entry, nan when not
     reported) all have one element per entry."""
     count = values.size
-    starts, ends, segment_number = run_bounds(segment)
-    entry_start = starts[segment_number]
-    entry_end = ends[segment_number]
+    starts, ends, segment_number, entry_start, entry_end, peers, low, high, fraction = cached_structure(
+        "peer segments", segment, lambda: _segments(segment, quantile), quantile)
     result = PeerReferences(entry_start, entry_end)
     if count == 0:
         return result
@@ -74,13 +73,11 @@ def peer_references(segment: np.ndarray, values: np.ndarray, tokens: np.ndarray,
     sorted_values = values[order]
     position = np.empty(count, dtype=np.int64)
     position[order] = np.arange(count)
-    peers = entry_end - entry_start - 1
-    low, high, fraction = _quantile_positions(peers, quantile)
     own = position - entry_start
     low_value = sorted_values[np.minimum(entry_start + _skipping(low, own), count - 1)]
     high_value = sorted_values[np.minimum(entry_start + _skipping(high, own), count - 1)]
     result.reference = np.where(peers >= 1, low_value + (high_value - low_value) * fraction, np.nan)
-    result.peer_count = peers
+    result.peer_count = peers.copy()  # workload filtering (below) writes into it; `peers` is shared
 
     reports = np.isfinite(tokens) & (tokens > 0)
     reporting_in_segment = np.add.reduceat(reports.astype(np.int64), starts)
@@ -88,10 +85,20 @@ def peer_references(segment: np.ndarray, values: np.ndarray, tokens: np.ndarray,
     highest = np.maximum.reduceat(np.where(reports, tokens, -np.inf), starts)
     checked = reports & (reporting_in_segment[segment_number] >= 2)
     result.workload[checked] = WORKLOAD_COMPARABLE
-    for number in np.flatnonzero((reporting_in_segment >= 2) & (highest > lowest * (1.0 + tolerance))):
+    for number in ((reporting_in_segment >= 2) & (highest > lowest * (1.0 + tolerance))).nonzero()[0]:
         _filter_by_workload(result, int(starts[number]), int(ends[number]), values, tokens, reports,
                             quantile, tolerance)
     return result
+
+
+def _segments(segment: np.ndarray, quantile: float) -> tuple:
+    """What depends on the entries' segments alone: each segment's (start, end), each entry's
+    segment number, start, end and peer count, and its quantile's two positions and fraction."""
+    starts, ends, segment_number = run_bounds(segment)
+    entry_start = starts[segment_number]
+    entry_end = ends[segment_number]
+    peers = entry_end - entry_start - 1
+    return (starts, ends, segment_number, entry_start, entry_end, peers) + _quantile_positions(peers, quantile)
 
 
 def _quantile_positions(peers: np.ndarray, quantile: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

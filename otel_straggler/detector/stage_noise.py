@@ -44,7 +44,7 @@ def beyond_stage_noise(segment: np.ndarray, median: np.ndarray, slowdown: np.nda
     (Bonferroni): a healthy rank of any stage crosses it in about false_alarm_rate of the windows,
     before persist_windows asks for more."""
     result = np.zeros(slowdown.size, dtype=bool)
-    judged = np.flatnonzero(usable & np.isfinite(slowdown) & (slowdown > 0) & (median > 0))
+    judged = (usable & np.isfinite(slowdown) & (slowdown > 0) & (median > 0)).nonzero()[0]
     if judged.size == 0:
         return result
     deviation = np.log(slowdown[judged])
@@ -73,7 +73,7 @@ def late_beyond_noise(code: np.ndarray, wait_ms: np.ndarray, lateness: np.ndarra
     arrived earliest, so late ranks, up to half of them, do not widen it). A rank whose host
     drifts slower for a while is then consistently late, and still not a straggler."""
     result = np.zeros(code.size, dtype=bool)
-    judged = np.flatnonzero(candidates & np.isfinite(step_ms) & (step_ms > 0) & np.isfinite(lateness))
+    judged = (candidates & np.isfinite(step_ms) & (step_ms > 0) & np.isfinite(lateness)).nonzero()[0]
     if judged.size == 0:
         return result
     segments, by_segment = dense_groups(code[judged])

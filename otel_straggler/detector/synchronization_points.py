@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from otel_straggler.detector.cohort_state import CohortVerdictState
-from otel_straggler.detector.grouped import dense_groups, grouped_medians_signed
+from otel_straggler.detector.grouped import cached_structure, dense_groups, grouped_medians_signed
 from otel_straggler.detector.windows import RowLayout
 
 SYNC_SLOPE_LIMIT = 0.5  # halfway between a synchronized end (slope 0) and a free one (slope 1)
@@ -35,41 +35,34 @@ def mark_synchronization_points(state: CohortVerdictState, code: np.ndarray, slo
     # one cell per (stage, rank, step): its last interval, the one a synchronization point would
     # end (of several micro-batches, only the one that synchronizes does)
     # cells keyed over the cohort's slots: (code * slot_count + slot) * window_steps + step offset
-    cells, index = dense_groups((code[stage_rows] * slot_count + slot[stage_rows]) * layout.window_steps
-                                + step_offset[stage_rows])
+    cell_keys = (code[stage_rows] * slot_count + slot[stage_rows]) * layout.window_steps + step_offset[stage_rows]
+    plan = cached_structure("sync cells", cell_keys, lambda: _cell_plan(cell_keys, layout.window_steps, slot_count),
+                            layout.window_steps, slot_count)
+    cells, index, last = plan[:3]
     finite = np.isfinite(end_ms) & np.isfinite(start_ms)
-    if cells.size == index.size:  # one interval per cell (no micro-batches): it is the last
-        last = np.empty_like(index)
-        last[index] = np.arange(index.size)
-    else:
+    if cells.size != index.size:  # micro-batches: per cell, its row with the latest end
         order = np.lexsort((np.where(finite, end_ms, -np.inf), index))
-        last = order[np.r_[index[order][1:] != index[order][:-1], True]]  # per cell, its row with the latest end
+        last = order[np.r_[index[order][1:] != index[order][:-1], True]]
     cell_end = np.where(finite[last], end_ms[last], np.inf)
     cell_start = np.where(finite[last], start_ms[last], np.inf)
-    cell_group = cells // layout.window_steps
-    cell_step = cells - cell_group * layout.window_steps
-    cell_code = cell_group // slot_count
-    cell_slot = cell_group - cell_code * slot_count
     usable = np.isfinite(cell_start) & np.isfinite(cell_end)
-    cell_code, cell_slot, cell_step = cell_code[usable], cell_slot[usable], cell_step[usable]
-    cell_start, cell_end = cell_start[usable], cell_end[usable]
+    if usable.all():  # the usual window: its groups are the cached ones
+        by_step, step_count, enough, by_rank, rank_count, codes, by_code, cells_per_code = plan[6:]
+    else:
+        cell_code, cell_slot, cell_step = (column[usable] for column in plan[3:6])
+        cell_start, cell_end = cell_start[usable], cell_end[usable]
+        by_step, step_count, enough, by_rank, rank_count, codes, by_code, cells_per_code = _cell_groups(
+            cell_code, cell_slot, cell_step, layout.window_steps, slot_count)
     # deviations from the ranks' medians of the same (stage, step), where enough ranks have it
-    step_ids, by_step = dense_groups(cell_code * layout.window_steps + cell_step)
-    ranks_in_step = np.bincount(by_step)
-    _, median_end = grouped_medians_signed(by_step, cell_end, step_ids.size)
-    _, median_start = grouped_medians_signed(by_step, cell_start, step_ids.size)
-    enough = ranks_in_step[by_step] >= SYNC_MIN_RANKS
+    _, median_end = grouped_medians_signed(by_step, cell_end, int(step_count))
+    _, median_start = grouped_medians_signed(by_step, cell_start, int(step_count))
     end_dev = (cell_end - median_end[by_step])[enough]
     start_dev = (cell_start - median_start[by_step])[enough]
-    cell_code, cell_slot = cell_code[enough], cell_slot[enough]
     # each rank's own offset over the window removed
-    rank_ids, by_rank = dense_groups(cell_code * slot_count + cell_slot)
-    _, rank_end = grouped_medians_signed(by_rank, end_dev, rank_ids.size)
-    _, rank_start = grouped_medians_signed(by_rank, start_dev, rank_ids.size)
+    _, rank_end = grouped_medians_signed(by_rank, end_dev, int(rank_count))
+    _, rank_start = grouped_medians_signed(by_rank, start_dev, int(rank_count))
     end_dev = end_dev - rank_end[by_rank]
     start_dev = start_dev - rank_start[by_rank]
-    codes, by_code = dense_groups(cell_code)
-    cells_per_code = np.bincount(by_code, minlength=codes.size)
     covariance = np.bincount(by_code, weights=end_dev * start_dev, minlength=codes.size)
     start_variance = np.bincount(by_code, weights=start_dev * start_dev, minlength=codes.size)
     end_variance = np.bincount(by_code, weights=end_dev * end_dev, minlength=codes.size)
@@ -94,3 +87,34 @@ def mark_synchronization_points(state: CohortVerdictState, code: np.ndarray, slo
         return code
     marked = stage_rows & synchronized[np.minimum(code, synchronized.size - 1)]
     return np.where(marked, code | 1, code)
+
+
+def _cell_plan(cell_keys: np.ndarray, window_steps: int, slot_count: int) -> tuple:
+    """What depends on a window's stage rows' (stage, rank, step) keys alone: the cells and each
+    row's cell, each cell's row where it has one only, the cells' code, slot and step, and their
+    groups (_cell_groups) where every cell is usable."""
+    cells, index = dense_groups(cell_keys)
+    last = np.zeros(0, dtype=np.int64)
+    if cells.size == index.size:  # one interval per cell (no micro-batches): it is the last
+        last = np.empty_like(index)
+        last[index] = np.arange(index.size)
+    cell_group = cells // window_steps
+    cell_step = cells - cell_group * window_steps
+    cell_code = cell_group // slot_count
+    cell_slot = cell_group - cell_code * slot_count
+    return (cells, index, last, cell_code, cell_slot, cell_step) + _cell_groups(
+        cell_code, cell_slot, cell_step, window_steps, slot_count)
+
+
+def _cell_groups(cell_code: np.ndarray, cell_slot: np.ndarray, cell_step: np.ndarray, window_steps: int,
+                 slot_count: int) -> tuple:
+    """Cells by (stage, step): each cell's group, the group count, and whether its group has
+    SYNC_MIN_RANKS ranks; those cells by rank: group, count; by code: the codes, group, cells."""
+    step_ids, by_step = dense_groups(cell_code * window_steps + cell_step)
+    enough = np.bincount(by_step)[by_step] >= SYNC_MIN_RANKS
+    cell_code, cell_slot = cell_code[enough], cell_slot[enough]
+    rank_ids, by_rank = dense_groups(cell_code * slot_count + cell_slot)
+    codes, by_code = dense_groups(cell_code)
+    cells_per_code = np.bincount(by_code, minlength=codes.size)
+    return (by_step, np.array(step_ids.size), enough, by_rank, np.array(rank_ids.size), codes, by_code,
+            cells_per_code)

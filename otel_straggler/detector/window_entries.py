@@ -9,7 +9,7 @@ import numpy as np
 
 from otel_straggler.detector.cohort_state import CohortVerdictState
 from otel_straggler.detector.config import DetectorConfig
-from otel_straggler.detector.grouped import dense_groups, grouped_medians, grouped_medians_signed
+from otel_straggler.detector.grouped import SMALL_WINDOW_ROWS, dense_groups, grouped_medians, grouped_medians_signed
 from otel_straggler.detector.intermittent import CollectiveWaits, SlowSteps, count_slow_steps, workload_classes
 from otel_straggler.detector.synchronization_points import SYNC_MIN_RANKS, mark_synchronization_points
 from otel_straggler.detector.windows import RowLayout, WindowRows
@@ -102,7 +102,8 @@ def window_entries(rows: WindowRows, layout: RowLayout, slot_count: int, state: 
     last_end = np.zeros(slot_count, dtype=np.int64)
     np.maximum.at(last_end, slot, end_unix_nano)
     entry_codes = np.concatenate((np.zeros(whole_slots.size, dtype=np.int64), stage_code))
-    late_steps, arrival_steps = collective_late_steps(code, slot, step_offset, host, layout, entry_codes, all_slots)
+    late_steps, arrival_steps = collective_late_steps(code, slot, step_offset, host, layout, slot_count, entry_codes,
+                                                      all_slots)
     # per (stage, rank, step) time of the compute stages, and the whole step's sums, for intermittent.py
     _, cell_code, cell_slot, cell_step = layout.unpack(cells)
     compute_cells = ((cell_code & 1) == 0) & (cell_code > 0)
@@ -131,43 +132,40 @@ def window_entries(rows: WindowRows, layout: RowLayout, slot_count: int, state: 
 
 
 def collective_late_steps(code: np.ndarray, slot: np.ndarray, step_offset: np.ndarray, host: np.ndarray,
-                          layout: RowLayout,
+                          layout: RowLayout, slot_count: int,
                           entry_codes: np.ndarray, entry_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per collective entry (code, slot): the steps in which its wait was under the step's median
     wait, and the steps of its code with at least SYNC_MIN_RANKS ranks."""
     count = entry_codes.size
     late, steps = np.zeros(count, np.int64), np.zeros(count, np.int64)
-    rows = np.flatnonzero((code & 1) == 1)
+    rows = ((code & 1) == 1).nonzero()[0]
     if rows.size == 0:
         return late, steps
     step_ids, by_step = dense_groups(code[rows] * layout.window_steps + step_offset[rows])
     ranks_in_step = np.bincount(by_step)
     _, step_median = grouped_medians_signed(by_step, host[rows], step_ids.size)
-    enough = ranks_in_step[by_step] >= SYNC_MIN_RANKS
-    under = enough & (host[rows] < step_median[by_step])
-    pair = code[rows] * layout.slot_stride + slot[rows]
-    # one step per (code, step) group with enough ranks
-    first_rows = np.unique(by_step[enough], return_index=True)[1]
-    collective = np.flatnonzero(entry_codes & 1)
+    enough_in_step = ranks_in_step >= SYNC_MIN_RANKS
+    under = enough_in_step[by_step] & (host[rows] < step_median[by_step])
+    collective = (entry_codes & 1).nonzero()[0]
     entry_codes = entry_codes[collective]
-    late[collective] = counts_of(pair[under], entry_codes * layout.slot_stride + entry_slots[collective])
-    steps[collective] = counts_of(code[rows][enough][first_rows], entry_codes)
+    # counted into tables over the window's codes and the cohort's slots (a small range), not by
+    # np.unique's sort of the pairs
+    code_count = int(code[rows].max()) + 1
+    late_pairs = np.bincount((code[rows] * slot_count + slot[rows])[under], minlength=code_count * slot_count)
+    late[collective] = late_pairs[entry_codes * slot_count + entry_slots[collective]]
+    # per code, its (code, step) groups with enough ranks
+    steps_per_code = np.bincount(step_ids[enough_in_step] // layout.window_steps, minlength=code_count)
+    steps[collective] = steps_per_code[entry_codes]
     return late, steps
-
-
-def counts_of(values: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """How many times each of `keys` occurs in `values` (0 where it does not)."""
-    if values.size == 0 or keys.size == 0:
-        return np.zeros(keys.size, dtype=np.int64)
-    distinct, counts = np.unique(values, return_counts=True)
-    position = np.minimum(np.searchsorted(distinct, keys), distinct.size - 1)
-    return np.where(distinct[position] == keys, counts[position], 0)
 
 
 def sums_by_bin(bins: np.ndarray, *weights: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
     """(the distinct bins, each weight column summed per bin)."""
     if bins.size == 0:
         return bins, [np.zeros(0) for _ in weights]
+    if bins.size <= SMALL_WINDOW_ROWS:  # a small window's bins repeat: their grouping is cached
+        distinct, index = dense_groups(bins)
+        return distinct, [np.bincount(index, weights=column) for column in weights]
     if int(bins.max()) < max(4 * bins.size, 1 << 16):  # dense enough to count directly
         used = np.bincount(bins).nonzero()[0]
         return used, [np.bincount(bins, weights=column)[used] for column in weights]

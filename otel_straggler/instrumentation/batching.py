@@ -25,7 +25,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter
@@ -125,6 +125,31 @@ class BatchingSpanProcessor(SpanProcessor):
         if len(queue) >= self.max_queue_size:
             self.dropped_queue_full += 1  # the oldest is dropped by the append below
         queue.appendleft(item)
+        if len(queue) >= self.max_export_batch_size and not self._woken:
+            with self._wake:
+                self._woken = True
+                self._wake.notify()
+
+    def on_end_many(self, spans: Sequence[ReadableSpan]) -> None:
+        """on_end() of each span, in order, in one call: for a processor ahead of this one that
+        hands on spans by the batch (the CudaEventSpanProcessor, the span builder's ProcessorSpans)."""
+        if self._shutdown:
+            return
+        prewrite = self._prewrite
+        queue = self._queue
+        max_queue_size = self.max_queue_size
+        for span in spans:
+            if type(span) is not RecordSpan and not (span.context and span.context.trace_flags.sampled):
+                continue
+            item: Any = span
+            if prewrite is not None:
+                try:
+                    item = prewrite(span)
+                except Exception:
+                    item = span  # the exporter encodes it then
+            if len(queue) >= max_queue_size:
+                self.dropped_queue_full += 1  # the oldest is dropped by the append below
+            queue.appendleft(item)
         if len(queue) >= self.max_export_batch_size and not self._woken:
             with self._wake:
                 self._woken = True

@@ -50,12 +50,26 @@ class _DroppingExporter:
         return True
 
 
+def _drop(completed, pool) -> None:
+    from otel_straggler.instrumentation.hot_path_reference import INTERVAL, START_EVENT
+
+    while completed:
+        record = completed.popleft()
+        if record[0] == INTERVAL:
+            for event in (record[1][START_EVENT], record[3]):
+                if event is not None:
+                    pool.release(event)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--writer", choices=("c", "python"), default="c")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--record-only", action="store_true",
+                        help="drop the records unbuilt (their events back to the pool): the recording's own cost,"
+                             " for a count of instructions (valgrind) to subtract")
     args = parser.parse_args(argv)
     os.environ.update({"OTEL_BSP_MAX_QUEUE_SIZE": str(10 * (args.steps * 5 + 64)),
                        "OTEL_STRAGGLER_EXPORT_METRICS": "false"})
@@ -84,7 +98,10 @@ def main(argv=None) -> int:
         before = time.thread_time_ns()
         if profile is not None:
             profile.enable()
-        pipeline._build()
+        if args.record_only:
+            _drop(handle.recorder.completed, pipeline.event_pool)
+        else:
+            pipeline._build()
         if profile is not None:
             profile.disable()
         spent = time.thread_time_ns() - before
@@ -95,6 +112,9 @@ def main(argv=None) -> int:
         handle.flush(30.0)
     status = handle.status()
     handle.shutdown(10.0)
+    if args.record_only:
+        print(f"recorded only: {status['device_timed']} device timed, {status['spans_built']} built")
+        return 0
     lost = sum(status["lost"].values())
     print(f"span builder, {args.writer} writer: {statistics.median(per_span_us):.2f} µs/span median of {args.rounds}"
           f" (min {min(per_span_us):.2f}, max {max(per_span_us):.2f}); {args.steps * 5} spans a round;"

@@ -279,6 +279,7 @@ class SpanBuilder:
         self.counters = dict.fromkeys(COUNTER_NAMES, 0)
         # spans' emit_many(), where they have one: a burst's spans are made, then handed on together
         self._emit_many: Optional[Callable[[list], Any]] = getattr(spans, "emit_many", None)
+        self._batch_steps: list[int] = []  # positions of train.step spans in the batch being made
         salt = int.from_bytes(os.urandom(8), "big")
         self._interval_salt = salt
         self._step_salt = salt ^ 0x5DEECE66D5DEECE6
@@ -300,7 +301,8 @@ class SpanBuilder:
         Not thread-safe: one caller at a time."""
         completed = self.recorder.completed
         left = -1 if limit is None else limit
-        # spans made but not yet emitted, handed on together (see _emit_batch); None: one by one
+        # spans made but not yet emitted (emit()'s arguments), handed on together (_emit_batch);
+        # None: one by one. The positions in it of train.step spans are in _batch_steps.
         batch: Optional[list] = [] if self._emit_many is not None else None
         while completed and left != 0:
             left -= 1
@@ -328,19 +330,19 @@ class SpanBuilder:
         return bool(completed)
 
     def _emit_batch(self, batch: list) -> None:
-        """Hands the spans of `batch` ((emit()'s arguments, whether an interval's) each) on at
-        once, and counts them as emit() one by one would have: built, or failed."""
+        """Hands the spans of `batch` on at once, and counts them as emit() one by one would
+        have: built, or failed."""
+        steps, self._batch_steps = self._batch_steps, []
         try:
-            failed = self._emit_many([span for span, _ in batch])  # type: ignore[misc]  # set with a batch
+            failed = self._emit_many(batch)  # type: ignore[misc]  # set where there is a batch
         except Exception:  # not one of them known to be handed on: all failed, as emit() raising would say
             failed = range(len(batch))
-        intervals = sum(1 for _, is_interval in batch if is_interval)
-        intervals_failed = sum(1 for position in failed if batch[position][1])
+        steps_failed = sum(1 for position in failed if position in steps) if failed else 0
         counters = self.counters
-        counters["spans_built"] += intervals - intervals_failed
-        counters["steps_built"] += len(batch) - intervals - (len(failed) - intervals_failed)
+        counters["spans_built"] += len(batch) - len(steps) - (len(failed) - steps_failed)
+        counters["steps_built"] += len(steps) - steps_failed
         counters["build_errors"] += len(failed)
-        counters["intervals_failed"] += intervals_failed
+        counters["intervals_failed"] += len(failed) - steps_failed
 
     def build_heartbeat(self, sample: Any) -> None:
         """A `train.heartbeat` span (CONTRACT §2b) of a heartbeat.HeartbeatSample: an instant at
@@ -395,7 +397,8 @@ class SpanBuilder:
         trace_id, span_id = self._step_ids(step)
         span = (contract.STEP_SPAN_NAME, trace_id, span_id, None, attributes, start_ns, max(end_ns, start_ns), None)
         if batch is not None:
-            batch.append((span, False))
+            self._batch_steps.append(len(batch))
+            batch.append(span)
             return
         self.spans.emit(*span)
         self.counters["steps_built"] += 1
@@ -442,7 +445,7 @@ class SpanBuilder:
         if record[2] > self._last_end_ns:
             self._last_end_ns = record[2]
         if batch is not None:
-            batch.append((span, True))
+            batch.append(span)
             return
         self.spans.emit(*span)
         self.counters["spans_built"] += 1

@@ -19,7 +19,7 @@ import collections
 import math
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
@@ -108,7 +108,7 @@ class CudaEventSpanProcessor(SpanProcessor):
 
     # -- SpanProcessor lifecycle -------------------------------------------------------------
 
-    def attach_device_events(self, span: Span, start_event: Any, end_event: Any,
+    def attach_device_events(self, span: ReadableSpan, start_event: Any, end_event: Any,
                              own_attributes: Optional[dict] = None) -> None:
         """Marks a not-yet-ended span as timed by this event pair on the device.
 
@@ -159,6 +159,67 @@ class CudaEventSpanProcessor(SpanProcessor):
             self._forward_unheld(span, events, "processor_shut_down")
         except Exception:  # never raise into the span's owner
             self.counters["internal_error"] += 1
+
+    def on_end_timed(self, items: Sequence[tuple[ReadableSpan, Any, Any, Optional[dict]]]) -> None:
+        """on_end() of many spans at once, in order, each with the device events its maker would
+        have attached (attach_device_events): (span, start event, end event, own attributes), the
+        events None for a span without. What on_end() of each does, in one call: spans whose
+        events are done go on to the next processor together, through its `on_end_many` where it
+        has one (our BatchingSpanProcessor), else one by one; from the first span that must wait,
+        that span and the rest take on_end()'s own way. Never raises."""
+        ready: list[ReadableSpan] = []
+        device_timed = 0
+        position, count = 0, len(items)
+        try:
+            if not self._held and not self._shutdown:
+                backend = self.backend
+                release = self.release_event
+                while position < count:
+                    span, start_event, end_event, own_attributes = items[position]
+                    if start_event is not None:
+                        if own_attributes is None:
+                            break  # a copy of the span to make: on_end()'s way
+                        try:  # _read()'s first look, for a span nothing waits ahead of
+                            if not (backend.query(end_event)  # type: ignore[union-attr]
+                                    and backend.query(start_event)):  # type: ignore[union-attr]
+                                break  # still running on the device: it, and the rest behind it, wait
+                            duration_ms = float(backend.elapsed_ms(start_event, end_event))  # type: ignore[union-attr]
+                            release(start_event)
+                            release(end_event)
+                        except Exception:
+                            self.counters["event_error"] += 1  # not reused: a failing event may fail again
+                            own_attributes.update(_unavailable("event_error"))
+                        else:
+                            own_attributes[contract.TIMING] = contract.TIMING_DEVICE
+                            own_attributes[contract.DEVICE_DURATION_MS] = duration_ms
+                            device_timed += 1
+                    ready.append(span)
+                    position += 1
+        except Exception:  # never raise into the span's owner: the span at hand is lost, counted as on_end() would
+            self.counters["internal_error"] += 1
+            position += 1
+        if device_timed:
+            self.counters["device_timed"] += device_timed
+        if ready:
+            self._forward_many(ready)
+        for span, start_event, end_event, own_attributes in items[position:]:
+            if start_event is not None:
+                try:
+                    self.attach_device_events(span, start_event, end_event, own_attributes)
+                except Exception:
+                    self.counters["internal_error"] += 1
+            self.on_end(span)
+
+    def _forward_many(self, spans: list[ReadableSpan]) -> None:
+        on_end_many = getattr(self.next_processor, "on_end_many", None)
+        if on_end_many is None:
+            for span in spans:
+                self._forward(span)
+            return
+        try:
+            on_end_many(spans)
+        except Exception:
+            self.counters["next_processor_error"] += len(spans)
 
     def _forward_unheld(self, span: ReadableSpan, events: Optional[tuple], reason: str) -> None:
         """Forwards a span it cannot hold: its device timing unavailable for `reason`, counted."""

@@ -174,6 +174,9 @@ class EventPool:
         # saves a Python frame an event this way (an empty pool: take() raises IndexError)
         self.take = self._free.pop
         self.record_event = backend.record
+        # an event back to the pool: the deque's own append, one call of C for each event the
+        # device-timing processor gives back (two a span)
+        self.release: Callable[[Any], None] = self._free.append
 
     def record(self) -> Optional[Any]:
         """Takes a free event and records it on the current stream; None when exhausted."""
@@ -187,9 +190,6 @@ class EventPool:
             self._free.append(event)  # not recorded: still the pool's (a failing record must not drain it)
             raise
         return event
-
-    def release(self, event: Any) -> None:
-        self._free.append(event)
 
     def free_count(self) -> int:
         return len(self._free)

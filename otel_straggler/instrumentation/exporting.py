@@ -58,6 +58,8 @@ class CountingSpanExporter(SpanExporter):
         self.exporter = exporter
         # spans may be queued encoded where the exporter can take them so (see SpanEncoder.prewrite)
         self.prewrite: Optional[Callable[[ReadableSpan], Any]] = getattr(exporter, "prewrite", None)
+        self.prewrite_many: Optional[Callable[[list[ReadableSpan]], list]] = (
+            getattr(exporter, "prewrite_many", None) if self.prewrite is not None else None)
         inner_within = getattr(exporter, "export_within", None)
         # export by a deadline, where the exporter can (the batching processor gives one)
         self.export_within: Optional[Callable[[Sequence[Any], Optional[float]], SpanExportResult]] = (

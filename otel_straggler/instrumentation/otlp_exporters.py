@@ -204,6 +204,7 @@ class _SpanExporting(OtlpSender, SpanExporter):
     def _start_encoding(self) -> None:
         self.encoder = SpanEncoder()
         self.prewrite = self.encoder.prewrite
+        self.prewrite_many = self.encoder.prewrite_many
 
     def export(self, spans: Sequence[Any]) -> SpanExportResult:
         return self.export_within(spans, None)

@@ -140,6 +140,10 @@ class RankPipeline:
         try:
             self.event_pool = EventPool(self.backend, self.options["event_pool_size"])
             self.recorder.event_pool = self.event_pool
+            if self.device_processor is not None:
+                # the pool's own release from now on, not _release_event's look for it: one call
+                # less for each of a span's two events (no event was handed out before the pool)
+                self.device_processor.release_event = self.event_pool.release
         except Exception:
             self.recorder.internal_errors += 1
 

@@ -31,8 +31,11 @@ _EMPTY: MappingProxyType = MappingProxyType({})
 
 class RecordSpan(ReadableSpan):
     __slots__ = ("record_trace_id", "record_span_id", "record_parent_span_id", "record_name", "record_start_ns",
-                 "record_end_ns", "record_attributes", "record_resource", "record_scope", "record_context",
-                 "record_whole")
+                 "record_end_ns", "record_attributes", "record_resource", "record_scope")
+    # not slots, but defaults set once here: a span sets its own (in its __dict__, which ReadableSpan
+    # gives it) only when they change, which the span builder's path never makes them do
+    record_context: Optional[trace_api.SpanContext] = None  # made at its first read
+    record_whole = False
 
     def __init__(self, name: str, trace_id: int, span_id: int, parent_span_id: Optional[int], attributes: Any,
                  start_ns: int, end_ns: int, resource: Resource, scope: InstrumentationScope) -> None:
@@ -46,8 +49,6 @@ class RecordSpan(ReadableSpan):
         self.record_end_ns = end_ns
         self.record_resource = resource
         self.record_scope = scope
-        self.record_context: Optional[trace_api.SpanContext] = None  # made at its first read
-        self.record_whole = False
 
     def __getattr__(self, name: str) -> Any:
         """Only for a field not set: one of ReadableSpan's own, read by one of its methods."""

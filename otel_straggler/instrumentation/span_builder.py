@@ -36,6 +36,7 @@ from otel_straggler.processors.device_events import give_back
 
 _MASK64 = (1 << 64) - 1
 MAX_OPEN_PARENTS = 1024  # enclosing intervals with built children, not yet ended themselves
+MAX_BATCH_SPANS = 256  # spans made before they are handed on together, in a long build
 # build_errors: records of any kind that failed to build; intervals_failed: those of them that
 # were intervals (so status() can account for every interval)
 COUNTER_NAMES = ("spans_built", "steps_built", "heartbeats_built", "pool_exhausted", "build_errors",
@@ -195,6 +196,48 @@ class ProcessorSpans:
             self.attach_device_events(span, *device_events, attributes)
         self.processor.on_end(span)
 
+    def emit_many(self, spans: list[tuple]) -> list[int]:
+        """emit() of each span (its arguments as a tuple), in order, and the positions of those
+        that could not be made or handed on (their events given back), for the builder to count.
+        A processor with an `on_end_timed` of its own (the CudaEventSpanProcessor) or, for spans
+        without device events, an `on_end_many` (the BatchingSpanProcessor) takes them all in one
+        call; any other gets on_end() of each, as from emit()."""
+        failed: list[int] = []
+        made = []
+        readable_span = self._readable_span
+        for position, (name, trace_id, span_id, parent_span_id, attributes, start_ns, end_ns,
+                       device_events) in enumerate(spans):
+            try:
+                span, attributes = readable_span(name, trace_id, span_id, parent_span_id, attributes, start_ns,
+                                                 end_ns)
+            except Exception:
+                give_back(self.release_event, device_events)  # not handed on: still the pool's
+                failed.append(position)
+                continue
+            if device_events is None:
+                made.append((span, None, None, attributes))
+            else:
+                made.append((span, device_events[0], device_events[1], attributes))
+        processor = self.processor
+        on_end_timed = getattr(processor, "on_end_timed", None)
+        if on_end_timed is not None:
+            on_end_timed(made)
+            return failed
+        on_end_many = getattr(processor, "on_end_many", None)
+        if on_end_many is not None and all(item[1] is None for item in made):
+            on_end_many([item[0] for item in made])
+            return failed
+        positions = [position for position in range(len(spans)) if position not in failed] if failed else None
+        for index, (span, start_event, end_event, attributes) in enumerate(made):
+            try:
+                if start_event is not None:  # the span and its attributes are the processor's from here
+                    self.attach_device_events(span, start_event, end_event, attributes)
+                processor.on_end(span)
+            except Exception:
+                failed.append(index if positions is None else positions[index])
+        failed.sort()
+        return failed
+
     def _readable_span(self, name: str, trace_id: Optional[int], span_id: int, parent_span_id: Optional[int],
                        attributes: MutableMapping[str, Any], start_ns: int, end_ns: int) -> tuple[RecordSpan, Any]:
         if trace_id is None:
@@ -234,6 +277,9 @@ class SpanBuilder:
         self.release_event = release_event or (lambda event: None)
         self.extra_attributes = extra_attributes or {}
         self.counters = dict.fromkeys(COUNTER_NAMES, 0)
+        # spans' emit_many(), where they have one: a burst's spans are made, then handed on together
+        self._emit_many: Optional[Callable[[list], Any]] = getattr(spans, "emit_many", None)
+        self._batch_steps: list[int] = []  # positions of train.step spans in the batch being made
         salt = int.from_bytes(os.urandom(8), "big")
         self._interval_salt = salt
         self._step_salt = salt ^ 0x5DEECE66D5DEECE6
@@ -241,7 +287,8 @@ class SpanBuilder:
         self._heartbeats_named = 0
         self._open_step: Optional[tuple] = None  # (step, start_ns, tokens, samples)
         self._last_end_ns = 0
-        self._trace_of_step: tuple = (None, 0)  # (step, its trace id): spans come step by step
+        # (step, its trace id, its train.step span's id or None): spans come step by step
+        self._ids_of_step: tuple = (None, 0, None)
         self._seq = 0  # intervals built: with the recorder's drops, CONTRACT's training.seq
         self._intervals_named = 0
         # id(open interval) -> (the interval, its span id), for enclosing intervals whose children
@@ -254,25 +301,48 @@ class SpanBuilder:
         Not thread-safe: one caller at a time."""
         completed = self.recorder.completed
         left = -1 if limit is None else limit
+        # spans made but not yet emitted (emit()'s arguments), handed on together (_emit_batch);
+        # None: one by one. The positions in it of train.step spans are in _batch_steps.
+        batch: Optional[list] = [] if self._emit_many is not None else None
         while completed and left != 0:
             left -= 1
             record = completed.popleft()
             try:
                 kind = record[0]
                 if kind == INTERVAL:
-                    self._build_interval(record)
+                    self._build_interval(record, batch)
                 elif kind == STEP_BEGIN:
-                    self._close_step(record[2])
+                    self._close_step(record[2], batch)
                     self._open_step = (step_number(record[1]), record[2], record[3], record[4])
                 elif kind == STEP_END and self._open_step is not None and self._open_step[0] == record[1]:
-                    self._close_step(record[2])
+                    self._close_step(record[2], batch)
             except Exception:
                 self.counters["build_errors"] += 1
                 if isinstance(record, tuple) and record and record[0] == INTERVAL:
                     self.counters["intervals_failed"] += 1
+            if batch is not None and len(batch) >= MAX_BATCH_SPANS:
+                self._emit_batch(batch)
+                batch = []
+        if batch:
+            self._emit_batch(batch)
         if close_open_step and (limit is None or not completed) and self._open_step is not None:
-            self._close_step(max(self._last_end_ns, self._open_step[1]))
+            self._close_step(max(self._last_end_ns, self._open_step[1]), None)
         return bool(completed)
+
+    def _emit_batch(self, batch: list) -> None:
+        """Hands the spans of `batch` on at once, and counts them as emit() one by one would
+        have: built, or failed."""
+        steps, self._batch_steps = self._batch_steps, []
+        try:
+            failed = self._emit_many(batch)  # type: ignore[misc]  # set where there is a batch
+        except Exception:  # not one of them known to be handed on: all failed, as emit() raising would say
+            failed = range(len(batch))
+        steps_failed = sum(1 for position in failed if position in steps) if failed else 0
+        counters = self.counters
+        counters["spans_built"] += len(batch) - len(steps) - (len(failed) - steps_failed)
+        counters["steps_built"] += len(steps) - steps_failed
+        counters["build_errors"] += len(failed)
+        counters["intervals_failed"] += len(failed) - steps_failed
 
     def build_heartbeat(self, sample: Any) -> None:
         """A `train.heartbeat` span (CONTRACT §2b) of a heartbeat.HeartbeatSample: an instant at
@@ -298,13 +368,23 @@ class SpanBuilder:
         self.counters["heartbeats_built"] += 1
 
     def _trace_id(self, step: Any) -> int:
-        last_step, trace_id = self._trace_of_step
+        last_step, trace_id, _ = self._ids_of_step
         if last_step is None or type(last_step) is not type(step) or last_step != step:
             trace_id = trace_id_for_step(self.job_id, step)
-            self._trace_of_step = (step, trace_id)
+            self._ids_of_step = (step, trace_id, None)
         return trace_id
 
-    def _close_step(self, end_ns: int) -> None:
+    def _step_ids(self, step: int) -> tuple[int, int]:
+        """The trace id of an int step, and its train.step span's id (every stage span of the
+        step names it as parent): made once a step, as spans come step by step."""
+        last_step, trace_id, step_span_id = self._ids_of_step
+        if step_span_id is None or type(last_step) is not int or last_step != step:
+            trace_id = self._trace_id(step)
+            step_span_id = _mix64(self._step_salt + step)
+            self._ids_of_step = (step, trace_id, step_span_id)
+        return trace_id, step_span_id
+
+    def _close_step(self, end_ns: int, batch: Optional[list]) -> None:
         if self._open_step is None:
             return
         step, start_ns, tokens, samples = self._open_step
@@ -314,31 +394,45 @@ class SpanBuilder:
             value = workload_value(value)
             if value is not None:
                 attributes[key] = value
-        self.spans.emit(contract.STEP_SPAN_NAME, self._trace_id(step), _mix64(self._step_salt + step), None,
-                        attributes, start_ns, max(end_ns, start_ns), None)
+        trace_id, span_id = self._step_ids(step)
+        span = (contract.STEP_SPAN_NAME, trace_id, span_id, None, attributes, start_ns, max(end_ns, start_ns), None)
+        if batch is not None:
+            self._batch_steps.append(len(batch))
+            batch.append(span)
+            return
+        self.spans.emit(*span)
         self.counters["steps_built"] += 1
+
+    def _new_interval_span_id(self) -> int:
+        """A new span id: distinct from every other this builder made (an odd multiplier and an
+        xor-shift are bijections of 64-bit ints, so distinct counts give distinct ids), and well
+        spread, at a fraction of _mix64's cost."""
+        self._intervals_named += 1
+        value = ((self._interval_salt + self._intervals_named) * 0x9E3779B97F4A7C15) & _MASK64
+        return (value ^ (value >> 32)) or 1
 
     def _span_id(self, interval: tuple, ended: bool) -> int:
         """The span id of an interval, the same when first asked for by a child (the interval
         still open) and when the interval itself is built."""
-        key = id(interval)
-        known = self._ids_of_open_parents.pop(key, None) if ended else self._ids_of_open_parents.get(key)
-        if known is not None and known[0] is interval:
-            return known[1]
-        self._intervals_named += 1
-        span_id = _mix64(self._interval_salt + self._intervals_named)
+        open_parents = self._ids_of_open_parents
+        if open_parents:
+            key = id(interval)
+            known = open_parents.pop(key, None) if ended else open_parents.get(key)
+            if known is not None and known[0] is interval:
+                return known[1]
+        span_id = self._new_interval_span_id()
         if not ended:
-            if len(self._ids_of_open_parents) >= MAX_OPEN_PARENTS:
+            if len(open_parents) >= MAX_OPEN_PARENTS:
                 # an enclosing interval that never ended (or whose record was lost): forget the
                 # oldest; if it does end after all, its span gets a new id and its children dangle
-                del self._ids_of_open_parents[next(iter(self._ids_of_open_parents))]
+                del open_parents[next(iter(open_parents))]
                 self.counters["parent_ids_forgotten"] += 1
-            self._ids_of_open_parents[key] = (interval, span_id)
+            open_parents[id(interval)] = (interval, span_id)
         return span_id
 
-    def _build_interval(self, record: tuple) -> None:
+    def _build_interval(self, record: tuple, batch: Optional[list]) -> None:
         try:
-            span, device_events = self._interval_span(record)
+            span = self._interval_span(record)
         except Exception:
             # not handed on: its events are still the pool's (a failing build must not drain it)
             try:
@@ -346,17 +440,21 @@ class SpanBuilder:
             except Exception:
                 pass  # not a record the recorder makes: nothing of the pool's in it
             raise
-        if device_events is None and record[1][START_EVENT] is not None:
+        if span[7] is None and record[1][START_EVENT] is not None:
             self.release_event(record[1][START_EVENT])  # its end found the pool empty: timed host-only
-        self.spans.emit(*span, device_events)
-        self._last_end_ns = max(self._last_end_ns, record[2])
+        if record[2] > self._last_end_ns:
+            self._last_end_ns = record[2]
+        if batch is not None:
+            batch.append(span)
+            return
+        self.spans.emit(*span)
         self.counters["spans_built"] += 1
 
-    def _interval_span(self, record: tuple) -> tuple[tuple, Optional[tuple]]:
-        """emit()'s arguments but the device events, and the device events (None: host-only)."""
+    def _interval_span(self, record: tuple) -> tuple:
+        """emit()'s arguments, the device events last (None: host-only)."""
         _, opened, end_ns, end_event, (step, tokens, samples) = record
         name, collective, enclosing, start_step, start_ns, start_event = opened
-        if step is not None:
+        if step is not None and type(step) is not int:
             step = step_number(step)
         kind = stage_names.classify(name)
         # Intervals the full queue dropped count too, so a loss shows downstream as a gap.
@@ -367,16 +465,23 @@ class SpanBuilder:
             contract.STAGE_GROUP: kind.group,
             contract.SEQ: seq,
             contract.COLLECTIVE: kind.collective if collective is None else bool(collective),
-            **self.extra_attributes,
         }
+        if self.extra_attributes:
+            attributes.update(self.extra_attributes)
         if step is not None:
             attributes[contract.STEP] = step
-        for key, value in ((contract.WORKLOAD_TOKENS, tokens), (contract.WORKLOAD_SAMPLES, samples)):
-            value = workload_value(value)
-            if value is not None:
-                attributes[key] = value
-        device_events = (start_event, end_event) if start_event is not None and end_event is not None else None
-        if device_events is None:
+        if tokens is not None:
+            tokens = tokens if type(tokens) is int and tokens > 0 else workload_value(tokens)
+            if tokens is not None:
+                attributes[contract.WORKLOAD_TOKENS] = tokens
+        if samples is not None:
+            samples = samples if type(samples) is int and samples > 0 else workload_value(samples)
+            if samples is not None:
+                attributes[contract.WORKLOAD_SAMPLES] = samples
+        if start_event is not None and end_event is not None:
+            device_events: Optional[tuple] = (start_event, end_event)
+        else:
+            device_events = None
             if not self.device_timing:
                 attributes[contract.TIMING] = contract.TIMING_HOST_ONLY
                 attributes[contract.TIMING_REASON] = "no_cuda"
@@ -395,11 +500,12 @@ class SpanBuilder:
 
         span_id = self._span_id(opened, ended=True)
         if step is None:  # before the first step(): a root span of its own trace
-            return (name, None, span_id, None, attributes, start_ns, end_ns), device_events
+            return name, None, span_id, None, attributes, start_ns, end_ns, device_events
+        trace_id, step_span_id = self._step_ids(step)
         # A parent only within the same step: a timer that runs across steps (Megatron's
         # interval-time) would otherwise adopt spans of traces it does not belong to.
         if enclosing is not None and enclosing[START_STEP] == start_step:
             parent_span_id = self._span_id(enclosing, ended=False)
         else:
-            parent_span_id = _mix64(self._step_salt + step)
-        return (name, self._trace_id(step), span_id, parent_span_id, attributes, start_ns, end_ns), device_events
+            parent_span_id = step_span_id
+        return name, trace_id, span_id, parent_span_id, attributes, start_ns, end_ns, device_events

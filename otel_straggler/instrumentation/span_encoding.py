@@ -14,6 +14,7 @@ lists of these, which only the Python writer takes) goes through the SDK's encod
 """
 from __future__ import annotations
 
+import operator
 import struct
 from typing import Any, Callable, Optional, Sequence
 
@@ -39,6 +40,10 @@ _KIND = {
 _FLAGS_LOCAL = b"\x85\x01" + struct.pack("<I", SpanFlags.SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE_MASK)
 _FLAGS_REMOTE = b"\x85\x01" + struct.pack(
     "<I", SpanFlags.SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE_MASK | SpanFlags.SPAN_FLAGS_CONTEXT_IS_REMOTE_MASK)
+_ONLY_TUPLES = {tuple}
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+# the head of a KeyValue's value field holding an int_value of a varint of n bytes, by n
+_INT_VALUE_HEADS = [b"\x12" + bytes((1 + n,)) + b"\x18" for n in range(11)]
 _CACHE_LIMIT = 4096  # encoded key/value pairs and keys kept; the cache starts over beyond it
 _MAX_GROUPS = 64  # resource and scope pairs remembered; a rank's own provider has one
 
@@ -60,17 +65,19 @@ def _field(tag: bytes, payload: bytes) -> bytes:
     return tag + _varint(len(payload)) + payload
 
 
-def _load_writer() -> tuple[Optional[Callable[..., Optional[bytes]]], Callable[[list], bytes]]:
-    """The C writer's span() and join(), where built; join() copies a large request without
-    holding the GIL."""
+def _load_writer() -> tuple[Optional[Callable[..., Optional[bytes]]], Callable[[list], bytes],
+                            Optional[Callable[..., list]]]:
+    """The C writer's span(), join() and record_spans(), where built; join() copies a large
+    request without holding the GIL."""
     try:
         from otel_straggler.instrumentation import _otlp_write
     except ImportError:  # not built: no C compiler where the package was installed
-        return None, b"".join
-    return _otlp_write.span, _otlp_write.join
+        return None, b"".join, None
+    return _otlp_write.span, _otlp_write.join, _otlp_write.record_spans
 
 
-_write_span, _join = _load_writer()  # _write_span None: spans are written in Python only
+# _write_span None: spans are written in Python only (_write_records is used only with _write_span)
+_write_span, _join, _write_records = _load_writer()
 
 
 def writer_built() -> bool:
@@ -110,10 +117,27 @@ class SpanEncoder:
         index = self._index_of_group(span)
         return span if index is None else (index, self._span_field(span))
 
+    def prewrite_many(self, spans: list[ReadableSpan]) -> list:
+        """prewrite() of each span, in order: the span builder's, of the resource and scope of
+        the spans before them, written by the C writer in one call."""
+        last_resource, last_scope, index = self._last_group
+        if _write_span is not None and _write_records is not None and last_resource is not None:
+            items = _write_records(spans, RecordSpan, last_resource, last_scope, index)
+            if None in items:  # another span, another group, or one the C writer declines
+                prewrite = self.prewrite
+                items = [prewrite(span) if item is None else item for span, item in zip(spans, items, strict=True)]
+            return items
+        return [self.prewrite(span) for span in spans]
+
     def encode(self, items: Sequence[Any]) -> bytes:
         """A request from ReadableSpans and prewritten spans, grouped as the SDK groups them: by
         resource, then scope, in order of first appearance."""
         spans_by_group: dict[_Group, list[bytes]] = {}
+        if set(map(type, items)) == _ONLY_TUPLES:  # all prewritten: a rank's batch, found without a loop of ours
+            indexes = set(map(_FIRST, items))
+            if len(indexes) == 1:  # of one resource and scope, as a rank's own provider makes them
+                spans_by_group[self._groups[indexes.pop()]] = list(map(_SECOND, items))
+                return self._request(spans_by_group)
         unremembered: dict[tuple[int, int], _Group] = {}
         for item in items:
             if type(item) is tuple:
@@ -127,6 +151,11 @@ class SpanEncoder:
                     group = self._groups[index]
                 encoded = self._span_field(item)
             spans_by_group.setdefault(group, []).append(encoded)
+        return self._request(spans_by_group)
+
+    @staticmethod
+    def _request(spans_by_group: dict[_Group, list[bytes]]) -> bytes:
+        """The request of encoded spans by group, the groups in order of first appearance."""
         groups_by_resource: dict[int, list[_Group]] = {}
         for group in spans_by_group:
             groups_by_resource.setdefault(id(group.resource), []).append(group)
@@ -246,6 +275,14 @@ class SpanEncoder:
                     self._pairs.clear()
                 encoded = self._pairs[pair] = _field(b"\x4a", self._key(key) + _field(b"\x12", _any_value(value)))
             return encoded
+        if value_type is int and 0 <= value <= _INT64_MAX:  # seq, step, workload: written inline
+            number = _varint(value)
+            # KeyValue {key, value (2): AnyValue {int_value (3)}}: the AnyValue is 1 + at most 10 bytes
+            key_value = self._key(key) + _INT_VALUE_HEADS[len(number)] + number
+            return b"\x4a" + _varint(len(key_value)) + key_value
+        if value_type is float:
+            key_value = self._key(key) + b"\x12\x09\x21" + _DOUBLE(value)
+            return b"\x4a" + _varint(len(key_value)) + key_value
         return _field(b"\x4a", self._key(key) + _field(b"\x12", _any_value(value)))
 
     def _key(self, key: str) -> bytes:

@@ -248,3 +248,39 @@ def test_the_c_writer_declines_attributes_that_are_not_a_dict() -> None:
     fields = (5, 6, None, False, "forward-compute", 1, 10, 20)
     assert _otlp_write.span(*fields, {"training.step": 1}, 0) is not None
     assert _otlp_write.span(*fields, MappingProxyType({"training.step": 1}), 0) is None
+
+
+@st.composite
+def record_spans(draw) -> ReadableSpan:
+    """A RecordSpan as the span builder makes it (of the rank's one resource and scope, mostly),
+    with ordinary or odd attribute values."""
+    from otel_straggler.instrumentation.record_span import RecordSpan
+
+    trace_id = draw(st.integers(min_value=1, max_value=(1 << 128) - 1))
+    values = draw(attributes)
+    return RecordSpan(draw(st.text(max_size=20)), trace_id, draw(ids), draw(st.one_of(st.none(), ids)),
+                      values if draw(st.booleans()) else None, draw(times), draw(times),
+                      draw(st.sampled_from(RESOURCES[:1] * 3 + RESOURCES[1:])), draw(st.sampled_from(SCOPES)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(record_spans(), spans()), max_size=12), st.lists(record_spans(), max_size=3),
+       st.booleans())
+def test_spans_prewritten_together_are_those_prewritten_one_by_one(batch: list[ReadableSpan], before,
+                                                                   c_writer: bool) -> None:
+    """prewrite_many (the C writer's record_spans for the span builder's spans, where built) gives
+    what prewrite gives span by span, and the request from it is the SDK's."""
+    if not c_writer or not span_encoding.writer_built():
+        saved = span_encoding._write_span
+        span_encoding._write_span = None
+    try:
+        encoder, alone = SpanEncoder(), SpanEncoder()
+        for span in before:  # the encoder has seen a group (its resource and scope) already, or not
+            encoder.prewrite(span)
+            alone.prewrite(span)
+        together = encoder.prewrite_many(list(batch))
+        assert together == [alone.prewrite(span) for span in batch]
+        assert decoded(encoder.encode(together)) == encode_spans(batch)
+    finally:
+        if not c_writer or not span_encoding.writer_built():
+            span_encoding._write_span = saved

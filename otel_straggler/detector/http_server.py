@@ -104,12 +104,13 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             overdue = [connection for connection, deadline in self._deadlines.items() if deadline <= now]
             for connection in overdue:
                 del self._deadlines[connection]
+                # counted before the peer can see its connection end: whoever reads the counters
+                # after that sees this one
+                self._on_event("request_deadline")
                 try:
                     socket.socket.shutdown(connection, socket.SHUT_RDWR)  # the plain socket's, under TLS too
                 except OSError:
                     pass
-        for _ in overdue:
-            self._on_event("request_deadline")
 
     def handle_error(self, request, client_address) -> None:
         # TLS handshakes that fail, peers that reset: counted, not printed as tracebacks

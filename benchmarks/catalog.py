@@ -44,6 +44,8 @@ CATALOG = (
               "20 pairs x 2 arms x 300 steps", "--pairs 2 --steps 30 --warmup 10 --step-ops 2000"),
     Benchmark("rank_background", "CPU of the rank's background threads per span, by writer and protocol",
               "5 rounds x 6 arms x 1,500 steps", "--rounds 1 --steps 200"),
+    Benchmark("span_builder_cpu", "CPU of the span builder thread alone per span, C writer against Python",
+              "5 rounds x 2 writers x 10,000 spans", "--rounds 1 --steps 200"),
     Benchmark("export_transport", "CPU per OTLP export, by transport, same encoded request",
               "3 rounds x 4 arms, 20 sends 0.5 s apart", "--requests 20 --paced 2"),
     Benchmark("page_faults", "the allocator's page faults in a CPU training step and what one costs",

@@ -3,6 +3,10 @@ processor, batching processor and span encoding, with an export that sends nothi
 
     python benchmarks/span_builder_cpu.py [--steps 2000] [--rounds 5] [--writer c|python] [--profile]
 
+Without --writer both writers run, each round in a fresh process, in an order that alternates
+round by round, and the table gives the C writer against the Python one (the reference: what a rank
+without a C compiler runs) from the same run.
+
 A loop records a step and four stages (5 spans a step, fake device events that are complete at
 once) with the builder thread idle (a build interval of a minute), then this thread builds them
 all, timed with its own CPU clock (time.thread_time_ns): what the builder thread spends a span,
@@ -17,6 +21,7 @@ import cProfile
 import os
 import pstats
 import statistics
+import subprocess
 import sys
 import time
 from typing import Any
@@ -65,12 +70,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--writer", choices=("c", "python"), default="c")
+    parser.add_argument("--writer", choices=("c", "python"), help="one writer in this process (default: both, compared)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--record-only", action="store_true",
                         help="drop the records unbuilt (their events back to the pool): the recording's own cost,"
                              " for a count of instructions (valgrind) to subtract")
     args = parser.parse_args(argv)
+    if args.writer is None and not args.profile and not args.record_only:
+        return compare_writers(args.steps, args.rounds)
     os.environ.update({"OTEL_BSP_MAX_QUEUE_SIZE": str(10 * (args.steps * 5 + 64)),
                        "OTEL_STRAGGLER_EXPORT_METRICS": "false"})
     import otel_straggler as ots
@@ -116,9 +123,28 @@ def main(argv=None) -> int:
         print(f"recorded only: {status['device_timed']} device timed, {status['spans_built']} built")
         return 0
     lost = sum(status["lost"].values())
-    print(f"span builder, {args.writer} writer: {statistics.median(per_span_us):.2f} µs/span median of {args.rounds}"
+    print(f"span builder, {args.writer or 'c'} writer: {statistics.median(per_span_us):.2f} µs/span median of {args.rounds}"
           f" (min {min(per_span_us):.2f}, max {max(per_span_us):.2f}); {args.steps * 5} spans a round;"
           f" device_timed {status['device_timed']}, lost {lost}")
+    return 0
+
+
+def compare_writers(steps: int, rounds: int) -> int:
+    """Each writer a round at a time in a fresh process (one round after a warm-up), alternating."""
+    figures: dict[str, list[float]] = {"c": [], "python": []}
+    for round_number in range(rounds):
+        order = ("c", "python") if round_number % 2 == 0 else ("python", "c")
+        for writer in order:
+            out = subprocess.run([sys.executable, __file__, "--writer", writer, "--steps", str(steps), "--rounds", "1"],
+                                 capture_output=True, text=True, check=True).stdout
+            figures[writer].append(float(out.split(": ")[1].split(" ")[0]))
+    print(f"span builder CPU per span, {rounds} rounds x {steps * 5} spans, a fresh process per writer and round")
+    print(f"{'writer':<16} {'median µs/span':>15} {'min':>7} {'max':>7} {'vs Python':>10}")
+    reference = statistics.median(figures["python"])
+    for writer, title in (("c", "C writer"), ("python", "Python writer")):
+        values = figures[writer]
+        print(f"{title:<16} {statistics.median(values):>15.2f} {min(values):>7.2f} {max(values):>7.2f}"
+              f" {statistics.median(values) / reference:>9.2f}x")
     return 0
 
 

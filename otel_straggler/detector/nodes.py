@@ -8,7 +8,7 @@ applies the same two numbers to straggler_alert_active.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, NamedTuple, Optional
+from typing import Callable, Iterable, NamedTuple, Optional, TypeVar
 
 from otel_straggler.detector.next_step import node_next_step
 
@@ -16,8 +16,11 @@ MIN_SLOW_RANKS = 2
 NODE_SHARE = 0.5
 
 
+JobId = TypeVar("JobId", str, Optional[str])  # the engine's jobs always have one; a report's lines may not
+
+
 class NodeRollup(NamedTuple):
-    job_id: str
+    job_id: Optional[str]
     host: str
     slow_ranks: tuple[int, ...]
     ranks: Optional[int]  # the host's ranks of the job; None: not known
@@ -40,11 +43,12 @@ class NodeRollup(NamedTuple):
                 "ranks": self.ranks, "degraded": self.degraded}
 
 
-def roll_up(slow: Iterable[tuple[str, Optional[str], int]],
-            ranks_on: Callable[[str, str], Optional[int]]) -> list[NodeRollup]:
-    """`slow`: (job, host, rank) of slow ranks (a rank may repeat; no host: left out);
-    `ranks_on(job, host)`: how many ranks the host runs for the job. Most slow ranks first."""
-    by_host: dict[tuple[str, str], set[int]] = {}
+def roll_up(slow: Iterable[tuple[JobId, Optional[str], int]],
+            ranks_on: Callable[[JobId, str], Optional[int]]) -> list[NodeRollup]:
+    """`slow`: (job, host, rank) of slow ranks (a rank may repeat; no host: left out; no job, as
+    an evidence line may have: a job of its own); `ranks_on(job, host)`: how many ranks the host
+    runs for the job. Most slow ranks first."""
+    by_host: dict[tuple[JobId, str], set[int]] = {}
     for job_id, host, rank in slow:
         if host:
             by_host.setdefault((job_id, host), set()).add(rank)
@@ -53,4 +57,4 @@ def roll_up(slow: Iterable[tuple[str, Optional[str], int]],
         known = ranks_on(job_id, host)
         nodes.append(NodeRollup(job_id, host, tuple(sorted(ranks)),
                                 None if known is None else max(known, len(ranks))))
-    return sorted(nodes, key=lambda node: (-len(node.slow_ranks), node.job_id, node.host))
+    return sorted(nodes, key=lambda node: (-len(node.slow_ranks), node.job_id or "", node.host))

@@ -215,7 +215,7 @@ def _first_look_section(evidence: evidence_files.Evidence) -> str:
                for node in (evidence.status or {}).get("nodes") or () if isinstance(node, dict)}
     slow = [(v.get("job_id"), v.get("host"), v["rank"]) for v in firsts.values() if v["verdict"] == "straggler"]
     # a verdict line without job_id (evidence_files keeps it) is rolled up under None, as its own job
-    nodes = [node for node in roll_up(slow, lambda job_id, host: counted.get((job_id, host)))  # type: ignore[arg-type]
+    nodes = [node for node in roll_up(slow, lambda job_id, host: counted.get((job_id, host)))
              if len(node.slow_ranks) > 1]
     rows = []
     for verdict in firsts.values():

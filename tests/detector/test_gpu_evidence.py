@@ -142,6 +142,15 @@ def test_a_node_is_the_suspect_when_at_least_half_of_its_ranks_and_two_are_slow(
     assert NodeRollup("job", "node-x", (1, 2), None).degraded is False  # ranks unknown: not claimed
 
 
+def test_slow_ranks_of_a_job_without_an_id_roll_up_beside_named_jobs():
+    """An evidence line without job_id (the report keeps it) is its own job; sorting it beside a
+    named job's host of as many slow ranks raised TypeError (None < str) and broke the report."""
+    slow = [(None, "node-a", 1), (None, "node-a", 2), ("job", "node-b", 3), ("job", "node-b", 4)]
+    nodes = roll_up(slow, lambda job, host: 8)
+    assert [(node.job_id, node.host, node.slow_ranks) for node in nodes] == [
+        (None, "node-a", (1, 2)), ("job", "node-b", (3, 4))]
+
+
 def test_status_rolls_up_the_alerted_ranks_of_each_host():
     job = ScriptedJob(Engine(CONFIG), ranks=8)  # node-0 .. node-3, two ranks each
     job.run(6)

@@ -1,13 +1,15 @@
 """The CI-sized field run (benchmarks/field_precision.py): real 4-rank gloo DDP jobs instrumented the
 README way plus `ots.instrument_ddp`, the SDK's default export schedule, `otel-straggler detect` in
-its own process at its defaults; 2 runs per scenario, with and without a CPU hog.
+its own process at its defaults; one run per scenario: healthy, and rank 1 +30 ms in its forward,
+in its backward inside DDP's `loss.backward()` or in its data loading, each with and without a CPU
+hog.
 
 What is asserted at this size (the full table is `python benchmarks/field_precision.py`, 10 runs
-each): no verdict at all in a healthy run, hog or not; another rank flagged in at most one of the 12
-slow runs; rank 1 alone flagged when its forward, its backward inside DDP's `loss.backward()` or its
-data loading is +30 ms in at least 9 of those 12 runs, so that one kind of slowdown missed in all
-of its 4 runs fails (measured at 6c883cf, 10 runs each: 60 of 60); late spans under 1%. The
-windows to the alert are printed, not asserted.
+each): no verdict at all in a healthy run, hog or not; another rank flagged in at most one of the 6
+slow runs; rank 1 alone flagged in at least 5 of them, so that one kind of slowdown missed both with
+and without the hog fails; late spans under 1%. The windows to the alert are printed, not asserted.
+One run per scenario keeps the suite's time in bounds (a run is about 30 s of 4 ranks on 2 cores);
+the rates come from the benchmark's 10 runs.
 
 `--record` is checked on one run: the collector in the path loses nothing, and its file replays
 with every span and none late."""
@@ -25,7 +27,7 @@ import field_precision
 pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
 
-RUNS = 2
+RUNS = 1  # per scenario (see above)
 STEPS, FROM_STEP = 130, 60
 SLOW = field_precision.SLOW_RANK
 
@@ -46,7 +48,7 @@ def test_field_runs_meet_the_targets():
     wrong = [onsets(r) for r in slow if r.flagged - {SLOW}]
     assert len(wrong) <= 1, wrong
     exact = [r for r in slow if r.flagged == {SLOW}]
-    assert len(exact) >= 9, [(sorted(r.flagged), r.windows_to_alert, onsets(r)) for r in slow]
+    assert len(exact) >= len(slow) - 1, [(sorted(r.flagged), r.windows_to_alert, onsets(r)) for r in slow]
     received = sum(r.received for r in healthy + slow)
     assert sum(r.late for r in healthy + slow) < 0.01 * received
 
@@ -55,7 +57,8 @@ def test_loop_shapes_of_real_scripts_meet_the_targets():
     """Gradient accumulation with rank 1 slow in a micro-batch that does not synchronize, and a loop
     fetching between forward and backward with rank 1's data source slow: exactly rank 1, its alert
     led by the stage the work was added to, no `recovered` while it stays slow; the healthy shapes
-    say nothing at all."""
+    say nothing at all. One run of each; `python benchmarks/field_precision.py --scenarios
+    accumulate:backward,fetch-between:data` gives the rates."""
     slow = {scenario: [field_precision.run_once(scenario, run, STEPS, FROM_STEP, 30.0, None) for run in range(RUNS)]
             for scenario in ("accumulate:backward", "fetch-between:data")}
     healthy = [field_precision.run_once(scenario, 0, STEPS, FROM_STEP, 30.0, None)

@@ -163,9 +163,11 @@ def summarize(run: Optional[RunRecord], verdicts: list[Verdict]) -> str:
             if detection.seconds_after_injection is not None:
                 after += f" and {detection.seconds_after_injection:.1f} s"
             sentences.append(f"Flagged {describe_alert(detection.verdict)}, {after} after the {injected} began.")
+        # the detected stage again (the steady rule taking over from the intermittent one's alert,
+        # or an alert after a recovery) is the same finding, not another stage flagged
         same_rank_elsewhere = [
             alert for alert in leading_alerts(verdicts)
-            if alert["rank"] == injection.rank and (detection is None or alert is not detection.verdict)
+            if alert["rank"] == injection.rank and (detection is None or alert["stage"] != detection.verdict["stage"])
         ]
         if same_rank_elsewhere:
             also = "also " if detection is not None else ""

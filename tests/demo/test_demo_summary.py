@@ -39,6 +39,16 @@ def test_summary_names_rank_stage_latency_and_no_other_rank():
     assert "2.30 to 1.10" in text
 
 
+def test_the_detected_stage_flagged_again_by_another_rule_is_not_another_flag():
+    """The intermittent rule's onset first, then the steady rule's on the same stage (it takes the
+    alert over): one finding, not 'also flagged in forward-compute'."""
+    run = run_record()
+    text = summarize(run, [verdict(2, 4, reason="intermittent", slow_steps={"slow": 21, "steps": 60}),
+                           verdict(2, 5)])
+    assert "rank 2 in forward-compute at window 4 (slow in 21 of 60 steps" in text
+    assert "also flagged" not in text and "No other rank was flagged." in text
+
+
 def test_summary_reports_other_ranks_and_a_miss():
     run = run_record()
     text = summarize(run, [verdict(1, 5, stage="backward-compute")])

@@ -168,11 +168,19 @@ def test_generated_requests_get_the_reference_answer_or_are_declined(payload):
     assert_agrees(payload)
 
 
-@pytest.mark.filterwarnings("ignore::hypothesis.errors.NonInteractiveExampleWarning")
 def test_generated_requests_are_often_scanned():
-    """Guards the test above against a scanner that declines everything."""
-    answered = [assert_agrees(requests().example()) for _ in range(200)]
-    assert sum(answered) >= 20  # about a quarter are: the others hold a span the reference rejects
+    """Guards the test above against a scanner that declines everything: of the requests the
+    same strategy draws, a share is answered (10-13% of 300 in three runs; the others hold a span
+    the reference rejects). Drawn in one Hypothesis run: 300 draws cost what 40 `.example()` calls did."""
+    answered: list[bool] = []
+
+    @EXAMPLES
+    @given(requests())
+    def draw(payload):
+        answered.append(assert_agrees(payload))
+
+    draw()
+    assert len(answered) >= 100 and sum(answered) >= 0.02 * len(answered), (sum(answered), len(answered))
 
 
 @EXAMPLES

@@ -85,6 +85,7 @@ class BatchingSpanProcessor(SpanProcessor):
         # newest on the left, oldest on the right; appendleft on a full deque drops the oldest
         self._queue: collections.deque = collections.deque(maxlen=max_queue_size)
         self._shutdown = False
+        self._closed = False  # shutdown() has made its last count: nothing queued will be exported
         self._stop_exporting_at: Optional[float] = None  # set by shutdown(): the worker's last moment
         self._in_hand = 0  # spans taken from the queue for a batch, not yet handed to the exporter
         self._exporting = False
@@ -126,6 +127,9 @@ class BatchingSpanProcessor(SpanProcessor):
         if len(queue) >= self.max_queue_size:
             self.dropped_queue_full += 1  # the oldest is dropped by the append below
         queue.appendleft(item)
+        if self._shutdown:  # shutdown() began after the check above: its last count may be done
+            self._count_left_after_close()
+            return
         if len(queue) >= self.max_export_batch_size and not self._woken:
             with self._wake:
                 self._woken = True
@@ -149,6 +153,9 @@ class BatchingSpanProcessor(SpanProcessor):
             items = self._prewrite_each(kept)
         queue = self._queue
         with self._wake:  # the worker takes a batch under it too: what is dropped is counted exactly
+            if self._closed:  # shutdown() made its last count after the check above
+                self.unexported_at_shutdown += len(items)
+                return
             # newest on the left: extendleft() is appendleft() of each in turn, the oldest dropped
             # as the queue's bound is passed
             over = len(queue) + len(items) - self.max_queue_size
@@ -158,6 +165,15 @@ class BatchingSpanProcessor(SpanProcessor):
             if len(queue) >= self.max_export_batch_size and not self._woken:
                 self._woken = True
                 self._wake.notify()
+
+    def _count_left_after_close(self) -> None:
+        """A span appended after shutdown()'s last count (its on_end() passed the shutdown check
+        first) is counted as that count would have: unexported at shutdown, never left uncounted
+        in a queue nobody exports."""
+        with self._wake:
+            if self._closed:
+                self.unexported_at_shutdown += len(self._queue)
+                self._queue.clear()
 
     def _prewrite_each(self, spans: list[ReadableSpan]) -> list:
         prewrite = self._prewrite
@@ -204,6 +220,7 @@ class BatchingSpanProcessor(SpanProcessor):
             exporter_shut = self._shut_exporter()
             self._worker.join(max(0.0, deadline - time.monotonic()))
         with self._wake:
+            self._closed = True
             self.unexported_at_shutdown += len(self._queue) + self._in_hand
             self._queue.clear()
             self._in_hand = 0

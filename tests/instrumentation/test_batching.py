@@ -82,6 +82,49 @@ def test_shutdown_keeps_its_deadline_and_counts_what_was_left():
     assert processor.queue_length() == 0
 
 
+class ShutDownWhilePrewriting(HeldExporter):
+    """Its prewrite, which on_end() runs after checking for shutdown and before queueing, lets a
+    shutdown on another thread finish first: the race of a span ended while the rank shuts down."""
+
+    def __init__(self) -> None:
+        super().__init__(hold=False)
+        self.processor = None
+        self.race = False
+
+    def prewrite(self, span):
+        if self.race:
+            self.race = False
+            closer = threading.Thread(target=self.processor.shutdown)
+            closer.start()
+            closer.join(5)
+        return span
+
+    def prewrite_many(self, spans):
+        return [self.prewrite(span) for span in spans]
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["on_end", "on_end_many"])
+def test_a_span_handed_on_while_shutdown_makes_its_last_count_is_counted(many):
+    exporter = ShutDownWhilePrewriting()
+    processor = BatchingSpanProcessor(exporter, schedule_delay_millis=60_000, max_queue_size=100,
+                                      max_export_batch_size=50, environ={})
+    exporter.processor = processor
+    end_spans(processor, 3)
+    exporter.race = True
+    tracer = TracerProvider().get_tracer("test")
+    late = [tracer.start_span(f"late-{index}") for index in range(2)]
+    for span in late:
+        span.end()
+    if many:
+        processor.on_end_many(late)
+    else:
+        processor.on_end(late[0])
+        late = late[:1]
+    assert processor.queue_length() == 0
+    # the first 3 went out at shutdown; the late ones are counted, not left in the queue
+    assert len(exporter.exported) == 3 and processor.unexported_at_shutdown == len(late)
+
+
 def test_force_flush_keeps_its_timeout_and_says_whether_it_finished():
     exporter = HeldExporter()
     processor = BatchingSpanProcessor(exporter, schedule_delay_millis=60_000, environ={})

@@ -130,8 +130,8 @@ ATTRIBUTION_HOST = "host_only_stall"
 ATTRIBUTION_WAITING = "waiting_on_peer"
 ATTRIBUTION_UNKNOWN = "attribution_unknown"
 
-# Every value a verdict's enumerated fields take, with when: docs/contract.md's last section is
-# generated from these (python -m otel_straggler.contract_doc), and a test checks that the detector
+# Every value a verdict's enumerated fields take, with when: docs/contract-values.md is generated
+# from these (python -m otel_straggler.contract_doc), and a test checks that the detector
 # emits no other. A new value is an addition to the contract.
 VERDICTS = {
     VERDICT_STRAGGLER: "an alert starts: the rank is slower than its peers",

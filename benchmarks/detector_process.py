@@ -15,11 +15,12 @@ from typing import Iterator
 
 
 class DetectorProcess:
-    def __init__(self, evidence_dir: str) -> None:
+    def __init__(self, evidence_dir: str, *flags: str) -> None:
+        """flags: more of the detector's own flags."""
         self.evidence_dir = evidence_dir
         self.process = subprocess.Popen(
             [sys.executable, "-m", "otel_straggler.cli", "detect", "--grpc-port", "0", "--http-port", "0",
-             "--evidence-dir", evidence_dir, "--export-metrics", "false"],
+             "--evidence-dir", evidence_dir, "--export-metrics", "false", *flags],
             # cwd: not a checkout, whose otel_straggler/ folder would shadow the installed package
             cwd=evidence_dir, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         ready, _, _ = select.select([self.process.stdout], [], [], 60)

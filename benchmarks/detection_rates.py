@@ -286,7 +286,7 @@ def main() -> int:
         print(f"jobs: ~1 s steps, 2-3% per-step jitter, {windows} windows of 10 steps, {seeds} seeds, "
               f"default thresholds (5%, 5 ms, 3 windows)")
 
-        print(f"\nfalse positives: ranks alerted / rank-windows judged")
+        print("\nfalse positives: ranks alerted / rank-windows judged")
         print_false_positives(pool, (
             (f"{ranks} healthy ranks", Scenario(ranks, 1000), seeds),
             (f"{args.large_ranks} healthy ranks", Scenario(args.large_ranks, 1000), max(1, seeds // 4)),

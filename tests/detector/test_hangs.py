@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from otel_straggler import contract
-from otel_straggler.detector import liveness
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.engine import Engine
 from otel_straggler.detector.observation import DEFAULT_COHORT

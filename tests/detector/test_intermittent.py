@@ -12,7 +12,7 @@ from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.engine import Engine
 from otel_straggler.detector.intermittent import (EXACT_TAIL_STEPS, HORIZON, MIN_SHARE, binomial_tail,
                                                   CollectiveWaits, collective_slack, count_slow_steps, tails_below)
-from otel_straggler.contract import (REASON_INTERMITTENT, REASON_LAST_TO_ARRIVE, REASON_SLOW_VS_PEERS,
+from otel_straggler.contract import (REASON_INTERMITTENT, REASON_SLOW_VS_PEERS,
                                      REASON_WITHIN_TOLERANCE)
 
 from otel_straggler.testing.host_noise import HostNoise

@@ -5,7 +5,6 @@ together, torchrun restarts every rank from a checkpoint, and a rank's first exp
 after its peers'. Every wait has a deadline, and the ranks are stopped whatever happens."""
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess

@@ -182,7 +182,7 @@ REASONS = {
     HANG_PROGRESS_RESUMED: ((VERDICT_RECOVERED,), "intervals complete again after a hang"),
     REASON_SLOWER_THAN_BASELINE: ((VERDICT_JOB_SLOWDOWN,),
                                   "the job's pace is over job_slowdown_threshold above its baseline for "
-                                  "persist_windows windows"),
+                                  "persist_windows windows whose steps took job_slowdown_min_s or more"),
     REASON_BACK_TO_BASELINE: ((VERDICT_RECOVERED,), "the job's pace is back near its baseline"),
 }
 TIMINGS = {

@@ -40,6 +40,12 @@ SETTINGS: tuple[Setting, ...] = (
         "by more than this for persist_windows windows",
         0.01, 10.0,
     ),
+    Setting(
+        "job_slowdown_min_s", float, 30.0,
+        "`job_slowdown` also needs those windows' steps to have taken at least this many seconds: with fast steps, "
+        "a few windows are seconds long, within a busy host's swings",
+        0.0, 86_400.0,
+    ),
     Setting("warmup_windows", int, 2, "each rank's first windows are not judged", 0, 1000),
     Setting(
         "work_tolerance", float, 0.1,
@@ -218,6 +224,7 @@ class DetectorConfig:
     persist_windows: int = 3
     intermittent_threshold: float = 0.25
     job_slowdown_threshold: float = 0.15
+    job_slowdown_min_s: float = 30.0
     warmup_windows: int = 2
     work_tolerance: float = 0.1
     min_cohort_size: int = 3

@@ -16,7 +16,10 @@ between step time and time per token.
 A window is over when pace > baseline x (1 + job_slowdown_threshold). `job_slowdown` after
 persist_windows consecutive windows over with no rank to blame (no straggler alert active, no
 rank slow or last to arrive in the window: one slow rank makes every rank wait, and its own
-alert says more); `recovered`/`back_to_baseline` at the first window back within the threshold.
+alert says more) whose steps took at least job_slowdown_min_s together: a job compared with its
+own past, unlike a rank compared with its peers at the same moment, sees every swing of its host's
+load, and with fast steps a few windows last seconds, within such a swing.
+`recovered`/`back_to_baseline` at the first window back within the threshold.
 The verdict names the stage whose per-interval median (over ranks) grew most over its own
 baseline when it holds at least half of the growth, else `*`.
 """
@@ -47,6 +50,7 @@ class JobBaseline:
     baseline: float = float("nan")
     stage_baseline: dict = field(default_factory=dict)  # stage code -> ms
     streak: int = 0
+    streak_s: float = 0.0  # the time the streak's windows' steps took
     active: bool = False
     ratio: Optional[float] = None  # latest window's pace over the baseline (straggler.job.slowdown)
 
@@ -57,6 +61,7 @@ class Pace:
     value: float
     per_token: bool
     stages: dict  # stage code -> median ms over ranks of the ranks' per-interval medians
+    seconds: float = 0.0  # the time the window's steps took: the median step period x its steps
 
 
 def window_pace(rows, steps: int, slot_count: int, tokens_by_slot: np.ndarray, present: np.ndarray,
@@ -97,10 +102,17 @@ def window_pace(rows, steps: int, slot_count: int, tokens_by_slot: np.ndarray, p
         codes, medians = grouped_medians(stage_codes, stage_host)
         stages = {int(code): float(median) for code, median in zip(codes.tolist(), medians.tolist(), strict=True)
                   if np.isfinite(median)}
-    values.sort()  # np.median's value, without its fixed cost that a small cohort pays every window
+    median = _median(values)
+    step_ms = _median(per_slot[ranks]) if per_token else median
+    return Pace(median, per_token, stages, seconds=step_ms * steps / 1e3)
+
+
+def _median(values: np.ndarray) -> float:
+    """np.median's value, without its fixed cost that a small cohort pays every window. Sorts
+    `values` in place."""
+    values.sort()
     middle = values.size // 2
-    median = values[middle] if values.size % 2 else (values[middle - 1] + values[middle]) / 2.0
-    return Pace(float(median), per_token, stages)
+    return float(values[middle] if values.size % 2 else (values[middle - 1] + values[middle]) / 2.0)
 
 
 def judge_pace(baseline: JobBaseline, pace: Optional[Pace], blamed: bool, cohort, window: int,
@@ -132,12 +144,14 @@ def judge_pace(baseline: JobBaseline, pace: Optional[Pace], blamed: bool, cohort
     verdicts = []
     if over:
         baseline.streak = 0 if blamed else baseline.streak + 1
-        if not baseline.active and baseline.streak >= config.persist_windows:
+        baseline.streak_s = 0.0 if blamed else baseline.streak_s + pace.seconds
+        if (not baseline.active and baseline.streak >= config.persist_windows
+                and baseline.streak_s >= config.job_slowdown_min_s):
             baseline.active = True
             verdicts.append(_verdict(baseline, pace, cohort, window, now, contract.VERDICT_JOB_SLOWDOWN,
                                      contract.REASON_SLOWER_THAN_BASELINE, _grown_stage(baseline, pace, cohort)))
         return verdicts
-    baseline.streak = 0
+    baseline.streak, baseline.streak_s = 0, 0.0
     if baseline.active:
         baseline.active = False
         verdicts.append(_verdict(baseline, pace, cohort, window, now, contract.VERDICT_RECOVERED,
@@ -154,7 +168,7 @@ def _restart(baseline: JobBaseline) -> None:
     baseline.first = []
     baseline.baseline = float("nan")
     baseline.stage_baseline = {}
-    baseline.streak = 0
+    baseline.streak, baseline.streak_s = 0, 0.0
     baseline.active = False
     baseline.ratio = None
 

@@ -21,7 +21,12 @@ def job(seed: int = 1) -> SyntheticJob:
     return SyntheticJob(ranks=RANKS, stages=STAGES, seed=seed)
 
 
-def judged(observations, config: DetectorConfig = DetectorConfig()) -> tuple[list, Engine]:
+# These jobs' windows last about 3 s, so most tests turn the time floor (job_slowdown_min_s) off to
+# see the window rule alone; the floor has its own tests at the end.
+WINDOWS_ONLY = DetectorConfig(job_slowdown_min_s=0.0)
+
+
+def judged(observations, config: DetectorConfig = WINDOWS_ONLY) -> tuple[list, Engine]:
     engine = Engine(config)
     return feed(engine, observations, chunk=RANKS * len(STAGES)), engine
 
@@ -108,5 +113,20 @@ def test_an_elastic_re_shard_starts_a_new_baseline():
 def test_the_threshold_is_a_setting():
     observations = job().collective_delay(30.0, from_step=120).observations(250)  # +11%
     assert of(judged(observations)[0], contract.VERDICT_JOB_SLOWDOWN) == []
-    assert len(of(judged(observations, DetectorConfig(job_slowdown_threshold=0.05))[0],
+    assert len(of(judged(observations, DetectorConfig(job_slowdown_threshold=0.05, job_slowdown_min_s=0.0))[0],
                   contract.VERDICT_JOB_SLOWDOWN)) == 1
+
+
+def test_every_rank_slower_for_seconds_as_on_a_busy_host_is_no_job_slowdown():
+    # +40% for 3 windows (steps 120-149, about 12 s): over the threshold for persist_windows windows
+    burst = job().everyone_slower(1.4, from_step=120, to_step=149).observations(250)
+    assert of(judged(burst, DetectorConfig())[0], contract.VERDICT_JOB_SLOWDOWN) == []
+    assert len(of(judged(burst)[0], contract.VERDICT_JOB_SLOWDOWN)) == 1  # control: the windows alone would call it
+
+
+def test_a_slowdown_is_called_once_its_windows_steps_took_the_time_floor():
+    verdicts, _ = judged(job().collective_delay(100.0, from_step=120).observations(300), DetectorConfig())
+    slowdowns = of(verdicts, contract.VERDICT_JOB_SLOWDOWN)
+    # windows of 10 steps of ~378 ms: the 8th window over is the first whose steps add up to 30 s
+    assert [v.window for v in slowdowns] == [120 // 10 + 8 - 1]
+    assert DetectorConfig().job_slowdown_min_s == 30.0

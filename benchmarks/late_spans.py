@@ -1,7 +1,7 @@
 """Late spans at fast steps: how many spans reach the detector after their window was judged, by
 step time, export schedule and --window-steps.
 
-    python benchmarks/late_spans.py [--ranks 4] [--seconds 20] [--cases 5:500:10,20:5000:10] [--json out.json]
+    python benchmarks/late_spans.py [--ranks 4] [--seconds 20] [--cases 5:500:10:1,20:5000:10:1] [--json out.json]
 
 Each case runs a fresh `otel-straggler detect --window-steps W` (its own process) and R rank
 processes. Every rank calls `ots.configure()` (fake device events, OTLP/gRPC, the export schedule
@@ -13,13 +13,15 @@ last one's start, as they would after their first collective, but their export t
 phase. After the last step every rank flushes and exits, and the detector's intake counters say
 how many spans came `late` (after their window was judged: counted, never judged).
 
-A case is STEP_MS:DELAY_MS:WINDOW_STEPS[:START_SPREAD_S]. The default cases are the sizing advice
-of docs/detector.md ("Fast steps"): a window closes once most ranks are window_close_lag (16)
-windows past it, so spans come late when 16 x window steps x step time is shorter than the time a
-rank holds its spans (its 1 s build interval plus its export schedule). They run 5, 10 and 20 ms
-steps at the demo's 500 ms schedule and 20 ms steps at the SDK's default 5 s, each with the
-detector's default 10-step windows, the fast ones again with windows large enough, and 100 ms
-steps at the default schedule with ranks started up to 5 s apart.
+A case is STEP_MS:DELAY_MS:WINDOW_STEPS[:START_SPREAD_S]. The default cases check the sizing
+advice of docs/detector.md ("Fast steps"): a rank holds its spans for its 1 s build interval plus
+its export schedule, and a cohort keeps at most max_open_windows (32) windows open, closing the
+oldest early beyond that; so spans come late when 32 x window steps x step time is shorter than that
+hold. 5 ms steps at the demo's 500 ms schedule with 10- and 2-step windows (1.6 and 0.32 s of
+open windows against 1.5 s of hold), at the SDK's default 5 s with 10- and 40-step windows (1.6 and
+6.4 s against 6 s), 20 ms steps with 10-step windows at 5 s, and 100 ms steps at 5 s with ranks
+started up to 5 s apart. The fast cases start the ranks up to 1 s apart, so their export timers are
+out of phase as a real job's are.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ from measured_on import describe, measured_on
 
 STAGES = ("batch-generator", "forward-compute", "backward-compute", "optimizer")
 SPANS_PER_STEP = 1 + len(STAGES)
-DEFAULT_CASES = "5:500:10,10:500:10,20:500:10,5:500:50,20:5000:10,20:5000:50,100:5000:10:5"
+DEFAULT_CASES = "5:500:10:1,5:500:2:1,5:5000:10:1,5:5000:40:1,20:5000:10:1,100:5000:10:5"
 SETTLE_S = 3.0  # after the ranks exit: status.json is rewritten once a second
 
 

@@ -14,14 +14,17 @@ phase. After the last step every rank flushes and exits, and the detector's inta
 how many spans came `late` (after their window was judged: counted, never judged).
 
 A case is STEP_MS:DELAY_MS:WINDOW_STEPS[:START_SPREAD_S]. The default cases check the sizing
-advice of docs/detector.md ("Fast steps"): a rank holds its spans for its 1 s build interval plus
-its export schedule, and a cohort keeps at most max_open_windows (32) windows open, closing the
-oldest early beyond that; so spans come late when 32 x window steps x step time is shorter than that
-hold. 5 ms steps at the demo's 500 ms schedule with 10- and 2-step windows (1.6 and 0.32 s of
-open windows against 1.5 s of hold), at the SDK's default 5 s with 10- and 40-step windows (1.6 and
-6.4 s against 6 s), 20 ms steps with 10-step windows at 5 s, and 100 ms steps at 5 s with ranks
-started up to 5 s apart. The fast cases start the ranks up to 1 s apart, so their export timers are
-out of phase as a real job's are.
+advice of docs/detector.md ("Fast steps"). A rank holds its spans for up to its 1 s build interval
+and then until its batch processor exports: at its schedule, or sooner once a batch of 512 spans
+(OTEL_BSP_MAX_EXPORT_BATCH_SIZE) is full. A cohort keeps at most max_open_windows (32) windows
+open and closes the oldest early beyond that, so spans come late when 32 x window steps x step time
+is shorter than that hold. Here 5 spans a step: 5 ms steps fill a batch in about 0.5 s (a hold
+of about 1.5 s at either schedule) and 20 ms steps in about 2 s (about 3 s at the 5 s schedule).
+The cases: 5 ms steps with 10- and 2-step windows (1.6 and 0.32 s of open windows) at the demo's
+500 ms schedule, 5 ms steps with 10-step windows at the SDK's default 5 s, 20 ms steps with 10- and
+2-step windows at 5 s (6.4 and 1.28 s), and 100 ms steps at 5 s with ranks started up to 5 s apart.
+The fast cases start the ranks up to 1 s apart, so their export timers are out of phase as a real
+job's are.
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ from measured_on import describe, measured_on
 
 STAGES = ("batch-generator", "forward-compute", "backward-compute", "optimizer")
 SPANS_PER_STEP = 1 + len(STAGES)
-DEFAULT_CASES = "5:500:10:1,5:500:2:1,5:5000:10:1,5:5000:40:1,20:5000:10:1,100:5000:10:5"
+DEFAULT_CASES = "5:500:10:1,5:500:2:1,5:5000:10:1,20:5000:10:1,20:5000:2:1,100:5000:10:5"
 SETTLE_S = 3.0  # after the ranks exit: status.json is rewritten once a second
 
 

@@ -32,6 +32,9 @@ class CohortVerdictState:
         self.late_streak = np.zeros((0, 0), dtype=np.int64)  # per (collective code, slot)
         self.arrival_var = np.zeros(0)  # per collective code: smoothed variance of the ranks' lateness
         self.collective_seen = np.zeros(0, dtype=bool)  # per code: judged as a collective in some window
+        # per code: found to end at a synchronization point in some window (a stage the spans do not
+        # mark as a collective, judged as one: evidence weaker than a mark)
+        self.sync_point_seen = np.zeros(0, dtype=bool)
         self.full_window_steps = 0  # the most distinct steps a judged window of the cohort had
         self.job = JobBaseline()  # the cohort's pace against its own baseline (job_baseline.py)
         self.intermittent = IntermittentState()  # slow steps per (code, slot), recent windows
@@ -61,6 +64,9 @@ class CohortVerdictState:
             seen = np.zeros(codes, dtype=bool)
             seen[:self.collective_seen.size] = self.collective_seen
             self.collective_seen = seen
+            found = np.zeros(codes, dtype=bool)
+            found[:self.sync_point_seen.size] = self.sync_point_seen
+            self.sync_point_seen = found
 
         for name, fill in (("alert", False), ("slow_streak", 0), ("within_streak", 0), ("floor_streak", 0),
                            ("late_streak", 0),
@@ -87,6 +93,7 @@ class CohortVerdictState:
         self.noise_var[:, code] = np.nan
         self.arrival_var[code] = np.nan
         self.collective_seen[code] = False
+        self.sync_point_seen[code] = False
 
     def rejoin(self, slot: int) -> None:
         """A silent rank reports again, likely a new process: warmup starts over."""

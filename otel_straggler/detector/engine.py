@@ -461,12 +461,15 @@ class Engine:
         self._counts["verdicts"] += len(verdicts)
         return verdicts
 
-    def _collective_stages(self, job_id: str, epoch: int) -> set[str]:
+    def _collective_stages(self, job_id: str, epoch: int) -> tuple[set[str], set[str]]:
+        """The job's collective stages, and those of them judged so only from synchronization points."""
         stages: set[str] = set()
+        sync_points: set[str] = set()
         for key in self._cohorts_by_job.get(job_id, ()):
             if key[1] == epoch:
                 stages |= self._cohorts[key].collective_stage_names()
-        return stages
+                sync_points |= self._cohorts[key].sync_point_stage_names()
+        return stages, sync_points
 
     def hang_state(self) -> list[HangState]:
         """Every hang series (straggler.job.hang): 1 while declared, 0 once progress resumed."""

@@ -18,7 +18,9 @@ ago than twice its own heartbeat gap plus `max_export_lag_s` (its exporter sends
 most half the hang timeout; a rank that sent spans but never a heartbeat has stopped when its
 latest spans came that long ago. Among the
 live ranks, those whose innermost open stage is a collective wait; a collective is a stage the job's
-spans mark as one or one the judge found to end at a synchronization point. Then:
+spans mark as one, or one the judge found to end at a synchronization point where it is the
+collective most of the ranks inside one have open (found in windows past, it is weaker evidence:
+a compute stage that once looked synchronized must not hide the rank blocked in it). Then:
 - most live ranks wait: every other live rank is a culprit, `never_entered_collective`, its stage
   the innermost one it has open (`*` when none); every rank whose heartbeats stopped is one too,
   `rank_lost`, its stage the innermost one its last heartbeat had open. No culprit: the ranks the
@@ -201,9 +203,9 @@ class Liveness:
         return sum(1 for record in job.ranks.values() if record.host == host) if job is not None else 0
 
     # ---- judging ----
-    def judge(self, now: int, collectives_of: Callable[[str, int], set]) -> list[Verdict]:
+    def judge(self, now: int, collectives_of: Callable[[str, int], tuple[set, set]]) -> list[Verdict]:
         """Hang and resumed verdicts due at `now`; `collectives_of(job, epoch)` names the job's
-        collective stages."""
+        collective stages, and those of them found only from synchronization points."""
         verdicts: list[Verdict] = []
         for job in self._jobs.values():
             if job.hang is not None and job.progress_ns > job.hang.progress_ns:
@@ -213,7 +215,7 @@ class Liveness:
             if not stalled_from or now - stalled_from < self._timeout_ns or now < job.next_check_ns:
                 continue
             job.next_check_ns = now + RECHECK_NS
-            verdicts.extend(self._judge_stall(job, now, stalled_from, collectives_of(job.job_id, job.epoch)))
+            verdicts.extend(self._judge_stall(job, now, stalled_from, *collectives_of(job.job_id, job.epoch)))
         return verdicts
 
     def stopped(self, job_id: str, epoch: int, rank: int, now: int) -> bool:
@@ -229,7 +231,8 @@ class Liveness:
         # rank frozen before its first heartbeat, say)
         return now - (record.heard_ns if record.heartbeat_ns else record.touched_ns) > self._patience_ns(record)
 
-    def _judge_stall(self, job: JobLiveness, now: int, stalled_from: int, collectives: set) -> list[Verdict]:
+    def _judge_stall(self, job: JobLiveness, now: int, stalled_from: int, collectives: set,
+                     sync_points: set) -> list[Verdict]:
         live, lost = [], []
         for rank, record in job.ranks.items():
             if self._stopped(record, now):
@@ -238,10 +241,9 @@ class Liveness:
                 live.append((rank, record))
         if not any(record.open_stages for _, record in live):
             return []
-        waiting = [(rank, record) for rank, record in live
-                   if record.open_stages and record.open_stages[-1] in collectives]
-        others = [(rank, record) for rank, record in live
-                  if not record.open_stages or record.open_stages[-1] not in collectives]
+        waits = _waiting_test(live, collectives, sync_points)
+        waiting = [(rank, record) for rank, record in live if waits(record)]
+        others = [(rank, record) for rank, record in live if not waits(record)]
         waited_ms = statistics.median([_open_ms(record, now) for _, record in waiting]) if waiting else None
         waiting_ranks = tuple(sorted(rank for rank, _ in waiting))
         found: list[tuple] = []  # (rank, record or None, reason, stage)
@@ -383,6 +385,25 @@ class Liveness:
             job.evicted = True
             self._records -= 1
             self._counts["evictions_liveness_ranks"] += 1
+
+
+def _waiting_test(live: list, collectives: set, sync_points: set) -> Callable[["RankRecord"], bool]:
+    """Whether a live rank waits in a collective: its innermost open stage is one the spans mark as
+    a collective, or the one found to end at a synchronization point that most ranks inside a
+    collective have open. A stage known as a collective only from synchronization points found in
+    windows past is weaker evidence: a compute stage that looked synchronized once (steps that start
+    together after a barrier, say) must not hide the rank blocked in it while its peers wait in the
+    job's collective."""
+    innermost = [record.open_stages[-1] for _, record in live
+                 if record.open_stages and record.open_stages[-1] in collectives]
+    main = Counter(innermost).most_common(1)[0][0] if innermost else None
+
+    def waits(record: RankRecord) -> bool:
+        if not record.open_stages:
+            return False
+        stage = record.open_stages[-1]
+        return stage in collectives and (stage not in sync_points or stage == main)
+    return waits
 
 
 def _open_ms(record: RankRecord, now: int) -> float:

@@ -85,6 +85,7 @@ def mark_synchronization_points(state: CohortVerdictState, code: np.ndarray, slo
     synchronized[evident_codes] = state.sync_slope[evident_codes] < SYNC_SLOPE_LIMIT
     if not synchronized.any():
         return code
+    state.sync_point_seen |= synchronized  # for hangs: a stage found to synchronize, not marked so
     marked = stage_rows & synchronized[np.minimum(code, synchronized.size - 1)]
     return np.where(marked, code | 1, code)
 

@@ -374,6 +374,13 @@ class Cohort:
         return {self.stage_names[index] for index in indices
                 if index < len(self.stage_names) and self.stage_names[index] is not None}
 
+    def sync_point_stage_names(self) -> set[str]:
+        """Stages judged as collectives only because they were found to end at a synchronization
+        point (the spans do not mark them): evidence from windows past, weaker than a mark."""
+        indices = set((np.flatnonzero(self.verdict_state.sync_point_seen) // 2).tolist())
+        return {self.stage_names[index] for index in indices
+                if index < len(self.stage_names) and self.stage_names[index] is not None}
+
     # ---- windows ----
     def is_judged(self, window: int) -> bool:
         return (self._judged_below is not None and window < self._judged_below) or window in self._judged_out_of_order

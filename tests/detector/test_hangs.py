@@ -87,6 +87,40 @@ def test_hang_where_every_rank_waits_in_one_collective_is_one_job_level_verdict(
     assert found[0].reference_ranks == (0, 1, 2, 3) and found[0].attribution == contract.ATTRIBUTION_WAITING
 
 
+class ForwardEndsTogether(ScriptedJob):
+    """Every rank's forward-compute ends at the same instant, as if a collective hid inside it: the
+    judge finds a synchronization point there and judges the stage as a collective."""
+
+    def _step(self, restart_of: dict) -> list:
+        observations = super()._step(restart_of)
+        forward = [index for index, o in enumerate(observations) if o.stage == "forward-compute"]
+        together = max(observations[index].end_unix_nano for index in forward)
+        for index in forward:
+            o = observations[index]
+            observations[index] = o._replace(host_ms=o.host_ms + (together - o.end_unix_nano) / 1e6,
+                                              end_unix_nano=together)
+        return observations
+
+
+def test_hang_a_rank_blocked_in_a_stage_known_as_collective_only_from_synchronization_points_is_named():
+    engine = Engine(CONFIG)
+    job = ForwardEndsTogether(engine)
+    job.run(30)
+    assert engine._collective_stages("job", 0) == ({"all-grads-sync", "forward-compute"}, {"forward-compute"})
+    stopped = job.now
+    # rank 1 stays in forward-compute; its peers wait in the all-reduce the spans mark
+    found = hangs(job.run(75, progress=False, open_stages=stuck_rank_one(stopped)))
+    assert [(v.rank, v.reason, v.stage) for v in found] == [(1, contract.HANG_NEVER_ENTERED_COLLECTIVE, "forward-compute")]
+
+
+def test_hang_where_every_rank_waits_at_a_synchronization_point_is_one_job_level_verdict():
+    job = ForwardEndsTogether(Engine(CONFIG))
+    job.run(30)
+    stopped = job.now
+    found = hangs(job.run(75, progress=False, open_stages=in_stage("forward-compute", stopped)))
+    assert [(v.rank, v.reason, v.stage) for v in found] == [(None, contract.HANG_ALL_RANKS_WAITING, "forward-compute")]
+
+
 def test_hang_names_a_rank_of_the_world_size_never_heard_from_rank_lost():
     """Ranks 0-2 report a world size of 4 and wait in the all-reduce; rank 3 never sent anything
     (stuck before its first export, or its telemetry off): it is the one they wait for."""

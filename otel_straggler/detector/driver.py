@@ -136,8 +136,9 @@ class EngineDriver:
             self._logged_late = True
             _log.warning("%d spans arrived after their window was judged: counted as late, not judged "
                          "(spans.late). Where steps are fast, the window closed before every rank's export "
-                         "burst came; raise --window-steps so that window_close_lag windows span a few "
-                         "seconds (docs/detector.md, Fast steps)", outcomes["late"])
+                         "burst came; raise --window-steps so that max_open_windows windows span more than a "
+                         "rank holds its spans, its build interval plus its export schedule (docs/detector.md, "
+                         "Fast steps)", outcomes["late"])
         if self._on_ingest_lag is not None:
             # one sample per batch: the age of its last span when the engine took it
             self._on_ingest_lag(max(0.0, (now_unix_nano - observations[-1].end_unix_nano) / 1e9))

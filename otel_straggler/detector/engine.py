@@ -462,14 +462,19 @@ class Engine:
         return verdicts
 
     def _collective_stages(self, job_id: str, epoch: int) -> tuple[set[str], set[str]]:
-        """The job's collective stages, and those of them judged so only from synchronization points."""
+        """The job's collective stages, and those of them judged so only from synchronization points
+        (a stage the spans of one cohort mark is marked for the job)."""
         stages: set[str] = set()
         sync_points: set[str] = set()
+        marked: set[str] = set()
         for key in self._cohorts_by_job.get(job_id, ()):
             if key[1] == epoch:
-                stages |= self._cohorts[key].collective_stage_names()
-                sync_points |= self._cohorts[key].sync_point_stage_names()
-        return stages, sync_points
+                collectives = self._cohorts[key].collective_stage_names()
+                inferred = self._cohorts[key].sync_point_stage_names()
+                stages |= collectives
+                sync_points |= inferred
+                marked |= collectives - inferred
+        return stages, sync_points - marked
 
     def hang_state(self) -> list[HangState]:
         """Every hang series (straggler.job.hang): 1 while declared, 0 once progress resumed."""

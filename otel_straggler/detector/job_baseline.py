@@ -61,7 +61,7 @@ class Pace:
     value: float
     per_token: bool
     stages: dict  # stage code -> median ms over ranks of the ranks' per-interval medians
-    seconds: float = 0.0  # the time the window's steps took: the median step period x its steps
+    seconds: float = 0.0  # the time the window's steps took: the median step period x the steps it holds
 
 
 def window_pace(rows, steps: int, slot_count: int, tokens_by_slot: np.ndarray, present: np.ndarray,
@@ -104,7 +104,9 @@ def window_pace(rows, steps: int, slot_count: int, tokens_by_slot: np.ndarray, p
                   if np.isfinite(median)}
     median = _median(values)
     step_ms = _median(per_slot[ranks]) if per_token else median
-    return Pace(median, per_token, stages, seconds=step_ms * steps / 1e3)
+    # the steps the window holds, not its size: one closed early (the job ended, a gap) took less
+    steps_seen = int(np.count_nonzero((step_end > 0).any(axis=0)))
+    return Pace(median, per_token, stages, seconds=step_ms * steps_seen / 1e3)
 
 
 def _median(values: np.ndarray) -> float:

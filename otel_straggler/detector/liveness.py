@@ -389,20 +389,24 @@ class Liveness:
 
 def _waiting_test(live: list, collectives: set, sync_points: set) -> Callable[["RankRecord"], bool]:
     """Whether a live rank waits in a collective: its innermost open stage is one the spans mark as
-    a collective, or the one found to end at a synchronization point that most ranks inside a
-    collective have open. A stage known as a collective only from synchronization points found in
-    windows past is weaker evidence: a compute stage that looked synchronized once (steps that start
-    together after a barrier, say) must not hide the rank blocked in it while its peers wait in the
-    job's collective."""
-    innermost = [record.open_stages[-1] for _, record in live
-                 if record.open_stages and record.open_stages[-1] in collectives]
-    main = Counter(innermost).most_common(1)[0][0] if innermost else None
+    a collective, or one found to end at a synchronization point that at least as many ranks have
+    open as any other collective (more than any marked one). A stage known as a collective only from
+    synchronization points found in windows past is weaker evidence: a compute stage that looked
+    synchronized once (steps that start together after a barrier, say) must not hide the rank
+    blocked in it while its peers wait in the job's collective. Two such stages tied for the most
+    ranks both count: the evidence cannot tell them apart, so neither side is named."""
+    counts = Counter(record.open_stages[-1] for _, record in live
+                     if record.open_stages and record.open_stages[-1] in collectives)
+    most = max(counts.values(), default=0)
+    marked_most = max((count for stage, count in counts.items() if stage not in sync_points), default=0)
 
     def waits(record: RankRecord) -> bool:
         if not record.open_stages:
             return False
         stage = record.open_stages[-1]
-        return stage in collectives and (stage not in sync_points or stage == main)
+        if stage not in collectives:
+            return False
+        return stage not in sync_points or (counts[stage] == most and counts[stage] > marked_most)
     return waits
 
 

@@ -371,15 +371,16 @@ class Cohort:
             if len(rows):
                 _, codes, _, _ = self.layout.unpack(np.frombuffer(rows.keys, dtype=np.int64))
                 indices.update((np.unique(codes[(codes & 1) == 1]) // 2).tolist())
-        return {self.stage_names[index] for index in indices
-                if index < len(self.stage_names) and self.stage_names[index] is not None}
+        return self._stage_names(indices)
 
     def sync_point_stage_names(self) -> set[str]:
         """Stages judged as collectives only because they were found to end at a synchronization
         point (the spans do not mark them): evidence from windows past, weaker than a mark."""
-        indices = set((np.flatnonzero(self.verdict_state.sync_point_seen) // 2).tolist())
-        return {self.stage_names[index] for index in indices
-                if index < len(self.stage_names) and self.stage_names[index] is not None}
+        return self._stage_names(set((np.flatnonzero(self.verdict_state.sync_point_seen) // 2).tolist()))
+
+    def _stage_names(self, indices: set[int]) -> set[str]:
+        names = self.stage_names
+        return {name for index in indices if index < len(names) and (name := names[index]) is not None}
 
     # ---- windows ----
     def is_judged(self, window: int) -> bool:

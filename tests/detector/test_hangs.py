@@ -2,11 +2,14 @@
 per rule, named after it, on a job scripted second by second (scripted_job.py)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from otel_straggler import contract
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.engine import Engine
+from otel_straggler.detector.liveness import _waiting_test
 from otel_straggler.detector.observation import DEFAULT_COHORT
 
 from otel_straggler.testing.scripted_job import CONFIG, SECOND, START, ScriptedJob, hangs, in_stage, stuck_rank_one
@@ -113,12 +116,61 @@ def test_hang_a_rank_blocked_in_a_stage_known_as_collective_only_from_synchroniz
     assert [(v.rank, v.reason, v.stage) for v in found] == [(1, contract.HANG_NEVER_ENTERED_COLLECTIVE, "forward-compute")]
 
 
+class ForwardMarked(ScriptedJob):
+    """The spans mark forward-compute as a collective (a tensor-parallel all-reduce inside it)."""
+
+    def _step(self, restart_of: dict) -> list:
+        return [o._replace(collective=True) if o.stage == "forward-compute" else o for o in super()._step(restart_of)]
+
+
+def test_hang_a_stage_one_cohort_marks_as_a_collective_is_marked_for_the_job():
+    engine = Engine(CONFIG)
+    inferred, marked = ForwardEndsTogether(engine, cohort="a"), ForwardMarked(engine, cohort="b")
+    for _ in range(30):
+        inferred.run(1)
+        marked.run(1)
+    assert engine._collective_stages("job", 0) == ({"all-grads-sync", "forward-compute"}, set())
+    # control: the cohort that only infers it, alone
+    engine = Engine(CONFIG)
+    ForwardEndsTogether(engine, cohort="a").run(30)
+    assert engine._collective_stages("job", 0) == ({"all-grads-sync", "forward-compute"}, {"forward-compute"})
+
+
 def test_hang_where_every_rank_waits_at_a_synchronization_point_is_one_job_level_verdict():
     job = ForwardEndsTogether(Engine(CONFIG))
     job.run(30)
     stopped = job.now
     found = hangs(job.run(75, progress=False, open_stages=in_stage("forward-compute", stopped)))
     assert [(v.rank, v.reason, v.stage) for v in found] == [(None, contract.HANG_ALL_RANKS_WAITING, "forward-compute")]
+
+
+def test_hang_a_stage_known_only_from_synchronization_points_loses_a_tie_with_a_marked_collective():
+    """Half the ranks in forward-compute (found synchronized), half in the all-reduce the spans mark:
+    the mark is the stronger evidence, so the ranks in forward-compute are the ones named."""
+    job = ForwardEndsTogether(Engine(CONFIG))
+    job.run(30)
+    stopped = job.now
+    split = lambda rank, now: (("forward-compute", stopped),) if rank < 2 else (("all-grads-sync", stopped),)  # noqa: E731
+    found = hangs(job.run(75, progress=False, open_stages=split))
+    assert [(v.rank, v.reason, v.stage) for v in found] == \
+        [(0, contract.HANG_NEVER_ENTERED_COLLECTIVE, "forward-compute"),
+         (1, contract.HANG_NEVER_ENTERED_COLLECTIVE, "forward-compute")]
+
+
+def test_hang_two_stages_known_only_from_synchronization_points_tied_both_count_as_waits():
+    """Nothing tells two inferred collectives with as many ranks apart: neither side is named,
+    whichever rank happens to be listed first (the rule reads no order)."""
+    def record(stage: str) -> SimpleNamespace:
+        return SimpleNamespace(open_stages=[stage])
+    collectives, sync_points = {"forward-compute", "backward-compute"}, {"forward-compute", "backward-compute"}
+    for stages in (["forward-compute", "backward-compute"] * 2, ["backward-compute", "forward-compute"] * 2):
+        live = [(rank, record(stage)) for rank, stage in enumerate(stages)]
+        waits = _waiting_test(live, collectives, sync_points)
+        assert [waits(r) for _, r in live] == [True] * 4
+    # control: one more rank in forward-compute, and backward-compute is no wait
+    live = [(rank, record(stage)) for rank, stage in enumerate(["forward-compute"] * 3 + ["backward-compute"] * 2)]
+    waits = _waiting_test(live, collectives, sync_points)
+    assert [waits(r) for _, r in live] == [True] * 3 + [False] * 2
 
 
 def test_hang_names_a_rank_of_the_world_size_never_heard_from_rank_lost():

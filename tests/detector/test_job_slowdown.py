@@ -4,9 +4,15 @@ rule is what keeps the verdict from happening, a control run shows that the stre
 have given it."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
 from otel_straggler import contract
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.engine import Engine
+from otel_straggler.detector.job_baseline import window_pace
 from otel_straggler.contract import REASON_BACK_TO_BASELINE, REASON_SLOWER_THAN_BASELINE
 
 from otel_straggler.testing.synthetic import Stage, SyntheticJob
@@ -130,3 +136,16 @@ def test_a_slowdown_is_called_once_its_windows_steps_took_the_time_floor():
     # windows of 10 steps of ~378 ms: the 8th window over is the first whose steps add up to 30 s
     assert [v.window for v in slowdowns] == [120 // 10 + 8 - 1]
     assert DetectorConfig().job_slowdown_min_s == 30.0
+
+
+def test_a_window_closed_with_part_of_its_steps_counts_only_the_time_they_took():
+    """window_pace: 4 ranks, steps 100 ms apart, windows of 10 steps; a window that closed after
+    5 of them (the job ended, a gap) took half a second, not the window's full second."""
+    def pace_of(steps_held: int):
+        slot, step = np.meshgrid(np.arange(4), np.arange(steps_held), indexing="ij")
+        rows = SimpleNamespace(slot=slot.ravel(), step=step.ravel(), host=np.full(slot.size, 90.0),
+                               end_unix_nano=(1_000_000_000 + (step.ravel() + 1) * 100_000_000).astype(np.int64))
+        return window_pace(rows, 10, 4, np.full(4, np.nan), np.ones(4, dtype=bool),
+                           np.zeros(0, dtype=np.int64), np.zeros(0))
+    assert pace_of(10).value == pytest.approx(100.0) and pace_of(10).seconds == pytest.approx(1.0)
+    assert pace_of(5).value == pytest.approx(100.0) and pace_of(5).seconds == pytest.approx(0.5)

@@ -2,8 +2,9 @@
    that need nothing but bookkeeping (a known rank, a known stage, an open window).
 
    append_rows(observations, start, ranks, seq_mask, window_steps, collective_offset, restart_span)
-   walks observations[start:] and, per observation, does what engine._ingest_rows does for it:
-   de-duplicates its seq in its rank's ring, counts a host duration that is negative or not finite as
+   walks observations[start:] (Observation tuples; append_records reads the fixed-width records of
+   an observation.ObservationRecords instead, as the C scanner wrote them) and, per observation,
+   does what engine._ingest_rows does for it: de-duplicates its seq in its rank's ring, counts a host duration that is negative or not finite as
    malformed, advances its cohort's latest interval end, appends its row to its open window's five
    columns and tells the cohort when its rank reached a later window. It stops at the first
    observation that needs anything else (a rank, cohort, incarnation, stage or window not seen yet,
@@ -156,25 +157,169 @@ static int enter_entry(State *s, PyObject *entry, PyObject *job_id, long long ep
     return 1;
 }
 
-static PyObject *append_rows(PyObject *self, PyObject *args) {
-    PyObject *observations, *ranks;
-    Py_ssize_t start;
+/* One observation's fields as the loop reads them, whichever form it came in. */
+typedef struct {
+    PyObject *job_id, *cohort_name, *stage; /* borrowed, exact str */
+    long long epoch, rank, step, seq, end, restart;
+    double host_ms, device_ms, tokens;      /* device_ms NaN: none; tokens 0: none */
+    int collective;
+} Row;
+
+typedef struct {
+    PyObject *ranks;
     long long seq_mask, window_steps, collective_offset, restart_span;
-    if (!PyArg_ParseTuple(args, "OnO!LLLL", &observations, &start, &PyDict_Type, &ranks, &seq_mask,
-                          &window_steps, &collective_offset, &restart_span))
-        return NULL;
-    if (!PyList_Check(observations) && !PyTuple_Check(observations)) {
-        PyErr_SetString(PyExc_TypeError, "observations must be a list or a tuple");
-        return NULL;
+} Params;
+
+enum { TAKEN, DUPLICATE, MALFORMED, STOP, FAILED };
+
+/* What engine._ingest_rows does with one row, for the common case; STOP where it needs more. */
+static int take_row(State *s, const Row *row, const Params *p) {
+    /* the rank's entry: the same as the previous row's in a request from one rank */
+    if (s->entry == NULL || s->epoch != row->epoch || s->rank != row->rank
+        || (s->job_id != row->job_id && PyUnicode_Compare(s->job_id, row->job_id) != 0)) {
+        if (leave_entry(s) < 0) return FAILED;
+        PyObject *key = Py_BuildValue("(OLL)", row->job_id, row->epoch, row->rank);
+        if (key == NULL) return FAILED;
+        PyObject *entry = PyDict_GetItemWithError(p->ranks, key);
+        Py_DECREF(key);
+        if (entry == NULL) return PyErr_Occurred() ? FAILED : STOP;
+        int entered = enter_entry(s, entry, row->job_id, row->epoch, row->rank, (Py_ssize_t)p->seq_mask + 1);
+        if (entered != 1) return entered < 0 ? FAILED : STOP;
     }
-    if (window_steps <= 0 || seq_mask < 0) {
+    if (s->cohort_name != row->cohort_name && PyUnicode_Compare(s->cohort_name, row->cohort_name) != 0) return STOP;
+    if (row->restart > s->restart) return STOP;
+
+    long long *seqs = (long long *)s->seqs.buf, seq_slot = row->seq & p->seq_mask, remembered = seqs[seq_slot];
+    if (remembered >= row->seq) {
+        long long behind;
+        if (__builtin_sub_overflow(remembered, row->seq, &behind) || behind > p->restart_span) return STOP; /* restarted? */
+        return DUPLICATE;
+    }
+    if (!(0.0 <= row->host_ms && row->host_ms < INFINITY)) return MALFORMED;
+    PyObject *offset_object = PyDict_GetItemWithError(s->stage_offsets, row->stage);
+    long long stage_offset;
+    if (offset_object == NULL) return PyErr_Occurred() ? FAILED : STOP;
+    if (!as_ll(offset_object, &stage_offset)) return STOP;
+    long long window = row->step / p->window_steps;
+    if (row->step % p->window_steps != 0 && (row->step < 0) != (p->window_steps < 0)) window--; /* floor, as // */
+    __int128 wide_key = (__int128)stage_offset + s->key_slot + row->step - (__int128)window * p->window_steps
+                        + (row->collective ? p->collective_offset : 0);
+    if (wide_key < INT64_MIN || wide_key > INT64_MAX) return STOP;
+    if (s->rows == NULL || s->window != window) {
+        if (flush_rows(s) < 0) return FAILED;
+        Py_CLEAR(s->rows);
+        PyObject *window_key = PyLong_FromLongLong(window);
+        if (window_key == NULL) return FAILED;
+        PyObject *rows = PyDict_GetItemWithError(s->open_windows, window_key);
+        Py_DECREF(window_key);
+        if (rows == NULL) return PyErr_Occurred() ? FAILED : STOP;
+        s->rows = Py_NewRef(rows);
+        s->window = window;
+    }
+    if (row->end > s->latest_end) { /* the job made progress (hangs) */
+        s->latest_end = row->end;
+        s->latest_end_dirty = 1;
+    }
+    seqs[seq_slot] = row->seq;
+    s->columns[C_KEYS][s->count].i = (long long)wide_key;
+    s->columns[C_HOST][s->count].d = row->host_ms;
+    s->columns[C_DEVICE][s->count].d = row->device_ms;
+    s->columns[C_TOKENS][s->count].d = row->tokens;
+    s->columns[C_END][s->count].i = row->end;
+    s->count++;
+    if (window > s->latest_window) {
+        PyObject *window_object = PyLong_FromLongLong(window);
+        if (window_object == NULL) return FAILED;
+        PyObject *done = PyObject_CallMethodObjArgs(s->cohort, attr_rank_reached, s->entry, window_object, NULL);
+        Py_DECREF(window_object);
+        if (done == NULL) return FAILED;
+        Py_DECREF(done);
+        s->latest_window = window;
+    }
+    return TAKEN;
+}
+
+/* An Observation tuple as a Row; 0: of a type or value only the Python loop takes. */
+static int row_of_tuple(PyObject *o, Row *row) {
+    if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) != 14) return 0;
+    /* job_id, epoch, cohort, rank, stage, step, seq, host_ms, device_ms, collective, tokens,
+       samples, end_unix_nano, restart (observation.Observation) */
+    PyObject *device = PyTuple_GET_ITEM(o, 8), *collective = PyTuple_GET_ITEM(o, 9), *tokens = PyTuple_GET_ITEM(o, 10);
+    row->job_id = PyTuple_GET_ITEM(o, 0);
+    row->cohort_name = PyTuple_GET_ITEM(o, 2);
+    row->stage = PyTuple_GET_ITEM(o, 4);
+    if (!PyUnicode_CheckExact(row->job_id) || !PyUnicode_CheckExact(row->cohort_name) || !PyUnicode_CheckExact(row->stage)
+        || !as_ll(PyTuple_GET_ITEM(o, 1), &row->epoch) || !as_ll(PyTuple_GET_ITEM(o, 3), &row->rank)
+        || !as_ll(PyTuple_GET_ITEM(o, 5), &row->step) || !as_ll(PyTuple_GET_ITEM(o, 6), &row->seq)
+        || !as_double(PyTuple_GET_ITEM(o, 7), &row->host_ms) || !as_ll(PyTuple_GET_ITEM(o, 12), &row->end)
+        || !as_ll(PyTuple_GET_ITEM(o, 13), &row->restart) || (collective != Py_True && collective != Py_False))
+        return 0;
+    row->collective = collective == Py_True;
+    if (device == Py_None) row->device_ms = NAN;
+    else if (!as_double(device, &row->device_ms)) return 0;
+    if (tokens == Py_None) row->tokens = 0.0;
+    else if (!as_double(tokens, &row->tokens)) return 0;
+    else if (!(row->tokens > 0)) row->tokens = 0.0;
+    return 1;
+}
+
+/* observation.RECORD_FORMAT (_otlp_scan.c writes it) */
+typedef struct {
+    int32_t identity, stage;
+    int64_t step, seq;
+    double host_ms, device_ms;
+    int64_t tokens, samples;
+    uint64_t end_unix_nano;
+    int64_t collective;
+} Record;
+
+typedef struct {
+    const Record *records;
+    PyObject *strings, *identities; /* lists or tuples */
+    int32_t identity;               /* the identity `identity_row` holds (-1: none yet) */
+    Row identity_row;
+} Records;
+
+/* A record as a Row; 0: one only the Python loop takes (a value beyond what a Row holds). */
+static int row_of_record(Records *from, Py_ssize_t index, Row *row) {
+    const Record *record = &from->records[index];
+    if (record->identity != from->identity) {
+        if (record->identity < 0 || record->identity >= PySequence_Fast_GET_SIZE(from->identities)) return 0;
+        PyObject *identity = PySequence_Fast_GET_ITEM(from->identities, record->identity);
+        Row *cached = &from->identity_row;
+        from->identity = -1;
+        if (!PyTuple_Check(identity) || PyTuple_GET_SIZE(identity) != 5) return 0;
+        cached->job_id = PyTuple_GET_ITEM(identity, 0);
+        cached->cohort_name = PyTuple_GET_ITEM(identity, 2);
+        if (!PyUnicode_CheckExact(cached->job_id) || !PyUnicode_CheckExact(cached->cohort_name)
+            || !as_ll(PyTuple_GET_ITEM(identity, 1), &cached->epoch) || !as_ll(PyTuple_GET_ITEM(identity, 3), &cached->rank)
+            || !as_ll(PyTuple_GET_ITEM(identity, 4), &cached->restart))
+            return 0;
+        from->identity = record->identity;
+    }
+    if (record->stage < 0 || record->stage >= PySequence_Fast_GET_SIZE(from->strings)
+        || record->end_unix_nano > (uint64_t)INT64_MAX)
+        return 0;
+    *row = from->identity_row;
+    row->stage = PySequence_Fast_GET_ITEM(from->strings, record->stage);
+    if (!PyUnicode_CheckExact(row->stage)) return 0;
+    row->step = record->step;
+    row->seq = record->seq;
+    row->host_ms = record->host_ms;
+    row->device_ms = record->device_ms;
+    row->tokens = record->tokens > 0 ? (double)record->tokens : 0.0;
+    row->end = (long long)record->end_unix_nano;
+    row->collective = record->collective != 0;
+    return 1;
+}
+
+/* The loop of both entry points: rows [start, n) from `tuples` (a list or tuple of Observations)
+   or else `records`, until one the Python loop must take. */
+static PyObject *take_rows(PyObject *tuples, Records *records, Py_ssize_t n, Py_ssize_t start, const Params *p) {
+    if (p->window_steps <= 0 || p->seq_mask < 0) {
         PyErr_SetString(PyExc_ValueError, "window_steps must be positive, seq_mask not negative");
         return NULL;
     }
-    PyObject *fast = PySequence_Fast(observations, "");  /* borrowed items, a new reference to the sequence */
-    if (fast == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    PyObject **items = PySequence_Fast_ITEMS(fast);
     State s = {0};
     int failed = 0;
     Py_ssize_t accepted = 0, duplicate = 0, malformed = 0, index = start < 0 ? 0 : start;
@@ -186,110 +331,63 @@ static PyObject *append_rows(PyObject *self, PyObject *args) {
         }
     }
     for (; !failed && index < n; index++) {
-        PyObject *o = items[index];
-        if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) != 14) break;
-        /* job_id, epoch, cohort, rank, stage, step, seq, host_ms, device_ms, collective, tokens,
-           samples, end_unix_nano, restart (engine._OBSERVATION_FIELDS) */
-        PyObject *job_id = PyTuple_GET_ITEM(o, 0), *cohort_name = PyTuple_GET_ITEM(o, 2);
-        PyObject *stage = PyTuple_GET_ITEM(o, 4), *device = PyTuple_GET_ITEM(o, 8);
-        PyObject *collective = PyTuple_GET_ITEM(o, 9), *tokens = PyTuple_GET_ITEM(o, 10);
-        long long epoch, rank, step, seq, end, restart;
-        double host_ms, device_ms, tokens_value;
-        if (!PyUnicode_CheckExact(job_id) || !PyUnicode_CheckExact(cohort_name) || !PyUnicode_CheckExact(stage)
-            || !as_ll(PyTuple_GET_ITEM(o, 1), &epoch) || !as_ll(PyTuple_GET_ITEM(o, 3), &rank)
-            || !as_ll(PyTuple_GET_ITEM(o, 5), &step) || !as_ll(PyTuple_GET_ITEM(o, 6), &seq)
-            || !as_double(PyTuple_GET_ITEM(o, 7), &host_ms) || !as_ll(PyTuple_GET_ITEM(o, 12), &end)
-            || !as_ll(PyTuple_GET_ITEM(o, 13), &restart) || (collective != Py_True && collective != Py_False))
+        Row row;
+        if (!(tuples != NULL ? row_of_tuple(PySequence_Fast_GET_ITEM(tuples, index), &row)
+                             : row_of_record(records, index, &row)))
             break;
-        if (device == Py_None) device_ms = NAN;
-        else if (!as_double(device, &device_ms)) break;
-        if (tokens == Py_None) tokens_value = 0.0;
-        else if (!as_double(tokens, &tokens_value)) break;
-        else if (!(tokens_value > 0)) tokens_value = 0.0;
-
-        /* the rank's entry: the same as the previous observation's in a request from one rank */
-        if (s.entry == NULL || s.epoch != epoch || s.rank != rank
-            || (s.job_id != job_id && PyUnicode_Compare(s.job_id, job_id) != 0)) {
-            if (leave_entry(&s) < 0) { failed = 1; break; }
-            PyObject *key = Py_BuildValue("(OLL)", job_id, epoch, rank);
-            if (key == NULL) { failed = 1; break; }
-            PyObject *entry = PyDict_GetItemWithError(ranks, key);
-            Py_DECREF(key);
-            if (entry == NULL) {
-                if (PyErr_Occurred()) failed = 1;
-                break;
-            }
-            int entered = enter_entry(&s, entry, job_id, epoch, rank, (Py_ssize_t)seq_mask + 1);
-            if (entered < 0) failed = 1;
-            if (entered != 1) break;
-        }
-        if (s.cohort_name != cohort_name && PyUnicode_Compare(s.cohort_name, cohort_name) != 0) break;
-        if (restart > s.restart) break;
-
-        long long *seqs = (long long *)s.seqs.buf, seq_slot = seq & seq_mask, remembered = seqs[seq_slot];
-        if (remembered >= seq) {
-            long long behind;
-            if (__builtin_sub_overflow(remembered, seq, &behind) || behind > restart_span) break;  /* restarted? */
-            duplicate++;
-            continue;
-        }
-        if (!(0.0 <= host_ms && host_ms < INFINITY)) {
-            malformed++;
-            continue;
-        }
-        PyObject *offset_object = PyDict_GetItemWithError(s.stage_offsets, stage);
-        long long stage_offset;
-        if (offset_object == NULL) {
-            if (PyErr_Occurred()) failed = 1;
+        int taken = take_row(&s, &row, p);
+        if (taken == TAKEN) accepted++;
+        else if (taken == DUPLICATE) duplicate++;
+        else if (taken == MALFORMED) malformed++;
+        else {
+            failed = taken == FAILED;
             break;
         }
-        if (!as_ll(offset_object, &stage_offset)) break;
-        long long window = step / window_steps;
-        if (step % window_steps != 0 && (step < 0) != (window_steps < 0)) window--;  /* floor, as // */
-        __int128 wide_key = (__int128)stage_offset + s.key_slot + step - (__int128)window * window_steps
-                            + (collective == Py_True ? collective_offset : 0);
-        if (wide_key < INT64_MIN || wide_key > INT64_MAX) break;
-        if (s.rows == NULL || s.window != window) {
-            if (flush_rows(&s) < 0) { failed = 1; break; }
-            Py_CLEAR(s.rows);
-            PyObject *window_key = PyLong_FromLongLong(window);
-            if (window_key == NULL) { failed = 1; break; }
-            PyObject *rows = PyDict_GetItemWithError(s.open_windows, window_key);
-            Py_DECREF(window_key);
-            if (rows == NULL) {
-                if (PyErr_Occurred()) failed = 1;
-                break;
-            }
-            s.rows = Py_NewRef(rows);
-            s.window = window;
-        }
-        if (end > s.latest_end) {  /* the job made progress (hangs) */
-            s.latest_end = end;
-            s.latest_end_dirty = 1;
-        }
-        seqs[seq_slot] = seq;
-        s.columns[C_KEYS][s.count].i = (long long)wide_key;
-        s.columns[C_HOST][s.count].d = host_ms;
-        s.columns[C_DEVICE][s.count].d = device_ms;
-        s.columns[C_TOKENS][s.count].d = tokens_value;
-        s.columns[C_END][s.count].i = end;
-        s.count++;
-        if (window > s.latest_window) {
-            PyObject *window_object = PyLong_FromLongLong(window);
-            if (window_object == NULL) { failed = 1; index++; break; }
-            PyObject *done = PyObject_CallMethodObjArgs(s.cohort, attr_rank_reached, s.entry, window_object, NULL);
-            Py_DECREF(window_object);
-            if (done == NULL) { failed = 1; index++; break; }
-            Py_DECREF(done);
-            s.latest_window = window;
-        }
-        accepted++;
     }
     if (leave_entry(&s) < 0) failed = 1;
     for (int c = 0; c < N_COLUMNS; c++) PyMem_Free(s.columns[c]);
-    Py_DECREF(fast);
     if (failed) return NULL;
     return Py_BuildValue("(nnnn)", index, accepted, duplicate, malformed);
+}
+
+static PyObject *append_rows(PyObject *self, PyObject *args) {
+    PyObject *observations;
+    Py_ssize_t start;
+    Params p;
+    if (!PyArg_ParseTuple(args, "OnO!LLLL", &observations, &start, &PyDict_Type, &p.ranks, &p.seq_mask,
+                          &p.window_steps, &p.collective_offset, &p.restart_span))
+        return NULL;
+    if (!PyList_Check(observations) && !PyTuple_Check(observations)) {
+        PyErr_SetString(PyExc_TypeError, "observations must be a list or a tuple");
+        return NULL;
+    }
+    PyObject *fast = PySequence_Fast(observations, ""); /* borrowed items, a new reference to the sequence */
+    if (fast == NULL) return NULL;
+    PyObject *answer = take_rows(fast, NULL, PySequence_Fast_GET_SIZE(fast), start, &p);
+    Py_DECREF(fast);
+    return answer;
+}
+
+static PyObject *append_records(PyObject *self, PyObject *args) {
+    Py_buffer buffer;
+    PyObject *strings, *identities;
+    Py_ssize_t start;
+    Params p;
+    if (!PyArg_ParseTuple(args, "y*OOnO!LLLL", &buffer, &strings, &identities, &start, &PyDict_Type, &p.ranks,
+                          &p.seq_mask, &p.window_steps, &p.collective_offset, &p.restart_span))
+        return NULL;
+    PyObject *answer = NULL;
+    if ((!PyList_Check(strings) && !PyTuple_Check(strings)) || (!PyList_Check(identities) && !PyTuple_Check(identities)))
+        PyErr_SetString(PyExc_TypeError, "strings and identities must be lists or tuples");
+    else if (buffer.len % (Py_ssize_t)sizeof(Record) != 0)
+        PyErr_SetString(PyExc_ValueError, "records: not a whole number of records");
+    else {
+        /* the lists' items are borrowed while they hold them: nothing here changes either list */
+        Records records = {(const Record *)buffer.buf, strings, identities, -1, {0}};
+        answer = take_rows(NULL, &records, buffer.len / (Py_ssize_t)sizeof(Record), start, &p);
+    }
+    PyBuffer_Release(&buffer);
+    return answer;
 }
 
 static PyMethodDef methods[] = {
@@ -297,6 +395,9 @@ static PyMethodDef methods[] = {
      "append_rows(observations, start, ranks, seq_mask, window_steps, collective_offset, restart_span) -> "
      "(index of the first observation left to the Python loop, or len(observations); accepted, duplicate, "
      "malformed)"},
+    {"append_records", append_records, METH_VARARGS,
+     "append_records(records, strings, identities, start, ranks, seq_mask, window_steps, collective_offset, "
+     "restart_span) -> as append_rows, for the records of an observation.ObservationRecords"},
     {NULL, NULL, 0, NULL},
 };
 

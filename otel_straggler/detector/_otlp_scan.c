@@ -1,8 +1,12 @@
-/* The detector's optional fast path: serialized ExportTraceServiceRequest -> Observations.
+/* The detector's optional fast path: serialized ExportTraceServiceRequest -> observation records.
 
-   Besides the Observations it returns, for decode.py to read in Python (they are few): the raw
-   Resource of each ResourceSpans that gave an Observation (where its ranks run), and the raw
-   Resource and Span of each heartbeat span (CONTRACT §2b).
+   Each stage span becomes one fixed-width Record (observation.RECORD_FORMAT) in one bytes buffer,
+   its strings and identity given as indexes into two lists made once per request, so no Python
+   object is made per span: the engine's C intake (_ingest.append_records) reads the buffer, and
+   observation.ObservationRecords makes Observations of it where Python needs them. Besides the
+   records it returns, for decode.py to read in Python (they are few): the raw Resource of each
+   ResourceSpans that gave a record (where its ranks run), and the raw Resource and Span of each
+   heartbeat span (CONTRACT §2b).
 
    decode.py calls scan(payload) first and falls back to its own protobuf decoder whenever scan
    returns None. scan answers only for payloads it fully understands: canonical wire encoding of
@@ -29,14 +33,30 @@ typedef struct { const uint8_t *p, *end; } Reader;
 typedef struct { const uint8_t *p; Py_ssize_t n; int found; } Slice; /* raw AnyValue bytes */
 typedef struct { int kind; const uint8_t *s; Py_ssize_t n; int64_t i; double d; } Value;
 
+/* One stage span: observation.RECORD_FORMAT, field for field. */
+typedef struct {
+    int32_t identity, stage;   /* indexes into the request's identities and strings lists */
+    int64_t step, seq;
+    double host_ms, device_ms; /* device_ms NaN: None (a device duration is finite) */
+    int64_t tokens, samples;   /* 0: None (a count is positive) */
+    uint64_t end_unix_nano;
+    int64_t collective;        /* 0 or 1 */
+} Record;
+
 /* set once by configure() */
 static PyObject *key_names[N_KEYS];          /* bytes */
-static PyTypeObject *observation_type;       /* a tuple subclass with 14 fields */
+static int configured;
 static PyObject *heartbeat_name;             /* bytes: the heartbeat span's name */
 static PyObject *default_cohort;             /* str */
 static PyObject *device_timing;              /* bytes: training.stage.timing's "device" */
 
-static int read_varint(Reader *r, uint64_t *out) {
+/* The readers below are called for every field of every span: inline, with the one-byte varint
+   (most tags and lengths) read first. */
+static inline int read_varint(Reader *r, uint64_t *out) {
+    if (r->p < r->end && *r->p < 0x80) {
+        *out = *r->p++;
+        return 0;
+    }
     uint64_t value = 0;
     for (int shift = 0; shift < 64 && r->p < r->end; shift += 7) {
         uint8_t byte = *r->p++;
@@ -48,7 +68,11 @@ static int read_varint(Reader *r, uint64_t *out) {
 }
 
 /* Tags and lengths: upb refuses varints of more than 5 bytes there, so longer ones decline. */
-static int read_varint32(Reader *r, uint64_t *out) {
+static inline int read_varint32(Reader *r, uint64_t *out) {
+    if (r->p < r->end && *r->p < 0x80) {
+        *out = *r->p++;
+        return 0;
+    }
     uint64_t value = 0;
     for (int shift = 0; shift < 35 && r->p < r->end; shift += 7) {
         uint8_t byte = *r->p++;
@@ -58,7 +82,7 @@ static int read_varint32(Reader *r, uint64_t *out) {
     return -1;
 }
 
-static int read_fixed64(Reader *r, uint64_t *out) {
+static inline int read_fixed64(Reader *r, uint64_t *out) {
     if (r->end - r->p < 8) return -1;
     uint64_t value = 0;
     for (int i = 7; i >= 0; i--) value = (value << 8) | r->p[i]; /* little-endian on any host */
@@ -68,7 +92,7 @@ static int read_fixed64(Reader *r, uint64_t *out) {
 }
 
 /* A length-delimited field's body as its own reader. */
-static int read_len(Reader *r, Reader *body) {
+static inline int read_len(Reader *r, Reader *body) {
     uint64_t n;
     if (read_varint32(r, &n) || n >= INT32_MAX || n > (uint64_t)(r->end - r->p)) return -1;
     body->p = r->p;
@@ -77,7 +101,7 @@ static int read_len(Reader *r, Reader *body) {
     return 0;
 }
 
-static int read_tag(Reader *r, uint32_t *field, uint32_t *wire_type) {
+static inline int read_tag(Reader *r, uint32_t *field, uint32_t *wire_type) {
     uint64_t key;
     if (read_varint32(r, &key) || key > UINT32_MAX || (key >> 3) == 0) return -1;
     *field = (uint32_t)(key >> 3);
@@ -85,7 +109,7 @@ static int read_tag(Reader *r, uint32_t *field, uint32_t *wire_type) {
     return 0;
 }
 
-static int skip(Reader *r, uint32_t wire_type) {
+static inline int skip(Reader *r, uint32_t wire_type) {
     uint64_t ignored;
     Reader body;
     switch (wire_type) {
@@ -100,15 +124,27 @@ static int skip(Reader *r, uint32_t wire_type) {
     }
 }
 
-static int is_ascii(const uint8_t *p, Py_ssize_t n) {
+static inline int is_ascii(const uint8_t *p, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++)
         if (p[i] >= 0x80) return 0;
     return 1;
 }
 
-static int key_index(const uint8_t *p, Py_ssize_t n, int first, int last) {
+/* Keys share long prefixes ("training."): their lengths and last 8 bytes tell most apart before a
+   memcmp of the whole key. */
+static Py_ssize_t key_lengths[N_KEYS];
+static uint64_t key_tails[N_KEYS];
+
+static inline uint64_t tail_of(const uint8_t *p, Py_ssize_t n) {
+    uint64_t tail = 0;
+    memcpy(&tail, p + n - (n < 8 ? n : 8), n < 8 ? (size_t)n : 8);
+    return tail;
+}
+
+static inline int key_index(const uint8_t *p, Py_ssize_t n, int first, int last) {
+    uint64_t tail = tail_of(p, n);
     for (int k = first; k < last; k++)
-        if (PyBytes_GET_SIZE(key_names[k]) == n && memcmp(PyBytes_AS_STRING(key_names[k]), p, n) == 0) return k;
+        if (key_lengths[k] == n && key_tails[k] == tail && memcmp(PyBytes_AS_STRING(key_names[k]), p, n) == 0) return k;
     return -1;
 }
 
@@ -190,24 +226,36 @@ static PyObject *new_str(const Value *v) {
     return str;
 }
 
-/* decode._positive_count: a positive int, a finite float >= 1 truncated, else None. */
-static PyObject *positive_count(const Value *v) {
-    if (v->kind == V_INT && v->i > 0) return PyLong_FromLongLong(v->i);
-    if (v->kind == V_DOUBLE && isfinite(v->d) && v->d >= 1.0) return PyLong_FromDouble(v->d);
-    Py_RETURN_NONE;
+/* decode._positive_count: a positive int, a finite float >= 1 truncated, else 0 (None). -1: a
+   count beyond a record's 64 bits, declined. */
+static int positive_count(const Value *v, int64_t *out) {
+    *out = 0;
+    if (v->kind == V_INT && v->i > 0) *out = v->i;
+    if (v->kind == V_DOUBLE && isfinite(v->d) && v->d >= 1.0) {
+        if (v->d >= 9223372036854775808.0) return -1;
+        *out = (int64_t)v->d; /* truncated, as int(float) */
+    }
+    return 0;
 }
 
-/* What one ResourceSpans gives: Observations, a count of ignored spans, heartbeats as
-   (resource, span) raw bytes, and whether any Observation came from it. */
+/* What a request gives: records with their strings and identities, a count of ignored spans,
+   heartbeats as (resource, span) raw bytes; per ResourceSpans, whether any record came from it. */
+#define STAGE_TABLE 32
 typedef struct {
-    PyObject *observations, *heartbeats;
+    Record *records;
+    Py_ssize_t n_records, records_capacity;
+    PyObject *strings, *identities, *heartbeats; /* lists */
     Py_ssize_t ignored;
     Slice resource; /* raw Resource bytes (found: 0 when the ResourceSpans has none) */
     int observed;
-    /* the latest span's identity values and the objects made of them: the spans of a request
-       mostly share one (their rank's resource) */
+    /* the latest span's identity values and its index: the spans of a request mostly share one
+       (their rank's resource) */
+    int has_identity;
     Value identity_values[N_IDENTITY];
-    PyObject *identity[N_IDENTITY];
+    int32_t identity;
+    /* stage names seen in this request and their index in strings (the first STAGE_TABLE) */
+    struct { const uint8_t *p; Py_ssize_t n; int32_t index; } stages[STAGE_TABLE];
+    int n_stages;
 } Scan;
 
 static int same_value(const Value *a, const Value *b) {
@@ -216,18 +264,14 @@ static int same_value(const Value *a, const Value *b) {
     return a->kind == V_ABSENT || a->i == b->i;
 }
 
-static void forget_identity(Scan *scan) {
-    for (int i = 0; i < N_IDENTITY; i++) Py_CLEAR(scan->identity[i]);
-}
-
-/* The identity of a span, resource values first: 0 and five new references (job, epoch, cohort,
-   rank, restart count), or -1: decline. */
-static int read_identity(Scan *scan, const Value *given, PyObject **out) {
-    if (scan->identity[0] != NULL) {
+/* The index of a span's identity (resource values first) in scan->identities, where a new one
+   is appended as (job, epoch, cohort, rank, restart count). -1: decline. */
+static int read_identity(Scan *scan, const Value *given, int32_t *out) {
+    if (scan->has_identity) {
         int same = 1;
         for (int i = 0; i < N_IDENTITY && same; i++) same = same_value(&given[i], &scan->identity_values[i]);
         if (same) {
-            for (int i = 0; i < N_IDENTITY; i++) out[i] = Py_NewRef(scan->identity[i]);
+            *out = scan->identity;
             return 0;
         }
     }
@@ -236,21 +280,56 @@ static int read_identity(Scan *scan, const Value *given, PyObject **out) {
     if (!(epoch->kind == V_ABSENT || (epoch->kind == V_INT && epoch->i >= 0))) return -1;
     if (!(restart->kind == V_ABSENT || (restart->kind == V_INT && restart->i >= 0))) return -1;
     if (!(cohort->kind == V_ABSENT || cohort->kind == V_STR)) return -1;
-    /* each call only if the one before succeeded: no C-API call may run with an exception set */
-    if ((out[0] = new_str(job)) == NULL) goto fail;
-    if ((out[1] = PyLong_FromLongLong(epoch->kind == V_ABSENT ? 0 : epoch->i)) == NULL) goto fail;
-    if (cohort->kind == V_ABSENT || cohort->n == 0) out[2] = Py_NewRef(default_cohort);
-    else if ((out[2] = new_str(cohort)) == NULL) goto fail;
-    if ((out[3] = PyLong_FromLongLong(rank->i)) == NULL) goto fail;
-    if ((out[4] = PyLong_FromLongLong(restart->kind == V_ABSENT ? 0 : restart->i)) == NULL) goto fail;
-    for (int i = 0; i < N_IDENTITY; i++) {
-        Py_XSETREF(scan->identity[i], Py_NewRef(out[i]));
-        scan->identity_values[i] = given[i];
-    }
+    Py_ssize_t index = PyList_GET_SIZE(scan->identities);
+    if (index >= INT32_MAX) return -1;
+    PyObject *cohort_name = cohort->kind == V_ABSENT || cohort->n == 0 ? Py_NewRef(default_cohort) : new_str(cohort);
+    if (cohort_name == NULL) return -1;
+    PyObject *identity = Py_BuildValue("(NLNLL)", new_str(job), (long long)(epoch->kind == V_ABSENT ? 0 : epoch->i),
+                                       cohort_name, (long long)rank->i,
+                                       (long long)(restart->kind == V_ABSENT ? 0 : restart->i));
+    if (identity == NULL) return -1;
+    int appended = PyList_Append(scan->identities, identity);
+    Py_DECREF(identity);
+    if (appended < 0) return -1;
+    for (int i = 0; i < N_IDENTITY; i++) scan->identity_values[i] = given[i];
+    scan->has_identity = 1;
+    scan->identity = *out = (int32_t)index;
     return 0;
-fail:
-    for (int i = 0; i < 5; i++) Py_CLEAR(out[i]);
-    return -1;
+}
+
+/* The index of a stage name in scan->strings, appended there when new. -1: decline. */
+static int stage_index(Scan *scan, const Value *v, int32_t *out) {
+    for (int i = 0; i < scan->n_stages; i++)
+        if (scan->stages[i].n == v->n && memcmp(scan->stages[i].p, v->s, v->n) == 0) {
+            *out = scan->stages[i].index;
+            return 0;
+        }
+    Py_ssize_t index = PyList_GET_SIZE(scan->strings);
+    if (index >= INT32_MAX) return -1;
+    PyObject *name = new_str(v);
+    if (name == NULL) return -1;
+    int appended = PyList_Append(scan->strings, name);
+    Py_DECREF(name);
+    if (appended < 0) return -1;
+    if (scan->n_stages < STAGE_TABLE) {
+        scan->stages[scan->n_stages].p = v->s;
+        scan->stages[scan->n_stages].n = v->n;
+        scan->stages[scan->n_stages].index = (int32_t)index;
+        scan->n_stages++;
+    }
+    *out = (int32_t)index;
+    return 0;
+}
+
+static Record *new_record(Scan *scan) {
+    if (scan->n_records == scan->records_capacity) {
+        Py_ssize_t capacity = scan->records_capacity ? 2 * scan->records_capacity : 64;
+        Record *grown = PyMem_Realloc(scan->records, capacity * sizeof(Record));
+        if (grown == NULL) return NULL;
+        scan->records = grown;
+        scan->records_capacity = capacity;
+    }
+    return &scan->records[scan->n_records++];
 }
 
 static PyObject *slice_bytes(const uint8_t *p, Py_ssize_t n) { return PyBytes_FromStringAndSize((const char *)p, n); }
@@ -319,49 +398,18 @@ static int read_span(Reader *span, const Slice *resource_identity, Scan *scan) {
         has_device_ms = 1;
     }
 
-#if PY_VERSION_HEX < 0x030E0000
-    /* an Observation filled in place: before 3.14 a tuple is its items and nothing else */
-    PyObject *items = observation_type->tp_alloc(observation_type, 14);
-#else
-    PyObject *items = PyTuple_New(14); /* the fields, then an Observation made from them */
-#endif
-    if (items == NULL) return -1;
-    PyObject *identity[5] = {NULL};
-    if (read_identity(scan, &v[K_JOB], identity)) goto fail;
-    for (int i = 0; i < 4; i++) PyTuple_SET_ITEM(items, i, identity[i]);
-    PyTuple_SET_ITEM(items, 13, identity[4]);
-    /* each field only if the one before succeeded: no C-API call may run with an exception set */
-    PyObject *field;
-#define SET_FIELD(index, made) do { if ((field = (made)) == NULL) goto fail; PyTuple_SET_ITEM(items, index, field); } while (0)
-    SET_FIELD(4, new_str(&v[K_STAGE]));
-    SET_FIELD(5, PyLong_FromLongLong(v[K_STEP].i));
-    SET_FIELD(6, PyLong_FromLongLong(v[K_SEQ].i));
-    SET_FIELD(7, PyFloat_FromDouble((double)(end - start) / 1e6));
-    SET_FIELD(8, has_device_ms ? PyFloat_FromDouble(device_ms) : Py_NewRef(Py_None));
-    SET_FIELD(9, PyBool_FromLong(v[K_COLLECTIVE].kind == V_BOOL && v[K_COLLECTIVE].i));
-    SET_FIELD(10, positive_count(&v[K_TOKENS]));
-    SET_FIELD(11, positive_count(&v[K_SAMPLES]));
-    SET_FIELD(12, PyLong_FromUnsignedLongLong(end));
-#undef SET_FIELD
-#if PY_VERSION_HEX < 0x030E0000
-    PyObject *observation = items;
-#else
-    /* tuple.__new__(Observation, items), through the tuple type itself: it sets whatever a tuple
-       needs besides its items (3.14 caches its hash in it) */
-    PyObject *args = PyTuple_Pack(1, items);
-    if (args == NULL) goto fail;
-    PyObject *observation = PyTuple_Type.tp_new(observation_type, args, NULL);
-    Py_DECREF(args);
-    Py_DECREF(items);
-#endif
-    if (observation == NULL) return -1;
-    int appended = PyList_Append(scan->observations, observation);
-    Py_DECREF(observation);
+    int32_t identity, stage;
+    int64_t tokens, samples;
+    if (read_identity(scan, &v[K_JOB], &identity) || stage_index(scan, &v[K_STAGE], &stage)
+        || positive_count(&v[K_TOKENS], &tokens) || positive_count(&v[K_SAMPLES], &samples))
+        return -1;
+    Record *record = new_record(scan);
+    if (record == NULL) return -1;
+    *record = (Record){identity, stage, v[K_STEP].i, v[K_SEQ].i, (double)(end - start) / 1e6,
+                       has_device_ms ? device_ms : NAN, tokens, samples, end,
+                       v[K_COLLECTIVE].kind == V_BOOL && v[K_COLLECTIVE].i};
     scan->observed = 1;
-    return appended;
-fail:
-    Py_DECREF(items); /* releases the fields set so far; unset ones are NULL */
-    return -1;
+    return 0;
 }
 
 static int read_resource(Reader *resource, Slice *identity) {
@@ -420,17 +468,27 @@ static int read_resource_spans(Reader body, Scan *scan, PyObject *resources) {
     return 0;
 }
 
+static void release(Scan *scan) {
+    PyMem_Free(scan->records);
+    Py_XDECREF(scan->strings);
+    Py_XDECREF(scan->identities);
+    Py_XDECREF(scan->heartbeats);
+}
+
 static PyObject *scan(PyObject *Py_UNUSED(module), PyObject *payload) {
-    if (observation_type == NULL) {
+    if (!configured) {
         PyErr_SetString(PyExc_RuntimeError, "_otlp_scan.configure() was not called");
         return NULL;
     }
     if (!PyBytes_Check(payload)) Py_RETURN_NONE;
     Reader request = {(const uint8_t *)PyBytes_AS_STRING(payload),
                       (const uint8_t *)PyBytes_AS_STRING(payload) + PyBytes_GET_SIZE(payload)};
-    Scan scan = {PyList_New(0), PyList_New(0), 0, {0}, 0, {{0}}, {NULL}};
+    Scan scan = {0};
+    scan.strings = PyList_New(0);
+    scan.identities = PyList_New(0);
+    scan.heartbeats = PyList_New(0);
     PyObject *resources = PyList_New(0);
-    if (scan.observations == NULL || scan.heartbeats == NULL || resources == NULL) goto decline;
+    if (scan.strings == NULL || scan.identities == NULL || scan.heartbeats == NULL || resources == NULL) goto decline;
     while (request.p < request.end) {
         uint32_t field, wire_type;
         Reader resource_spans;
@@ -440,29 +498,30 @@ static PyObject *scan(PyObject *Py_UNUSED(module), PyObject *payload) {
             || read_resource_spans(resource_spans, &scan, resources))
             goto decline;
     }
-    forget_identity(&scan);
-    /* takes the three lists, even on failure */
-    PyObject *answer = Py_BuildValue("(NnNN)", scan.observations, scan.ignored, resources, scan.heartbeats);
+    PyObject *records = PyBytes_FromStringAndSize((const char *)scan.records, scan.n_records * (Py_ssize_t)sizeof(Record));
+    if (records == NULL) goto decline;
+    /* takes the lists */
+    PyObject *answer = Py_BuildValue("(NOOnNO)", records, scan.strings, scan.identities, scan.ignored, resources,
+                                     scan.heartbeats);
+    release(&scan);
     if (answer != NULL) return answer;
     PyErr_Clear();
     Py_RETURN_NONE;
 decline:
-    forget_identity(&scan);
-    Py_XDECREF(scan.observations);
-    Py_XDECREF(scan.heartbeats);
+    release(&scan);
     Py_XDECREF(resources);
     PyErr_Clear(); /* a failed allocation declines too: the reference decoder meets it again */
     Py_RETURN_NONE;
 }
 
 static PyObject *configure(PyObject *Py_UNUSED(module), PyObject *args) {
-    PyObject *keys, *type, *cohort, *device, *heartbeat;
-    if (!PyArg_ParseTuple(args, "O!O!UO!O!", &PyTuple_Type, &keys, &PyType_Type, &type, &cohort, &PyBytes_Type, &device,
-                          &PyBytes_Type, &heartbeat))
+    PyObject *keys, *cohort, *device, *heartbeat;
+    if (!PyArg_ParseTuple(args, "O!UO!O!", &PyTuple_Type, &keys, &cohort, &PyBytes_Type, &device, &PyBytes_Type,
+                          &heartbeat))
         return NULL;
-    if (PyTuple_GET_SIZE(keys) != N_KEYS || !PyType_IsSubtype((PyTypeObject *)type, &PyTuple_Type)) {
-        PyErr_SetString(PyExc_ValueError, "configure(keys, observation_type, default_cohort, device_timing, "
-                                          "heartbeat_name): 13 attribute names and a tuple subclass");
+    if (PyTuple_GET_SIZE(keys) != N_KEYS) {
+        PyErr_SetString(PyExc_ValueError, "configure(keys, default_cohort, device_timing, heartbeat_name): "
+                                          "13 attribute names");
         return NULL;
     }
     for (int k = 0; k < N_KEYS; k++) {
@@ -471,25 +530,33 @@ static PyObject *configure(PyObject *Py_UNUSED(module), PyObject *args) {
             return NULL;
         }
     }
-    for (int k = 0; k < N_KEYS; k++) Py_XSETREF(key_names[k], Py_NewRef(PyTuple_GET_ITEM(keys, k)));
-    Py_XSETREF(observation_type, (PyTypeObject *)Py_NewRef(type));
+    for (int k = 0; k < N_KEYS; k++) {
+        Py_XSETREF(key_names[k], Py_NewRef(PyTuple_GET_ITEM(keys, k)));
+        key_lengths[k] = PyBytes_GET_SIZE(key_names[k]);
+        key_tails[k] = tail_of((const uint8_t *)PyBytes_AS_STRING(key_names[k]), key_lengths[k]);
+    }
     Py_XSETREF(default_cohort, Py_NewRef(cohort));
     Py_XSETREF(device_timing, Py_NewRef(device));
     Py_XSETREF(heartbeat_name, Py_NewRef(heartbeat));
+    configured = 1;
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
-     "configure(keys, observation_type, default_cohort, device_timing, heartbeat_name): keys are the 13 attribute "
+     "configure(keys, default_cohort, device_timing, heartbeat_name): keys are the 13 attribute "
      "names as bytes, in the order stage, step, seq, timing, collective, tokens, samples, device_ms, job, epoch, "
      "cohort, rank, restart count."},
     {"scan", scan, METH_O,
-     "scan(payload) -> (observations, ignored spans, raw resources of the observations, [(raw resource, raw span) "
-     "of each heartbeat]), or None: decode with the reference decoder."},
+     "scan(payload) -> (records, [stage names], [(job, epoch, cohort, rank, restart)], ignored spans, raw resources "
+     "of the records, [(raw resource, raw span) of each heartbeat]), or None: decode with the reference decoder."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, .m_name = "_otlp_scan", .m_size = -1, .m_methods = methods};
 
-PyMODINIT_FUNC PyInit__otlp_scan(void) { return PyModule_Create(&module_def); }
+PyMODINIT_FUNC PyInit__otlp_scan(void) {
+    PyObject *module = PyModule_Create(&module_def);
+    if (module != NULL && PyModule_AddIntConstant(module, "RECORD_SIZE", (long)sizeof(Record)) < 0) Py_CLEAR(module);
+    return module;
+}

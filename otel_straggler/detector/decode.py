@@ -25,9 +25,11 @@ Fields the view leaves out (ids, events, status, scope) are skipped as unknown f
 format is checked, their content is not.
 
 Faster still, when the optional C extension `_otlp_scan` is built (setup.py; it needs a C
-compiler): it walks the wire format once and makes the Observations itself, for payloads it fully
-understands (canonical encoding, valid stage spans). It declines everything else, malformed or
-rejected spans included, and the Python decoder below then decides, so both give the same answer.
+compiler): it walks the wire format once and writes each stage span as a fixed-width record
+(observation.ObservationRecords, which the engine's C intake reads without making a Python object
+per span), for payloads it fully understands (canonical encoding, valid stage spans). It declines
+everything else, malformed or rejected spans included, and the Python decoder below then decides,
+so both give the same answer.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ import math
 import struct
 from collections import Counter
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, Callable, Optional, final
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
@@ -43,7 +46,8 @@ from google.protobuf.message import DecodeError
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 from otel_straggler import contract
-from otel_straggler.detector.observation import DEFAULT_COHORT, GpuSample, Heartbeat, Observation, Placement
+from otel_straggler.detector.observation import (DEFAULT_COHORT, RECORD_FORMAT, GpuSample, Heartbeat, Observation,
+                                                 ObservationRecords, Placement)
 
 _VALUE_CACHE_ENTRIES = 4096  # distinct AnyValue encodings kept; cleared when full, so always bounded
 # Only raw values up to this size are cached: an entry keeps the raw bytes and the value, so a bound on
@@ -108,7 +112,8 @@ class RejectedSpan:
 class DecodedBatch:
     """What one OTLP request held."""
 
-    observations: list[Observation] = field(default_factory=list)
+    # a list from the reference decoder, ObservationRecords from the C scanner
+    observations: Sequence[Observation] = field(default_factory=list)
     heartbeats: list[Heartbeat] = field(default_factory=list)
     placements: list[Placement] = field(default_factory=list)  # one per resource that gave any of them
     ignored: int = 0  # spans that are neither stage spans nor heartbeats
@@ -405,7 +410,9 @@ def _load_scanner() -> Optional[Callable[[bytes], Optional[tuple]]]:
     keys = (contract.STAGE, contract.STEP, contract.SEQ, contract.TIMING, contract.COLLECTIVE,
             contract.WORKLOAD_TOKENS, contract.WORKLOAD_SAMPLES, contract.DEVICE_DURATION_MS, *_IDENTITY_KEYS)
     try:
-        _otlp_scan.configure(tuple(key.encode() for key in keys), Observation, DEFAULT_COHORT,
+        if getattr(_otlp_scan, "RECORD_SIZE", None) != struct.calcsize(RECORD_FORMAT):
+            raise ValueError("records of another layout")
+        _otlp_scan.configure(tuple(key.encode() for key in keys), DEFAULT_COHORT,
                              contract.TIMING_DEVICE.encode(), contract.HEARTBEAT_SPAN_NAME.encode())
     except (TypeError, ValueError):  # built from an older source: its answers would differ, so unused
         return None
@@ -443,8 +450,8 @@ class ProtobufDecoder:
         if _scan is not None:
             scanned = _scan(payload)
             if scanned is not None:
-                observations, ignored, resources, heartbeats = scanned
-                batch = DecodedBatch(observations=observations, ignored=ignored)
+                records, strings, identities, ignored, resources, heartbeats = scanned
+                batch = DecodedBatch(observations=ObservationRecords(records, strings, identities), ignored=ignored)
                 for raw in resources:
                     placement = self._resource(raw)[1]
                     if placement is not None:
@@ -501,8 +508,9 @@ class ProtobufDecoder:
             request = _RequestView.FromString(payload)
         except DecodeError as error:
             raise MalformedPayload(f"not an OTLP ExportTraceServiceRequest: {error}") from None
-        batch = DecodedBatch()
-        append = batch.observations.append
+        observations: list[Observation] = []
+        batch = DecodedBatch(observations=observations)
+        append = observations.append
         cached = self._value_cache.get
         value_of = self._value
         # attribute names as locals: the span loop would otherwise look each one up per span
@@ -705,7 +713,8 @@ def decode_json_request(request: Any) -> DecodedBatch:
     """Decodes an already-parsed OTLP/JSON ExportTraceServiceRequest (lowerCamelCase keys, int64 as
     strings). Trace and span ids (hex in OTLP/JSON, not base64) are never read: the detector
     de-duplicates by (job, epoch, rank, seq), so no id is decoded or trusted."""
-    batch = DecodedBatch()
+    observations: list[Observation] = []
+    batch = DecodedBatch(observations=observations)
     for resource_spans in _json_list(_json_object(request, "request"), "resourceSpans"):
         resource_spans = _json_object(resource_spans, "resourceSpans[]")
         resource = _json_attributes(_json_object(resource_spans.get("resource", {}), "resource").get("attributes", []))
@@ -751,7 +760,7 @@ def decode_json_request(request: Any) -> DecodedBatch:
                 if type(observation) is Rejection:
                     batch.reject(name, observation, values[0], values[3], values[-1])
                 else:
-                    batch.observations.append(observation)
+                    observations.append(observation)
         if placement is not None and len(batch.observations) + len(batch.heartbeats) > found:
             batch.placements.append(placement)
     return batch

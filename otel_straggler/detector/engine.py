@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from typing import Callable, Iterable, NamedTuple, Optional
+from typing import Callable, Iterable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -55,7 +55,8 @@ from otel_straggler.detector.judge import judge_window
 from otel_straggler.detector.verdict_records import ended_alert_verdicts
 from otel_straggler.detector.liveness import HangState, Liveness
 from otel_straggler.detector.nodes import NodeRollup, roll_up
-from otel_straggler.detector.observation import DEFAULT_COHORT, Heartbeat, Observation, Placement, Verdict
+from otel_straggler.detector.observation import (DEFAULT_COHORT, Heartbeat, Observation, ObservationRecords, Placement,
+                                                 Verdict)
 from otel_straggler.detector.windows import Cohort, RankEntry, RowLayout, WindowRows
 
 OUTCOMES = ("accepted", "duplicate", "late", "malformed", "dropped")
@@ -69,10 +70,11 @@ if Observation._fields != _OBSERVATION_FIELDS:
 RESTART_HORIZONS = 4
 
 _append_rows: Optional[Callable[..., tuple[int, int, int, int]]]
+_append_records: Optional[Callable[..., tuple[int, int, int, int]]]
 try:  # the intake loop's common case in C (setup.py builds it where a compiler is)
-    from otel_straggler.detector._ingest import append_rows as _append_rows
+    from otel_straggler.detector._ingest import append_records as _append_records, append_rows as _append_rows
 except ImportError:
-    _append_rows = None
+    _append_rows = _append_records = None
 
 
 class JobSlowdownState(NamedTuple):
@@ -132,6 +134,10 @@ class Engine:
         self._patient_start = patient_start
         self._layout = RowLayout(config.window_steps, config.max_ranks)
         self._dedup_horizon = 1 << max(0, (config.dedup_horizon - 1).bit_length())
+        # the C intake loop's arguments after the rank table: seq mask, window steps, collective
+        # offset, restart span
+        self._intake_params = (self._dedup_horizon - 1, self._layout.window_steps, self._layout.collective_offset,
+                               RESTART_HORIZONS * self._dedup_horizon)
         self._grace_ns = int(config.window_grace_s * 1e9)
         self._ranks: dict[tuple, RankEntry] = {}  # (job_id, epoch, rank) -> entry
         self._cohorts: dict[tuple, Cohort] = {}  # (job_id, epoch, cohort) -> cohort
@@ -160,34 +166,36 @@ class Engine:
 
     def ingest_many(self, observations: Iterable[Observation]) -> dict[str, int]:
         """The fast path: outcome counts of a batch."""
-        if _append_rows is None or not isinstance(observations, (list, tuple)):
-            accepted, duplicate, late, malformed, dropped = self._ingest_rows(observations)
+        if _append_records is not None and type(observations) is ObservationRecords:
+            outcomes = self._ingest_fast(observations, _append_records,
+                                         (observations.records, observations.strings, observations.identities))
+        elif _append_rows is not None and isinstance(observations, (list, tuple)):
+            outcomes = self._ingest_fast(observations, _append_rows, (observations,))
         else:
-            # the C loop takes every observation that needs bookkeeping only and stops at the first
-            # that needs more (a new rank, stage or window...), which the Python loop takes
-            accepted = duplicate = late = malformed = dropped = 0
-            index, count = 0, len(observations)
-            seq_mask = self._dedup_horizon - 1
-            restart_span = RESTART_HORIZONS * self._dedup_horizon
-            while index < count:
-                index, fast_accepted, fast_duplicate, fast_malformed = _append_rows(
-                    observations, index, self._ranks, seq_mask, self._layout.window_steps,
-                    self._layout.collective_offset, restart_span)
-                accepted += fast_accepted
-                duplicate += fast_duplicate
-                malformed += fast_malformed
-                if index < count:
-                    one = self._ingest_rows(observations[index:index + 1])
-                    accepted, duplicate, late, malformed, dropped = (
-                        accepted + one[0], duplicate + one[1], late + one[2], malformed + one[3], dropped + one[4])
-                    index += 1
+            outcomes = self._ingest_rows(observations)
         totals = self._counts  # item by item: Counter.update is a Python loop, paid per request
-        totals["accepted"] += accepted
-        totals["duplicate"] += duplicate
-        totals["late"] += late
-        totals["malformed"] += malformed
-        totals["dropped"] += dropped
-        return {"accepted": accepted, "duplicate": duplicate, "late": late, "malformed": malformed, "dropped": dropped}
+        for name, count in zip(OUTCOMES, outcomes, strict=True):
+            if count:
+                totals[name] += count
+        return dict(zip(OUTCOMES, outcomes, strict=True))
+
+    def _ingest_fast(self, observations: Sequence[Observation], fast: Callable[..., tuple[int, int, int, int]],
+                     source: tuple) -> tuple[int, int, int, int, int]:
+        """The C loop takes every observation that needs bookkeeping only and stops at the first
+        that needs more (a new rank, stage or window...), which the Python loop takes."""
+        count = len(observations)
+        index, accepted, duplicate, malformed = fast(*source, 0, self._ranks, *self._intake_params)
+        late = dropped = 0
+        while index < count:
+            one = self._ingest_rows((observations[index],))
+            accepted, duplicate, late, malformed, dropped = (
+                accepted + one[0], duplicate + one[1], late + one[2], malformed + one[3], dropped + one[4])
+            index, fast_accepted, fast_duplicate, fast_malformed = fast(*source, index + 1, self._ranks,
+                                                                        *self._intake_params)
+            accepted += fast_accepted
+            duplicate += fast_duplicate
+            malformed += fast_malformed
+        return accepted, duplicate, late, malformed, dropped
 
     def _ingest_rows(self, observations: Iterable[Observation]) -> tuple[int, int, int, int, int]:
         """The intake loop in Python: (accepted, duplicate, late, malformed, dropped). It alone

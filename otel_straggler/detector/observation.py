@@ -5,8 +5,11 @@ events, evidence). Both are plain immutable values so the engine stays pure and 
 """
 from __future__ import annotations
 
+import math
+import struct
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union, overload
 
 
 class Observation(NamedTuple):
@@ -27,6 +30,64 @@ class Observation(NamedTuple):
     samples: Optional[int]
     end_unix_nano: int  # span end time: ingest lag, synchronization points, the job's progress
     restart: int = 0  # training.restart.count: with (job, epoch), the rank's incarnation
+
+
+# One Observation as the C scanner (_otlp_scan.c, its Record) writes it: identity and stage as
+# indexes into lists of (job, epoch, cohort, rank, restart) and of stage names, step, seq, host_ms,
+# device_ms (NaN: None), tokens and samples (0: None), end_unix_nano, collective (0 or 1).
+RECORD_FORMAT = "@iiqqddqqQq"
+_RECORD = struct.Struct(RECORD_FORMAT)
+
+
+class ObservationRecords(Sequence[Observation]):
+    """The Observations of one request as the C scanner hands them out: fixed-width records in one
+    buffer, so no Python object exists per span until one is asked for. The engine's C intake reads
+    the buffer itself; indexing and iteration make Observations equal to the reference decoder's."""
+
+    __slots__ = ("records", "strings", "identities")
+
+    def __init__(self, records: bytes, strings: Sequence[str], identities: Sequence[tuple]) -> None:
+        self.records = records
+        self.strings = strings
+        self.identities = identities  # (job_id, epoch, cohort, rank, restart)
+
+    def __len__(self) -> int:
+        return len(self.records) // _RECORD.size
+
+    def _observation(self, fields: tuple) -> Observation:
+        identity, stage, step, seq, host_ms, device_ms, tokens, samples, end, collective = fields
+        job_id, epoch, cohort, rank, restart = self.identities[identity]
+        return Observation(job_id, epoch, cohort, rank, self.strings[stage], step, seq, host_ms,
+                           None if math.isnan(device_ms) else device_ms, collective == 1, tokens or None,
+                           samples or None, end, restart)
+
+    @overload
+    def __getitem__(self, index: int) -> Observation: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Observation]: ...
+
+    def __getitem__(self, index: Union[int, slice]) -> Union[Observation, list[Observation]]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        count = len(self)
+        if index < 0:
+            index += count
+        if not 0 <= index < count:
+            raise IndexError("observation index out of range")
+        return self._observation(_RECORD.unpack_from(self.records, index * _RECORD.size))
+
+    def __iter__(self) -> Iterator[Observation]:
+        return map(self._observation, _RECORD.iter_unpack(self.records))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ObservationRecords):
+            other = list(other)
+        return isinstance(other, (list, tuple)) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable-sequence semantics of equality, as a list
+
+    def __repr__(self) -> str:
+        return f"ObservationRecords({list(self)!r})"
 
 
 class GpuSample(NamedTuple):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -16,6 +17,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from otel_straggler import contract
 from otel_straggler.detector import decode
 from otel_straggler.detector.decode import MalformedPayload, ProtobufDecoder
+from otel_straggler.detector.observation import RECORD_FORMAT, ObservationRecords
 
 from otel_straggler.testing.otlp_spans import request_bytes, stage_spans
 from .test_fuzz import mutations
@@ -54,19 +56,20 @@ def assert_agrees(payload: bytes) -> bool:
         return False
     expected = reference(payload)
     assert expected is not None, "the scanner answered a payload the reference refuses"
-    observations, ignored, _, heartbeat_spans = scanned
+    records, _, _, ignored, _, heartbeat_spans = scanned
     # a stage span the reference rejects is declined; heartbeats are decoded in Python either way
     assert expected.malformed <= len(heartbeat_spans), "the scanner answered a payload with rejected stage spans"
     fast = ProtobufDecoder().decode(payload)
+    assert isinstance(fast.observations, ObservationRecords)
     assert (fast.heartbeats, fast.placements, fast.malformed, fast.rejections) == \
         (expected.heartbeats, expected.placements, expected.malformed, expected.rejections)
     assert ignored == expected.ignored
-    assert len(observations) == len(expected.observations)
-    for got, want in zip(observations, expected.observations):
+    assert len(records) == len(expected.observations) * struct.calcsize(RECORD_FORMAT)
+    assert len(fast.observations) == len(expected.observations)
+    for index, (got, want) in enumerate(zip(fast.observations, expected.observations, strict=True)):
         assert type(got) is type(want)
-        assert all(same_value(x, y) for x, y in zip(got, want)), (got, want)
-        if not any(isinstance(x, float) and math.isnan(x) for x in want):
-            assert hash(got) == hash(want)  # a tuple made in C must hash as one made in Python
+        assert all(type(x) is type(y) and same_value(x, y) for x, y in zip(got, want, strict=True)), (got, want)
+        assert fast.observations[index] == got == fast.observations[index - len(expected.observations)]
     return True
 
 

@@ -123,3 +123,62 @@ def test_tuples_and_iterables_take_the_same_loop_results():
     assert from_list.ingest_many(tuple(observations)) == from_generator.ingest_many(o for o in observations)
     assert state(from_list) == state(from_generator)
     assert isinstance(observations[0], Observation)
+
+
+def carried_mangle(observations: list, rng: random.Random) -> list:
+    """What an OTLP payload can carry of mangle's mix: duplicates, replays, restarts, new stages,
+    ranks, cohorts and incarnations, collectives and workload counts of every kind."""
+    out = []
+    for observation in observations:
+        roll = rng.random()
+        if roll < 0.03:
+            out += [observation, observation]
+        elif roll < 0.05:
+            out.append(observation._replace(seq=max(0, observation.seq - rng.choice([1, 10_000, 1 << 20]))))
+        elif roll < 0.06:
+            out.append(observation._replace(stage=rng.choice(["new-stage", "extra"])))
+        elif roll < 0.07:
+            out.append(observation._replace(rank=observation.rank + 1000, cohort=rng.choice([observation.cohort, "other"])))
+        elif roll < 0.075:
+            out.append(observation._replace(restart=observation.restart + 1))
+        elif roll < 0.09:
+            out.append(observation._replace(collective=not observation.collective, tokens=rng.choice([None, 1, 7]),
+                                            device_ms=rng.choice([None, 0.0, 2.5])))
+        elif roll < 0.095:
+            out.append(observation._replace(step=max(0, observation.step - 40)))
+        else:
+            out.append(observation)
+    return out
+
+
+@pytest.mark.parametrize("seed,cohort_size", [(5, 16), (6, 4)])
+def test_scanned_records_leave_the_engine_as_the_python_loop_does(monkeypatch, seed, cohort_size):
+    """Real payloads through the C scanner: its records, read by append_records, against the same
+    Observations through the Python loop."""
+    from otel_straggler.detector.decode import ProtobufDecoder
+    from otel_straggler.detector.observation import ObservationRecords
+    from otel_straggler.testing.otlp_spans import export_batches, request_bytes
+
+    rng = random.Random(seed)
+    jobs = [SyntheticJob(ranks=cohort_size, stages=TEN_STAGES, seed=seed + first, cohort=f"c{first}",
+                         first_rank=first).slow(first + 1, 1.2) for first in range(0, 32, cohort_size)]
+    decoder = ProtobufDecoder()
+    batches, scanned = [], 0
+    for first_step in range(0, 30, 2):
+        step_batches = []
+        for job in jobs:
+            # seqs high enough that a restart (a seq far below the latest) stays positive
+            observations = carried_mangle(job.observations(2, first_step=first_step,
+                                                           seq_start=(1 << 22) + first_step * len(TEN_STAGES)), rng)
+            for spans in export_batches(observations):
+                batch = decoder.decode(request_bytes(spans)).observations
+                scanned += isinstance(batch, ObservationRecords)
+                step_batches.append(batch)
+        batches.append(step_batches)
+    assert scanned == sum(len(step_batches) for step_batches in batches)  # every request took the fast path
+    fast = run(Engine(DetectorConfig()), batches)
+    python = run(python_only_engine(monkeypatch), [[list(batch) for batch in step] for step in batches])
+    assert fast == python
+    assert sum(counts["accepted"] for counts in fast[0]) > 0
+    assert sum(counts["duplicate"] for counts in fast[0]) > 0
+    assert fast[3]["seq_restarts"] > 0

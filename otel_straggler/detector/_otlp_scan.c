@@ -84,8 +84,11 @@ static inline int read_varint32(Reader *r, uint64_t *out) {
 
 static inline int read_fixed64(Reader *r, uint64_t *out) {
     if (r->end - r->p < 8) return -1;
-    uint64_t value = 0;
-    for (int i = 7; i >= 0; i--) value = (value << 8) | r->p[i]; /* little-endian on any host */
+    uint64_t value;
+    memcpy(&value, r->p, 8);
+#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    value = __builtin_bswap64(value); /* the wire is little-endian */
+#endif
     r->p += 8;
     *out = value;
     return 0;
@@ -125,9 +128,19 @@ static inline int skip(Reader *r, uint32_t wire_type) {
 }
 
 static inline int is_ascii(const uint8_t *p, Py_ssize_t n) {
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (p[i] >= 0x80) return 0;
-    return 1;
+    uint64_t high = 0, word;
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) { /* eight bytes at a time: keys are some 20 bytes long */
+        memcpy(&word, p + i, 8);
+        high |= word;
+    }
+    if (i < n && n >= 8) { /* the last eight bytes, overlapping */
+        memcpy(&word, p + n - 8, 8);
+        high |= word;
+    } else {
+        for (; i < n; i++) high |= p[i];
+    }
+    return (high & 0x8080808080808080ULL) == 0;
 }
 
 /* Keys share long prefixes ("training."): their lengths and last 8 bytes tell most apart before a
@@ -137,7 +150,8 @@ static uint64_t key_tails[N_KEYS];
 
 static inline uint64_t tail_of(const uint8_t *p, Py_ssize_t n) {
     uint64_t tail = 0;
-    memcpy(&tail, p + n - (n < 8 ? n : 8), n < 8 ? (size_t)n : 8);
+    if (n >= 8) memcpy(&tail, p + n - 8, 8);
+    else memcpy(&tail, p, (size_t)n);
     return tail;
 }
 
@@ -254,7 +268,7 @@ typedef struct {
     Value identity_values[N_IDENTITY];
     int32_t identity;
     /* stage names seen in this request and their index in strings (the first STAGE_TABLE) */
-    struct { const uint8_t *p; Py_ssize_t n; int32_t index; } stages[STAGE_TABLE];
+    struct { const uint8_t *p; Py_ssize_t n; uint64_t tail; int32_t index; } stages[STAGE_TABLE];
     int n_stages;
 } Scan;
 
@@ -299,8 +313,9 @@ static int read_identity(Scan *scan, const Value *given, int32_t *out) {
 
 /* The index of a stage name in scan->strings, appended there when new. -1: decline. */
 static int stage_index(Scan *scan, const Value *v, int32_t *out) {
+    uint64_t tail = tail_of(v->s, v->n);
     for (int i = 0; i < scan->n_stages; i++)
-        if (scan->stages[i].n == v->n && memcmp(scan->stages[i].p, v->s, v->n) == 0) {
+        if (scan->stages[i].n == v->n && scan->stages[i].tail == tail && memcmp(scan->stages[i].p, v->s, v->n) == 0) {
             *out = scan->stages[i].index;
             return 0;
         }
@@ -314,6 +329,7 @@ static int stage_index(Scan *scan, const Value *v, int32_t *out) {
     if (scan->n_stages < STAGE_TABLE) {
         scan->stages[scan->n_stages].p = v->s;
         scan->stages[scan->n_stages].n = v->n;
+        scan->stages[scan->n_stages].tail = tail;
         scan->stages[scan->n_stages].index = (int32_t)index;
         scan->n_stages++;
     }

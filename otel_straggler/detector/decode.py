@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections import Counter
 from dataclasses import dataclass, field
 from collections.abc import Sequence
 from typing import Any, Callable, Optional, final
@@ -120,13 +119,13 @@ class DecodedBatch:
     gpu_fields_invalid: int = 0  # heartbeats' GPU health fields (§2c) of a wrong type or range, left out
     malformed: int = 0  # stage spans rejected for a missing or invalid field
     first_error: str = ""  # the first rejection, for OTLP partial success
-    rejections: Counter[str] = field(default_factory=Counter)  # malformed by kind
+    rejections: dict[str, int] = field(default_factory=dict)  # malformed by kind (a dict: made per request)
     first_rejected: dict[str, RejectedSpan] = field(default_factory=dict)  # by kind
 
     def reject(self, span_name: str, rejection: Rejection, job_id: Any = None, rank: Any = None,
                host: Any = None) -> None:
         self.malformed += 1
-        self.rejections[rejection.kind] += 1
+        self.rejections[rejection.kind] = self.rejections.get(rejection.kind, 0) + 1
         if rejection.kind not in self.first_rejected:
             self.first_rejected[rejection.kind] = RejectedSpan(rejection, span_name, job_id, rank, host)
         if not self.first_error:

@@ -274,7 +274,7 @@ typedef struct {
 } Record;
 
 typedef struct {
-    const Record *records;
+    const char *records;            /* any alignment: each record is copied out */
     PyObject *strings, *identities; /* lists or tuples */
     int32_t identity;               /* the identity `identity_row` holds (-1: none yet) */
     Row identity_row;
@@ -282,7 +282,9 @@ typedef struct {
 
 /* A record as a Row; 0: one only the Python loop takes (a value beyond what a Row holds). */
 static int row_of_record(Records *from, Py_ssize_t index, Row *row) {
-    const Record *record = &from->records[index];
+    Record copy;
+    memcpy(&copy, from->records + index * (Py_ssize_t)sizeof(Record), sizeof copy);
+    const Record *record = &copy;
     if (record->identity != from->identity) {
         if (record->identity < 0 || record->identity >= PySequence_Fast_GET_SIZE(from->identities)) return 0;
         PyObject *identity = PySequence_Fast_GET_ITEM(from->identities, record->identity);
@@ -383,7 +385,7 @@ static PyObject *append_records(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "records: not a whole number of records");
     else {
         /* the lists' items are borrowed while they hold them: nothing here changes either list */
-        Records records = {(const Record *)buffer.buf, strings, identities, -1, {0}};
+        Records records = {(const char *)buffer.buf, strings, identities, -1, {0}};
         answer = take_rows(NULL, &records, buffer.len / (Py_ssize_t)sizeof(Record), start, &p);
     }
     PyBuffer_Release(&buffer);

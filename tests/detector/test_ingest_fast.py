@@ -182,3 +182,20 @@ def test_scanned_records_leave_the_engine_as_the_python_loop_does(monkeypatch, s
     assert sum(counts["accepted"] for counts in fast[0]) > 0
     assert sum(counts["duplicate"] for counts in fast[0]) > 0
     assert fast[3]["seq_restarts"] > 0
+
+
+def test_records_read_the_same_at_any_alignment():
+    """append_records copies each record out, so a buffer that does not start on an 8-byte
+    boundary (a memoryview slice) reads as the scanner's own bytes do."""
+    from otel_straggler.detector.decode import ProtobufDecoder
+    from otel_straggler.detector.observation import ObservationRecords
+    from otel_straggler.testing.otlp_spans import export_batches, request_bytes
+
+    decoder = ProtobufDecoder()
+    job = SyntheticJob(ranks=4, stages=TEN_STAGES, seed=8)
+    batches = [decoder.decode(request_bytes(spans)).observations for spans in export_batches(job.observations(12))]
+    assert all(isinstance(batch, ObservationRecords) for batch in batches)
+    shifted = [ObservationRecords(memoryview(b"\0" + batch.records)[1:], batch.strings, batch.identities)
+               for batch in batches]
+    assert [list(batch) for batch in shifted] == [list(batch) for batch in batches]
+    assert run(Engine(DetectorConfig()), [shifted]) == run(Engine(DetectorConfig()), [batches])

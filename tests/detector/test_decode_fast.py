@@ -171,6 +171,24 @@ def test_generated_requests_get_the_reference_answer_or_are_declined(payload):
     assert_agrees(payload)
 
 
+@EXAMPLES
+@given(requests())
+def test_scanned_records_ingest_as_their_observations_do(payload):
+    """The engine's C loop over the scanner's records (extreme steps, seqs and end times included)
+    leaves it as the Python loop over the same Observations does."""
+    from otel_straggler.detector.config import DetectorConfig
+    from otel_straggler.detector.engine import OUTCOMES, Engine
+
+    from .test_ingest_fast import state
+
+    observations = ProtobufDecoder().decode(payload).observations
+    if not isinstance(observations, ObservationRecords):
+        return  # declined: the reference decoder's list, which test_ingest_fast covers
+    fast, python = Engine(DetectorConfig()), Engine(DetectorConfig())
+    assert fast.ingest_many(observations) == dict(zip(OUTCOMES, python._ingest_rows(list(observations)), strict=True))
+    assert state(fast) == state(python)
+
+
 def test_generated_requests_are_often_scanned():
     """Guards the test above against a scanner that declines everything: of the requests the
     same strategy draws, a share is answered (10-13% of 300 in three runs; the others hold a span

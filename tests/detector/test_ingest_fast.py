@@ -8,11 +8,12 @@ import random
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from otel_straggler.detector import engine as engine_module
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.engine import Engine
-from otel_straggler.detector.observation import Observation
+from otel_straggler.detector.observation import _RECORD, Observation, ObservationRecords
 
 from otel_straggler.testing.synthetic import TEN_STAGES, SyntheticJob
 
@@ -199,3 +200,36 @@ def test_records_read_the_same_at_any_alignment():
                for batch in batches]
     assert [list(batch) for batch in shifted] == [list(batch) for batch in batches]
     assert run(Engine(DetectorConfig()), [shifted]) == run(Engine(DetectorConfig()), [batches])
+
+
+@st.composite
+def record_batches(draw) -> list:
+    """Batches of records as the scanner writes them, their values anywhere a record can hold:
+    steps, seqs, counts and end times up to their limits beside ordinary ones, so the C loop meets
+    them in ranks and windows it already knows."""
+    strings = ["forward-compute", "backward-compute", "all-grads-sync"]
+    identities = [("job-1", 0, "c0", rank, restart) for rank in range(2) for restart in (0, draw(st.integers(0, 1)))]
+    batches = []
+    for _ in range(draw(st.integers(1, 3))):
+        rows = []
+        for _ in range(draw(st.integers(1, 30))):
+            rows.append(_RECORD.pack(
+                draw(st.integers(0, len(identities) - 1)), draw(st.integers(0, len(strings) - 1)),
+                draw(st.one_of(st.integers(0, 25), st.integers(0, 2**63 - 1))),
+                draw(st.one_of(st.integers(0, 300), st.integers(0, 2**63 - 1))),
+                draw(st.one_of(st.floats(0, 100), st.just(1e308))),
+                draw(st.one_of(st.just(math.nan), st.floats(0, 100))),
+                draw(st.one_of(st.just(0), st.integers(1, 2**63 - 1))), draw(st.integers(0, 5)),
+                draw(st.one_of(st.integers(1, 2**40), st.integers(2**63 - 2, 2**64 - 1))),
+                draw(st.integers(0, 1))))
+        batches.append(ObservationRecords(b"".join(rows), strings, identities))
+    return batches
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(record_batches())
+def test_records_at_their_limits_leave_the_engine_as_the_python_loop_does(batches):
+    fast, python = Engine(DetectorConfig()), Engine(DetectorConfig())
+    for batch in batches:
+        assert fast.ingest_many(batch) == dict(zip(engine_module.OUTCOMES, python._ingest_rows(list(batch)), strict=True))
+    assert state(fast) == state(python)

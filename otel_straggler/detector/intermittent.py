@@ -164,8 +164,8 @@ def collective_slack(waits: CollectiveWaits, window_steps: int, min_ranks: int) 
 
 
 def count_slow_steps(cell_code: np.ndarray, cell_slot: np.ndarray, cell_step: np.ndarray, cell_ms: np.ndarray,
-                     slot_class: np.ndarray, entry_code: np.ndarray, entry_slot: np.ndarray, slot_stride: int,
-                     window_steps: int, threshold: float, min_gap_ms: float, min_ranks: int,
+                     slot_class: np.ndarray, entry_code: np.ndarray, entry_slot: np.ndarray, window_steps: int,
+                     threshold: float, min_gap_ms: float, min_ranks: int,
                      collectives: Optional[CollectiveWaits] = None) -> SlowSteps:
     """`cell_*`: one value per (code, slot, step), the rank's time in that step; `slot_class`: each
     slot's workload class (workload_classes); entries: (code, slot) pairs sorted by code then slot.
@@ -178,7 +178,9 @@ def count_slow_steps(cell_code: np.ndarray, cell_slot: np.ndarray, cell_step: np
     finite = np.isfinite(cell_ms)
     if not finite.any():
         return result
-    cell_code, cell_slot, cell_step, cell_ms = cell_code[finite], cell_slot[finite], cell_step[finite], cell_ms[finite]
+    if not finite.all():  # the usual window has none to leave out: four copies of its cells saved
+        cell_code, cell_slot, cell_step = cell_code[finite], cell_slot[finite], cell_step[finite]
+        cell_ms = cell_ms[finite]
     classes = int(slot_class.max(initial=0)) + 1
     step_key = (cell_code * window_steps + cell_step) * classes + slot_class[cell_slot]
     steps, step_median = grouped_medians(step_key, cell_ms)  # times are >= 0: the packed sort
@@ -193,8 +195,10 @@ def count_slow_steps(cell_code: np.ndarray, cell_slot: np.ndarray, cell_step: np
         waited = np.zeros(position.size)
         waited[found] = slack.ms[position[found]]
         slow &= ~(waited > min_gap_ms)
-    # each cell's entry (every cell of a compute stage has one)
-    index = _positions(entry_code * slot_stride + entry_slot, cell_code * slot_stride + cell_slot)
+    # each cell's entry (every cell of a compute stage has one), keyed (code, slot) over the slots
+    # in use, so the keys are dense enough for _positions' table
+    slots = int(max(entry_slot.max(initial=0), cell_slot.max(initial=0))) + 1
+    index = _positions(entry_code * slots + entry_slot, cell_code * slots + cell_slot)
     has_entry = counted & (index >= 0)
     index, slow = index[has_entry], slow[has_entry]
     result.steps[:] = np.bincount(index, minlength=count)

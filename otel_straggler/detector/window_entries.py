@@ -114,7 +114,7 @@ def window_entries(rows: WindowRows, layout: RowLayout, slot_count: int, state: 
         np.concatenate((bins // layout.window_steps, cell_slot)),
         np.concatenate((bins % layout.window_steps, cell_step)),
         np.concatenate((host_sum, stage_cell_ms)), workload_classes(tokens_by_slot, config.work_tolerance),
-        entry_codes, all_slots, layout.slot_stride, layout.window_steps,
+        entry_codes, all_slots, layout.window_steps,
         config.intermittent_threshold, config.min_gap_ms, config.min_cohort_size,
         CollectiveWaits(slot[~compute], step_offset[~compute], host[~compute]))
     return Entries(

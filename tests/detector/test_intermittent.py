@@ -168,7 +168,7 @@ def test_slow_steps_are_counted_where_no_step_has_enough_ranks_at_its_collective
     # min_ranks, so no step has slack; the slow cells are counted as slow, nothing raises
     cells = dict(cell_code=np.zeros(3, np.int64), cell_slot=np.array([0, 1, 2]), cell_step=np.zeros(3, np.int64),
                  cell_ms=np.array([10.0, 10.0, 40.0]), slot_class=np.zeros(3, np.int64),
-                 entry_code=np.zeros(3, np.int64), entry_slot=np.array([0, 1, 2]), slot_stride=8, window_steps=10,
+                 entry_code=np.zeros(3, np.int64), entry_slot=np.array([0, 1, 2]), window_steps=10,
                  threshold=0.25, min_gap_ms=5.0, min_ranks=3)
     two_at_the_collective = CollectiveWaits(np.array([0, 1]), np.array([0, 0]), np.array([30.0, 30.0]))
     assert count_slow_steps(**cells, collectives=two_at_the_collective).slow.tolist() == [0, 0, 1]

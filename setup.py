@@ -7,11 +7,13 @@ optional: without a C compiler the build skips them and the same work is done in
 """
 from setuptools import Extension, setup
 
+RECORD_HEADER = "otel_straggler/detector/observation_record.h"  # the record both detector extensions share
+
 setup(ext_modules=[
     Extension("otel_straggler.detector._otlp_scan", ["otel_straggler/detector/_otlp_scan.c"],
-              extra_compile_args=["-O2"], optional=True),
+              depends=[RECORD_HEADER], extra_compile_args=["-O2"], optional=True),
     Extension("otel_straggler.detector._ingest", ["otel_straggler/detector/_ingest.c"],
-              extra_compile_args=["-O2"], optional=True),
+              depends=[RECORD_HEADER], extra_compile_args=["-O2"], optional=True),
     Extension("otel_straggler.instrumentation._otlp_write", ["otel_straggler/instrumentation/_otlp_write.c"],
               extra_compile_args=["-O2"], optional=True),
     Extension("otel_straggler.instrumentation._hot_path", ["otel_straggler/instrumentation/_hot_path.c"],

@@ -22,6 +22,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include "observation_record.h"
 
 enum { C_KEYS, C_HOST, C_DEVICE, C_TOKENS, C_END, N_COLUMNS };
 static const char *column_names[N_COLUMNS] = {"keys", "host_ms", "device_ms", "tokens", "end_unix_nano"};
@@ -262,16 +263,6 @@ static int row_of_tuple(PyObject *o, Row *row) {
     else if (!(row->tokens > 0)) row->tokens = 0.0;
     return 1;
 }
-
-/* observation.RECORD_FORMAT (_otlp_scan.c writes it) */
-typedef struct {
-    int32_t identity, stage;
-    int64_t step, seq;
-    double host_ms, device_ms;
-    int64_t tokens, samples;
-    uint64_t end_unix_nano;
-    int64_t collective;
-} Record;
 
 typedef struct {
     const char *records;            /* any alignment: each record is copied out */

@@ -23,6 +23,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include "observation_record.h"
 
 enum { K_STAGE, K_STEP, K_SEQ, K_TIMING, K_COLLECTIVE, K_TOKENS, K_SAMPLES, K_DEVICE_MS,
        K_JOB, K_EPOCH, K_COHORT, K_RANK, K_RESTART, N_KEYS };
@@ -32,16 +33,6 @@ enum { V_ABSENT, V_STR, V_BOOL, V_INT, V_DOUBLE };
 typedef struct { const uint8_t *p, *end; } Reader;
 typedef struct { const uint8_t *p; Py_ssize_t n; int found; } Slice; /* raw AnyValue bytes */
 typedef struct { int kind; const uint8_t *s; Py_ssize_t n; int64_t i; double d; } Value;
-
-/* One stage span: observation.RECORD_FORMAT, field for field. */
-typedef struct {
-    int32_t identity, stage;   /* indexes into the request's identities and strings lists */
-    int64_t step, seq;
-    double host_ms, device_ms; /* device_ms NaN: None (a device duration is finite) */
-    int64_t tokens, samples;   /* 0: None (a count is positive) */
-    uint64_t end_unix_nano;
-    int64_t collective;        /* 0 or 1 */
-} Record;
 
 /* set once by configure() */
 static PyObject *key_names[N_KEYS];          /* bytes */

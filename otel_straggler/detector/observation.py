@@ -32,7 +32,7 @@ class Observation(NamedTuple):
     restart: int = 0  # training.restart.count: with (job, epoch), the rank's incarnation
 
 
-# One Observation as the C scanner (_otlp_scan.c, its Record) writes it: identity and stage as
+# One Observation as the C extensions read and write it (their Record, observation_record.h): identity and stage as
 # indexes into lists of (job, epoch, cohort, rank, restart) and of stage names, step, seq, host_ms,
 # device_ms (NaN: None), tokens and samples (0: None), end_unix_nano, collective (0 or 1).
 RECORD_FORMAT = "@iiqqddqqQq"

@@ -106,3 +106,47 @@ class CohortVerdictState:
         self.last_uncertain[where] = 0
         self.slowdown[where] = np.nan
         self.last_offset[(slice(None),) + where] = np.nan
+
+
+# what is kept per slot, per (code, slot) and per code, by name
+_SLOT_ARRAYS = ("windows_seen", "missed_windows", "silent", "silent_reported", "last_end_unix_nano")
+_PAIR_ARRAYS = ("alert", "slow_streak", "within_streak", "floor_streak", "last_uncertain", "slowdown", "late_streak")
+_CODE_ARRAYS = ("sync_slope", "arrival_var", "collective_seen", "sync_point_seen")
+_RING_ARRAYS = ("slow", "steps", "slow_ms", "slow_reference_ms")
+
+
+def stack(states: list[CohortVerdictState]) -> CohortVerdictState:
+    """The states of cohorts judged together (window_batch.py), all of one shape, as one: per-slot
+    arrays one cohort's after another, per-code and per-(code, slot) ones stacked along the codes.
+    The intermittent ring's position is per cohort (an array); the job baselines stay the cohorts'."""
+    stacked = CohortVerdictState()
+    for name in _SLOT_ARRAYS + _PAIR_ARRAYS + _CODE_ARRAYS:
+        setattr(stacked, name, np.concatenate([getattr(state, name) for state in states]))
+    stacked.noise_var = np.concatenate([state.noise_var for state in states], axis=1)
+    stacked.last_offset = np.concatenate([state.last_offset for state in states], axis=1)
+    ring = stacked.intermittent
+    ring.windows = states[0].intermittent.windows
+    ring.position = np.array([state.intermittent.position for state in states], dtype=np.int64)
+    for name in _RING_ARRAYS:
+        setattr(ring, name, np.concatenate([getattr(state.intermittent, name) for state in states], axis=1))
+    ring.alert = np.concatenate([state.intermittent.alert for state in states])
+    return stacked
+
+
+def unstack(stacked: CohortVerdictState, states: list[CohortVerdictState]) -> None:
+    """Writes what judging changed in `stacked` back into each of `states` (stack's inverse)."""
+    codes, slots = states[0].alert.shape
+    for index, state in enumerate(states):
+        by_slot = slice(index * slots, (index + 1) * slots)
+        by_code = slice(index * codes, (index + 1) * codes)
+        for name in _SLOT_ARRAYS:
+            getattr(state, name)[...] = getattr(stacked, name)[by_slot]
+        for name in _PAIR_ARRAYS + _CODE_ARRAYS:
+            getattr(state, name)[...] = getattr(stacked, name)[by_code]
+        state.noise_var[...] = stacked.noise_var[:, by_code]
+        state.last_offset[...] = stacked.last_offset[:, by_code]
+        ring = state.intermittent
+        ring.position = int(stacked.intermittent.position[index])
+        for name in _RING_ARRAYS:
+            getattr(ring, name)[...] = getattr(stacked.intermittent, name)[:, by_code]
+        ring.alert[...] = stacked.intermittent.alert[by_code]

@@ -51,7 +51,9 @@ from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.departure import CHECK_INTERVAL_NS, departed_verdicts, has_active_alert
 from otel_straggler.detector.gpu_evidence import GpuEvidence
 from otel_straggler.detector.inherited_alerts import AlertKey, InheritedAlerts
-from otel_straggler.detector.judge import judge_window
+from otel_straggler.detector.intermittent import ring_length
+from otel_straggler.detector.judge import judge_window, judge_windows
+from otel_straggler.detector.window_batch import WindowBatch, batches
 from otel_straggler.detector.verdict_records import ended_alert_verdicts
 from otel_straggler.detector.liveness import HangState, Liveness
 from otel_straggler.detector.nodes import NodeRollup, roll_up
@@ -509,17 +511,32 @@ class Engine:
         return verdicts + self._judge(Cohort.all_windows, now_unix_nano) + self._judge_liveness(now_unix_nano)
 
     def _judge(self, windows_of, now_unix_nano: int) -> list[Verdict]:
-        verdicts: list[Verdict] = []
+        closing = []
         for cohort in list(self._cohorts.values()):
             closed = windows_of(cohort)
             if closed and self._windows_judged is not None:
                 self._windows_judged(cohort, closed)
             if closed and self._inherited is not None:
                 self._inherited.take_over(cohort)
-            for rows in closed:
-                judgement = judge_window(cohort, rows, self._config, now_unix_nano)
-                cohort.ranks_fell_silent(judgement.fell_silent)
-                cohort.ranks_came_back(judgement.came_back)
+            if closed:
+                closing.append((cohort, closed))
+        # each cohort's windows in order; the n-th windows of cohorts alike judged in one batch
+        # (window_batch.py), which gives what judging each alone does
+        judged: dict[int, list] = {id(cohort): [] for cohort, _ in closing}
+        ring = ring_length(self._config.persist_windows)
+        for turn in range(max((len(closed) for _, closed in closing), default=0)):
+            due = [(cohort, closed[turn]) for cohort, closed in closing if turn < len(closed)]
+            for batch in batches(due):
+                cohorts = [cohort for cohort, _ in batch]
+                judgements = judge_windows(WindowBatch(cohorts, [rows for _, rows in batch], ring), self._config,
+                                           now_unix_nano)
+                for cohort, judgement in zip(cohorts, judgements, strict=True):
+                    cohort.ranks_fell_silent(judgement.fell_silent)
+                    cohort.ranks_came_back(judgement.came_back)
+                    judged[id(cohort)].append(judgement)
+        verdicts: list[Verdict] = []
+        for cohort, _ in closing:
+            for judgement in judged[id(cohort)]:
                 self._counts["windows_closed"] += 1
                 self._counts["coverage_gaps"] += judgement.coverage_gaps
                 self._counts["invalid_device_durations"] += judgement.invalid_device_rows

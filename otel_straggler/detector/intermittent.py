@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -58,7 +58,8 @@ class IntermittentState:
 
     def __init__(self) -> None:
         self.windows = 0  # ring length (HORIZON x persist_windows, capped), set at the first window
-        self.position = 0  # windows recorded so far
+        # windows recorded so far; per cohort (an array) in states stacked by cohort_state.stack
+        self.position: Any = 0
         self.slow = np.zeros((0, 0, 0), dtype=np.int32)
         self.steps = np.zeros((0, 0, 0), dtype=np.int32)
         self.slow_ms = np.zeros((0, 0, 0), dtype=np.float32)  # sum over slow steps of the rank's time
@@ -80,6 +81,15 @@ class IntermittentState:
         alert[:old_codes, :old_slots] = self.alert
         self.alert = alert
 
+    def ensure_ring(self, windows: int) -> None:
+        """A ring of `windows` rows: made empty at a cohort's first judged window (or when
+        persist_windows changed). An empty ring holds what no ring does: no slow steps."""
+        if windows != self.windows:
+            codes, slots = self.alert.shape
+            for name in ("slow", "steps", "slow_ms", "slow_reference_ms"):
+                setattr(self, name, np.zeros((windows, codes, slots), dtype=getattr(self, name).dtype))
+            self.windows, self.position = windows, 0
+
     def reset(self, where) -> None:
         """Forgets pairs: `where` indexes (code, slot)."""
         for name in ("slow", "steps", "slow_ms", "slow_reference_ms"):
@@ -87,21 +97,42 @@ class IntermittentState:
         self.alert[where] = False
 
     def record(self, persist_windows: int, code: np.ndarray, slot: np.ndarray, counts: "SlowSteps",
-               counted: np.ndarray) -> None:
+               counted: np.ndarray, recording: Optional[np.ndarray] = None) -> None:
         """The window's counts per (code, slot) entry become the ring's newest row; entries not
-        `counted` (under a steady alert) record nothing."""
-        windows = min(HORIZON * persist_windows, MAX_HORIZON_WINDOWS)
-        if windows != self.windows:  # the first window (or a changed persist_windows): a fresh ring
-            codes, slots = self.alert.shape
-            for name in ("slow", "steps", "slow_ms", "slow_reference_ms"):
-                setattr(self, name, np.zeros((windows, codes, slots), dtype=getattr(self, name).dtype))
-            self.windows, self.position = windows, 0
+        `counted` (under a steady alert) record nothing. `recording`: for the stacked states of
+        several cohorts (cohort_state.stack; their rings made by ensure_ring), which cohorts record
+        this window, each in its own ring's next row."""
+        if recording is not None:
+            self._record_stacked(code, slot, counts, counted, recording)
+            return
+        windows = ring_length(persist_windows)
+        self.ensure_ring(windows)
         row = self.position % windows
         for name in ("slow", "steps", "slow_ms", "slow_reference_ms"):
             target = getattr(self, name)[row]
             target[:] = 0
             target[code[counted], slot[counted]] = getattr(counts, name)[counted]
         self.position += 1
+
+    def _record_stacked(self, code: np.ndarray, slot: np.ndarray, counts: "SlowSteps", counted: np.ndarray,
+                        recording: np.ndarray) -> None:
+        codes = self.alert.shape[0] // recording.size  # each cohort's
+        rows = self.position % self.windows
+        recorders = recording.nonzero()[0]
+        cleared_rows = np.repeat(rows[recorders], codes)
+        cleared_codes = (recorders[:, None] * codes + np.arange(codes)).reshape(-1)
+        counted = counted & recording[code // codes]
+        entry_rows = rows[code[counted] // codes]
+        for name in ("slow", "steps", "slow_ms", "slow_reference_ms"):
+            ring = getattr(self, name)
+            ring[cleared_rows, cleared_codes] = 0
+            ring[entry_rows, code[counted], slot[counted]] = getattr(counts, name)[counted]
+        self.position = self.position + recording
+
+
+def ring_length(persist_windows: int) -> int:
+    """Windows an IntermittentState's ring holds."""
+    return min(HORIZON * persist_windows, MAX_HORIZON_WINDOWS)
 
 
 @dataclass
@@ -114,11 +145,23 @@ class SlowSteps:
     slow_reference_ms: np.ndarray
 
 
-def workload_classes(tokens_by_slot: np.ndarray, tolerance: float) -> np.ndarray:
+def workload_classes(tokens_by_slot: np.ndarray, tolerance: float,
+                     slots_per_cohort: Optional[int] = None) -> np.ndarray:
     """Per slot, the class of ranks whose steps are compared with each other: one class while the
     reported workloads (tokens per step) are all within `tolerance` of each other (ranks without
     one among them, as the steady rule compares them); else classes of workloads within
-    `tolerance` (log-spaced bins) and one of the ranks without a workload."""
+    `tolerance` (log-spaced bins) and one of the ranks without a workload. With
+    `slots_per_cohort`, the slots of several cohorts (window_batch.py), classed cohort by cohort
+    (a class is compared within a stage code, which is a cohort's)."""
+    if slots_per_cohort is not None:
+        tokens = tokens_by_slot.reshape(-1, slots_per_cohort)
+        by_cohort = np.zeros(tokens.shape, dtype=np.int64)
+        reported = np.isfinite(tokens) & (tokens > 0)
+        lowest = np.where(reported, tokens, np.inf).min(axis=1)
+        highest = np.where(reported, tokens, -np.inf).max(axis=1)
+        for cohort in (reported.any(axis=1) & ~(highest <= lowest * (1.0 + tolerance))).nonzero()[0].tolist():
+            by_cohort[cohort] = workload_classes(tokens[cohort], tolerance)  # only where workloads differ
+        return by_cohort.reshape(-1)
     reported = np.isfinite(tokens_by_slot) & (tokens_by_slot > 0)
     classes = np.zeros(tokens_by_slot.size, dtype=np.int64)
     if not reported.any():
@@ -148,15 +191,20 @@ class StepSlack:
     ms: np.ndarray
 
 
-def collective_slack(waits: CollectiveWaits, window_steps: int, min_ranks: int) -> StepSlack:
+def collective_slack(waits: CollectiveWaits, window_steps: int, min_ranks: int,
+                     slots_per_cohort: Optional[int] = None) -> StepSlack:
     """Each rank's waits at collectives in a step summed, less the least sum among the step's ranks
     (the rank the others waited for). Steps with fewer than `min_ranks` ranks at a collective have
-    none."""
+    none. With `slots_per_cohort`, slots of several cohorts (cohort * slots_per_cohort + the
+    cohort's slot, window_batch.py): a step's ranks are its cohort's."""
     if waits.slot.size == 0:
         return StepSlack(np.zeros(0, np.int64), np.zeros(0))
     bins, inverse = dense_groups(waits.slot * window_steps + waits.step)
     summed = np.bincount(inverse, weights=waits.ms, minlength=bins.size)
-    steps, by_step = dense_groups(bins % window_steps)
+    step_ids = bins % window_steps
+    if slots_per_cohort is not None:
+        step_ids = step_ids + bins // (slots_per_cohort * window_steps) * window_steps
+    steps, by_step = dense_groups(step_ids)
     least = np.full(steps.size, np.inf)
     np.minimum.at(least, by_step, summed)
     enough = np.bincount(by_step, minlength=steps.size)[by_step] >= min_ranks
@@ -166,9 +214,12 @@ def collective_slack(waits: CollectiveWaits, window_steps: int, min_ranks: int) 
 def count_slow_steps(cell_code: np.ndarray, cell_slot: np.ndarray, cell_step: np.ndarray, cell_ms: np.ndarray,
                      slot_class: np.ndarray, entry_code: np.ndarray, entry_slot: np.ndarray, window_steps: int,
                      threshold: float, min_gap_ms: float, min_ranks: int,
-                     collectives: Optional[CollectiveWaits] = None) -> SlowSteps:
+                     collectives: Optional[CollectiveWaits] = None,
+                     slots_per_cohort: Optional[int] = None) -> SlowSteps:
     """`cell_*`: one value per (code, slot, step), the rank's time in that step; `slot_class`: each
     slot's workload class (workload_classes); entries: (code, slot) pairs sorted by code then slot.
+    With `slots_per_cohort`, slots of several cohorts (cohort * slots_per_cohort + the cohort's
+    slot), each code one cohort's (window_batch.py).
     Each cell is compared with the median of its (code, step, class); a cell over it is not a slow
     step where the rank waited at that step's `collectives` over `min_gap_ms` longer than the rank
     the others waited for (collective_slack): its slowness held no one up. Returns each entry's counts
@@ -189,16 +240,20 @@ def count_slow_steps(cell_code: np.ndarray, cell_slot: np.ndarray, cell_step: np
     counted = np.bincount(by_step, minlength=steps.size)[by_step] >= min_ranks
     slow = counted & (cell_ms > median * (1.0 + threshold)) & (cell_ms - median > min_gap_ms)
     if collectives is not None and collectives.slot.size and slow.any():
-        slack = collective_slack(collectives, window_steps, min_ranks)
+        slack = collective_slack(collectives, window_steps, min_ranks, slots_per_cohort)
         position = _positions(slack.bins, cell_slot * window_steps + cell_step)
         found = position >= 0  # none at all where no step had min_ranks ranks at a collective
         waited = np.zeros(position.size)
         waited[found] = slack.ms[position[found]]
         slow &= ~(waited > min_gap_ms)
-    # each cell's entry (every cell of a compute stage has one), keyed (code, slot) over the slots
-    # in use, so the keys are dense enough for _positions' table
-    slots = int(max(entry_slot.max(initial=0), cell_slot.max(initial=0))) + 1
-    index = _positions(entry_code * slots + entry_slot, cell_code * slots + cell_slot)
+    # each cell's entry (every cell of a compute stage has one), keyed (code, slot within the cohort)
+    # over the slots in use, so the keys are dense enough for _positions' table
+    if slots_per_cohort is None:
+        slots = int(max(entry_slot.max(initial=0), cell_slot.max(initial=0))) + 1
+        index = _positions(entry_code * slots + entry_slot, cell_code * slots + cell_slot)
+    else:
+        index = _positions(entry_code * slots_per_cohort + entry_slot % slots_per_cohort,
+                           cell_code * slots_per_cohort + cell_slot % slots_per_cohort)
     has_entry = counted & (index >= 0)
     index, slow = index[has_entry], slow[has_entry]
     result.steps[:] = np.bincount(index, minlength=count)
@@ -238,12 +293,14 @@ class IntermittentJudgement:
 
 def judge_intermittent(state: IntermittentState, code: np.ndarray, slot: np.ndarray, judged: np.ndarray,
                        tested: np.ndarray, superseded: np.ndarray, steady_alert: np.ndarray,
-                       false_alarm_rate: float, persist_windows: int) -> IntermittentJudgement:
+                       false_alarm_rate: float, persist_windows: int,
+                       cohort: Optional[np.ndarray] = None, cohorts: int = 1) -> IntermittentJudgement:
     """After `record`: per entry (code, slot), onset among the `tested` pairs and recovery among
     the `judged` ones (compute pairs past warmup with usable peers: the comparisons of the window)
     with an intermittent alert; an alert is cleared without a verdict where `superseded` (the steady
     rule took over) and held where the window gives no evidence. `steady_alert`: the steady rule's
-    alerts per (code, slot). Updates the alert state."""
+    alerts per (code, slot). Updates the alert state. `cohort`: each entry's cohort, for the stacked
+    states of `cohorts` cohorts (cohort_state.stack): comparisons are counted per cohort."""
     slow_by_pair = state.slow.sum(axis=0, dtype=np.int64)
     if not slow_by_pair.any() and not state.alert.any():  # the usual window: nothing to test
         nothing = np.zeros(code.size, dtype=bool)
@@ -264,12 +321,18 @@ def judge_intermittent(state: IntermittentState, code: np.ndarray, slot: np.ndar
         rate = np.fmax(peer_share, 1.0 / np.maximum(peer_n, 1))
     recurring = (state.slow[:, code, slot] > 0).sum(axis=0) >= min(persist_windows, state.windows)
     alert = state.alert[code, slot]
-    comparisons = max(1, int(np.count_nonzero(judged)))
-    level = (false_alarm_rate / comparisons) ** persist_windows
-
     candidates = (tested & ~alert & recurring & (share >= MIN_SHARE) & (peer_n > 0)).nonzero()[0]
     onset = np.zeros(code.size, dtype=bool)
-    onset[candidates] = tails_below(k[candidates], n[candidates], rate[candidates], level)
+    if cohort is None:
+        comparisons = max(1, int(np.count_nonzero(judged)))
+        onset[candidates] = tails_below(k[candidates], n[candidates], rate[candidates],
+                                        (false_alarm_rate / comparisons) ** persist_windows)
+    elif candidates.size:
+        levels = [(false_alarm_rate / max(1, count)) ** persist_windows
+                  for count in np.bincount(cohort[judged], minlength=cohorts).tolist()]
+        of = cohort[candidates]
+        onset[candidates] = tails_below(k[candidates], n[candidates], rate[candidates], np.array(levels)[of],
+                                        np.array([math.log(level) for level in levels])[of])
     recovery = np.zeros(code.size, dtype=bool)
     # with no steps of its own or of its peers counted the window says nothing: the alert holds
     for entry in (alert & judged & ~superseded & (n > 0) & (peer_n > 0)).nonzero()[0].tolist():
@@ -284,10 +347,11 @@ def judge_intermittent(state: IntermittentState, code: np.ndarray, slot: np.ndar
     return IntermittentJudgement(onset, recovery, k, n, peer_share, slow_ms, slow_reference_ms)
 
 
-def tails_below(k: np.ndarray, n: np.ndarray, p: np.ndarray, level: float) -> np.ndarray:
+def tails_below(k: np.ndarray, n: np.ndarray, p: np.ndarray, level, log_level=None) -> np.ndarray:
     """binomial_tail(k, n, p) < level per element, without summing where it is decided anyway: the
     Chernoff bound under the level is below it, and a probability of k itself (a part of the tail)
-    at the level or above is not. Heavy jitter makes every rank a candidate; few remain."""
+    at the level or above is not. Heavy jitter makes every rank a candidate; few remain. `level`:
+    one, or one per element with its log in `log_level`."""
     if k.size == 0:
         return np.zeros(0, dtype=bool)
     k, n = k.astype(np.float64), n.astype(np.float64)
@@ -297,9 +361,11 @@ def tails_below(k: np.ndarray, n: np.ndarray, p: np.ndarray, level: float) -> np
         log_pmf = (_log_factorial(n) - _log_factorial(k) - _log_factorial(n - k) + k * np.log(p)
                    + (n - k) * np.log1p(-p))
     below = (bound < level) & (k <= n)
-    undecided = ~below & (n <= EXACT_TAIL_STEPS) & (k <= n) & (log_pmf < math.log(level) + 1e-9)
+    undecided = ~below & (n <= EXACT_TAIL_STEPS) & (k <= n) & (
+        log_pmf < (math.log(level) if log_level is None else log_level) + 1e-9)
     for entry in undecided.nonzero()[0].tolist():
-        below[entry] = binomial_tail(int(k[entry]), int(n[entry]), float(p[entry])) < level
+        below[entry] = binomial_tail(int(k[entry]), int(n[entry]), float(p[entry])) < (
+            level if log_level is None else level[entry])
     return below
 
 

@@ -70,8 +70,19 @@ def window_pace(rows, steps: int, slot_count: int, tokens_by_slot: np.ndarray, p
     judged (window_entries.Rows: slot, step offset, host ms, end), of windows of `steps` steps;
     tokens_by_slot: each slot's tokens per step (nan: not reported); stage_codes, stage_host: the
     window's (stage code, rank) entries and their per-interval medians."""
+    return window_paces(rows, steps, slot_count, tokens_by_slot, present, stage_codes, stage_host)[0]
+
+
+def window_paces(rows, steps: int, slot_count: int, tokens_by_slot: np.ndarray, present: np.ndarray,
+                 stage_codes: np.ndarray, stage_host: np.ndarray, slots_per_cohort: Optional[int] = None,
+                 codes_per_cohort: Optional[int] = None) -> list[Optional[Pace]]:
+    """window_pace of each cohort of windows judged together (window_batch.py): slots are cohort *
+    slots_per_cohort + the cohort's slot (slot_count of them), codes cohort * codes_per_cohort +
+    the cohort's code. Without them, one cohort's window."""
+    per_cohort = slot_count if slots_per_cohort is None else slots_per_cohort
+    cohorts = slot_count // per_cohort if per_cohort else 1
     if rows.slot.size == 0:
-        return None
+        return [None] * cohorts
     slot, step_offset, end, host = rows.slot, rows.step, rows.end_unix_nano, rows.host
     bins = slot * steps + step_offset
     latest_end = np.zeros(slot_count * steps, dtype=np.int64)
@@ -93,28 +104,33 @@ def window_pace(rows, steps: int, slot_count: int, tokens_by_slot: np.ndarray, p
         per_slot = np.where(step_end[:, 0] > 0, (step_end[:, 0] - start) / 1e6, np.nan)
     ranks = present & np.isfinite(per_slot) & (per_slot > 0)
     if not ranks.any():
-        return None
-    tokens = tokens_by_slot[ranks]
-    per_token = bool(np.all(np.isfinite(tokens) & (tokens > 0)))
-    values = per_slot[ranks] / tokens if per_token else per_slot[ranks]
-    stages = {}
-    if stage_codes.size:
-        codes, medians = grouped_medians(stage_codes, stage_host)
-        stages = {int(code): float(median) for code, median in zip(codes.tolist(), medians.tolist(), strict=True)
-                  if np.isfinite(median)}
-    median = _median(values)
-    step_ms = _median(per_slot[ranks]) if per_token else median
+        return [None] * cohorts
+    # per cohort: time per token where every rank with a period reports tokens, else step time
+    reported = np.isfinite(tokens_by_slot) & (tokens_by_slot > 0)
+    per_token = np.all((reported | ~ranks).reshape(cohorts, per_cohort), axis=1)
+    rank_slots = ranks.nonzero()[0]
+    rank_cohort = rank_slots // per_cohort
+    periods = per_slot[rank_slots]
+    with np.errstate(all="ignore"):  # the quotients of ranks without tokens are not used
+        values = np.where(per_token[rank_cohort], periods / tokens_by_slot[rank_slots], periods)
+    paced, medians = grouped_medians_signed(rank_cohort, values, cohorts)
+    _, period_medians = grouped_medians_signed(rank_cohort, periods, cohorts)
+    step_ms = np.where(per_token[paced], period_medians, medians)
     # the steps the window holds, not its size: one closed early (the job ended, a gap) took less
-    steps_seen = int(np.count_nonzero((step_end > 0).any(axis=0)))
-    return Pace(median, per_token, stages, seconds=step_ms * steps_seen / 1e3)
-
-
-def _median(values: np.ndarray) -> float:
-    """np.median's value, without its fixed cost that a small cohort pays every window. Sorts
-    `values` in place."""
-    values.sort()
-    middle = values.size // 2
-    return float(values[middle] if values.size % 2 else (values[middle - 1] + values[middle]) / 2.0)
+    steps_seen = np.count_nonzero((step_end > 0).reshape(cohorts, per_cohort, steps).any(axis=1), axis=1)
+    seconds = step_ms * steps_seen[paced] / 1e3
+    stages: list[dict] = [{} for _ in range(cohorts)]
+    if stage_codes.size:
+        codes, stage_medians = grouped_medians(stage_codes, stage_host)
+        codes_of = codes_per_cohort or (int(codes[-1]) + 1)
+        for code, median in zip(codes.tolist(), stage_medians.tolist(), strict=True):
+            if np.isfinite(median):
+                stages[code // codes_of][code % codes_of] = median
+    paces: list[Optional[Pace]] = [None] * cohorts
+    for index, cohort in enumerate(paced.tolist()):
+        paces[cohort] = Pace(float(medians[index]), bool(per_token[cohort]), stages[cohort],
+                             seconds=float(seconds[index]))
+    return paces
 
 
 def judge_pace(baseline: JobBaseline, pace: Optional[Pace], blamed: bool, cohort, window: int,

@@ -1,4 +1,5 @@
-"""Judging one closed window of one cohort: statistics, references, thresholds, alert state.
+"""Judging a closed window of a cohort (or of each cohort of a batch judged together, window_batch.py):
+statistics, references, thresholds, alert state.
 
 Everything is computed for all (stage, rank) pairs of the window at once with numpy; verdict objects
 are built only for the few pairs whose state changes. Per pair and window:
@@ -44,8 +45,8 @@ import numpy as np
 from otel_straggler import contract
 from otel_straggler.detector.cohort_state import CohortVerdictState
 from otel_straggler.detector.config import DetectorConfig
-from otel_straggler.detector.intermittent import judge_intermittent
-from otel_straggler.detector.job_baseline import judge_pace, window_pace
+from otel_straggler.detector.intermittent import judge_intermittent, ring_length
+from otel_straggler.detector.job_baseline import judge_pace, window_paces
 from otel_straggler.detector.leading_stage import lead_intermittent_stages, lead_stages
 from otel_straggler.detector.observation import Verdict
 from otel_straggler.detector.peer_comparison import compare_to_peers
@@ -54,6 +55,7 @@ from otel_straggler.detector import stage_noise  # through the module: tests set
 from otel_straggler.detector.synchronization_points import SYNC_MIN_STEPS
 from otel_straggler.detector.verdict_records import (VerdictContext, attribution_of, intermittent_evidence,
                                                      verdict_number)
+from otel_straggler.detector.window_batch import WindowBatch
 from otel_straggler.detector.window_entries import Entries, window_entries
 from otel_straggler.detector.windows import Cohort, WindowRows
 
@@ -77,51 +79,66 @@ class WindowJudgement:
 
 def judge_window(cohort: Cohort, rows: WindowRows, config: DetectorConfig, now_unix_nano: int) -> WindowJudgement:
     """Judges the closed window `rows` of `cohort` (windows.Cohort) and updates its verdict state."""
-    state: CohortVerdictState = cohort.verdict_state
-    layout = cohort.layout
-    slot_count = len(cohort.slot_entries)
+    return judge_windows(WindowBatch([cohort], [rows], ring_length(config.persist_windows)), config, now_unix_nano)[0]
+
+
+def judge_windows(batch: WindowBatch, config: DetectorConfig, now_unix_nano: int) -> list[WindowJudgement]:
+    """Judges one closed window of each cohort of `batch` (window_batch.py) and updates their
+    verdict states; per cohort, what judging its window alone gives."""
+    state: CohortVerdictState = batch.state
     with np.errstate(all="ignore"):  # inf/nan from hostile values are handled as unusable below
-        entries, invalid_device_rows = window_entries(rows, layout, slot_count, state, config)
+        entries, invalid_device_rows = window_entries(batch, config)
         # ranks with no rows here that have sent a later window's: alive, their rows of this one lost
         # on the way (an exporter's full queue while the detector was down); where they outnumber
         # the ranks present, the window is a backlog too thin to compare anyone in
-        moved_past = np.count_nonzero(~entries.present & (cohort.latest_windows(slot_count) > rows.window))
-        thin = bool(moved_past > np.count_nonzero(entries.present))
-        judgement = _judge_entries(cohort, rows.window, entries, config, now_unix_nano, thin)
-    judgement.invalid_device_rows = invalid_device_rows
-    _judge_presence(cohort, rows.window, entries, config, now_unix_nano, judgement)
-    judgement.verdicts += _judge_pace(cohort, rows, entries, config, now_unix_nano)
-    state.windows_seen[:slot_count][entries.present] += 1
+        thin = np.zeros(batch.size, dtype=bool)
+        for index, cohort in enumerate(batch.cohorts):
+            present = entries.present[batch.slot_range(index)]
+            moved_past = np.count_nonzero(~present & (cohort.latest_windows(present.size) > batch.windows[index]))
+            thin[index] = moved_past > np.count_nonzero(present)
+        judgements = _judge_entries(batch, entries, config, now_unix_nano, thin)
+    paces = _judge_paces(batch, entries, config, now_unix_nano)
+    for index, judgement in enumerate(judgements):
+        judgement.invalid_device_rows = invalid_device_rows[index]
+        _judge_presence(batch, index, entries, config, now_unix_nano, judgement)
+        judgement.verdicts += paces[index]
+    state.windows_seen[:batch.slot_count][entries.present] += 1
     state.collective_seen[entries.code[(entries.code & 1) == 1]] = True  # for hangs: who waits where
+    stages_per_cohort = batch.codes_per_cohort // 2
     for stage_index in np.bincount(entries.code // 2).nonzero()[0].tolist():
-        if stage_index:
-            cohort.stage_seen(stage_index, rows.window)
-    return judgement
+        index, own = divmod(stage_index, stages_per_cohort)
+        if own:
+            batch.cohorts[index].stage_seen(own, batch.windows[index])
+    batch.write_back()
+    return judgements
 
 
-def _judge_entries(cohort: Cohort, window: int, entries: Entries, config: DetectorConfig, now: int,
-                   thin: bool = False) -> WindowJudgement:
-    state: CohortVerdictState = cohort.verdict_state
-    judgement = WindowJudgement()
+def _judge_entries(batch: WindowBatch, entries: Entries, config: DetectorConfig, now: int,
+                   thin: np.ndarray) -> list[WindowJudgement]:
+    state: CohortVerdictState = batch.state
+    judgements = [WindowJudgement() for _ in range(batch.size)]
     count = entries.code.size
     if count == 0:
-        return judgement
+        return judgements
+    # what is counted over a window is counted per cohort (a batch of one: the cohort)
+    cohort_of = None if batch.size == 1 else entries.cohort
     everyone = np.arange(count)
     collective = (entries.code & 1) == 1
     # a collective absorbs every peer's arrival jitter; waiting counts only when it is a sizeable
     # part of the rank's step: over rel_threshold of its whole-step compute time as well as the floor
     step_compute_ms = np.full(state.windows_seen.size, np.nan)
-    whole_step = entries.code == 0
+    whole_step = entries.local_code == 0
     step_compute_ms[entries.slot[whole_step]] = entries.host[whole_step]
     floor_ms = np.where(collective, np.fmax(config.min_gap_ms, config.rel_threshold * step_compute_ms[entries.slot]),
                         config.min_gap_ms)
-    flat = entries.code * state.alert.shape[1] + entries.slot
+    flat = entries.pair
     host = compare_to_peers(everyone, entries.code, entries.host, entries.tokens, floor_ms, config, state.noise_var[0],
-                    flat, state.last_offset[0].reshape(-1))
+                            flat, state.last_offset[0].reshape(-1), cohort_of, batch.size)
     with_device = (~np.isnan(entries.device)).nonzero()[0]
     device = compare_to_peers(with_device, entries.code[with_device], entries.device[with_device],
-                      entries.tokens[with_device], floor_ms[with_device], config, state.noise_var[1],
-                      flat[with_device], state.last_offset[1].reshape(-1))
+                              entries.tokens[with_device], floor_ms[with_device], config, state.noise_var[1],
+                              flat[with_device], state.last_offset[1].reshape(-1),
+                              None if cohort_of is None else cohort_of[with_device], batch.size)
 
     # device comparisons scattered onto all entries
     device_usable = np.zeros(count, dtype=bool)
@@ -150,21 +167,26 @@ def _judge_entries(cohort: Cohort, window: int, entries: Entries, config: Detect
     # at a collective (marked or found) the rank that arrives last waits least: its lateness is the
     # peers' wait minus its own, counted when over the collective floor and beyond the noise
     lateness = host.references.reference - entries.host
-    comparisons = int(np.count_nonzero(usable))
+    if cohort_of is None:
+        comparisons = [int(np.count_nonzero(usable))]
+        z = stage_noise.noise_z(comparisons[0], config.false_alarm_rate)
+    else:
+        comparisons = np.bincount(cohort_of[usable], minlength=batch.size).tolist()
+        z = stage_noise.per_cohort_z(comparisons, config.false_alarm_rate)[cohort_of]
     late = collective & usable & (lateness > floor_ms) & late_beyond_noise(
         entries.code, entries.host, lateness, step_compute_ms[entries.slot], collective & usable,
-        state.arrival_var, stage_noise.noise_z(comparisons, config.false_alarm_rate))
+        state.arrival_var, z)
     for entry in late.nonzero()[0].tolist():
         late[entry] = consistently_late(int(entries.late_steps[entry]), int(entries.arrival_steps[entry]),
-                                         comparisons, config)
+                                         comparisons[int(entries.cohort[entry])], config)
 
     state.slowdown.reshape(-1)[flat] = slowdown  # gauges update every window, warmup included
     # a window with under half the steps of the cohort's full ones (the job's last, say), or a
     # backlog's (`thin`), is too thin to start, end or break anything: it is not judged, and holds
     # every streak and alert
-    partial = 2 * entries.steps < state.full_window_steps or thin
-    state.full_window_steps = max(state.full_window_steps, entries.steps)
-    judged = (state.windows_seen[entries.slot] >= config.warmup_windows) & (not partial)
+    partial = (2 * entries.steps < batch.full_window_steps) | thin  # per cohort
+    batch.full_window_steps = np.maximum(batch.full_window_steps, entries.steps)
+    judged = (state.windows_seen[entries.slot] >= config.warmup_windows) & ~partial[entries.cohort]
     compute = judged & ~collective
     waiting = judged & collective
 
@@ -182,11 +204,12 @@ def _judge_entries(cohort: Cohort, window: int, entries: Entries, config: Detect
     # step needs persist_windows such windows in a row: it sums whatever stages a window holds of
     # the rank, so one window that lacks a stage's spans (lost on the way) looks fast
     within_streak = np.where(compute & within, state.within_streak.reshape(-1)[flat] + 1, 0)
-    recovery = compute & alert & within & ((entries.code != 0) | (within_streak >= config.persist_windows))
+    recovery = compute & alert & within & ((entries.local_code != 0) | (within_streak >= config.persist_windows))
     uncertain_notice = (uncertain_reason != 0) & (uncertain_reason != last_notice)
     floor_notice = (floor_reason != 0) & (floor_reason != last_notice)
     if not config.report_below_floor:  # noise under the floor: counted, not said
-        judgement.quiet_below_floor = int(np.count_nonzero(floor_notice))
+        for judgement, quiet in zip(judgements, batch.per_cohort_count(entries.cohort[floor_notice]), strict=True):
+            judgement.quiet_below_floor = quiet
         floor_notice = np.zeros_like(floor_notice)
     waiting_notice = waiting & slow & (slow_streak == config.persist_windows)
     # the arrival rule keeps its own streak; its alert lives in the collective code's alert state
@@ -202,9 +225,9 @@ def _judge_entries(cohort: Cohort, window: int, entries: Entries, config: Detect
     # clearly slower than its peers (over the relative threshold and the floor), whether or not
     # beyond its own noise: where the whole step is convicted, such a stage can carry its time
     clearly_over = compute & usable & (host.over_floor | device_over_floor)
-    onset, also_slow, explained = lead_stages(cohort.stage_names, entries, onset, late_onset, compute & slow,
-                                        waiting & late, held, clearly_over, lateness,
-                                        entries.host - host.references.reference)
+    onset, also_slow, explained = lead_stages(batch.stage_names, entries, onset, late_onset, compute & slow,
+                                              waiting & late, held, clearly_over, lateness,
+                                              entries.host - host.references.reference)
     late_onset = onset & waiting
     # an uncertain reason is noted once per pair, until its next straggler or recovered verdict
     notice = np.where(uncertain_reason != 0, uncertain_reason, np.where(floor_reason != 0, floor_reason, last_notice))
@@ -227,19 +250,25 @@ def _judge_entries(cohort: Cohort, window: int, entries: Entries, config: Detect
     steady_alert = ((alert | onset) & ~recovery) | explained
     comparable = compute & usable  # compute: judged (past warmup) and not a collective
     started = (compute & (onset | explained)).nonzero()[0]
-    state.intermittent.reset((entries.code[started], entries.slot[started]))
-    if not partial:  # a thin window is no evidence for either rule
-        state.intermittent.record(config.persist_windows, entries.code, entries.slot, entries.slow_steps,
-                                  comparable & ~steady_alert)
-    intermittent = judge_intermittent(state.intermittent, entries.code, entries.slot, comparable,
+    state.intermittent.reset((entries.code[started], entries.local_slot[started]))
+    # a thin window is no evidence for either rule
+    if cohort_of is None:
+        if not partial[0]:
+            state.intermittent.record(config.persist_windows, entries.code, entries.local_slot, entries.slow_steps,
+                                      comparable & ~steady_alert)
+    else:
+        state.intermittent.record(config.persist_windows, entries.code, entries.local_slot, entries.slow_steps,
+                                  comparable & ~steady_alert, recording=~partial)
+    intermittent = judge_intermittent(state.intermittent, entries.code, entries.local_slot, comparable,
                                       comparable & ~steady_alert,
                                       compute & steady_alert, state.alert, config.false_alarm_rate,
-                                      config.persist_windows)
-    intermittent_also_slow = lead_intermittent_stages(cohort.stage_names, state, entries, intermittent,
-                                                compute & slow & (entries.code >= 2), clearly_over,
-                                                entries.host - host.references.reference)
+                                      config.persist_windows, cohort_of, batch.size)
+    intermittent_also_slow = lead_intermittent_stages(batch.stage_names, state, entries, intermittent,
+                                                      compute & slow & (entries.local_code >= 2), clearly_over,
+                                                      entries.host - host.references.reference,
+                                                      batch.codes_per_cohort)
 
-    context = VerdictContext(cohort, window, now, entries, host, device, use_device, slowdown)
+    context = VerdictContext(batch, now, entries, host, device, use_device, slowdown)
     # a steady alert that ends as the intermittent one starts is handed over: one straggler verdict
     recovery_said = recovery & ~intermittent.onset
     for entry in (onset | recovery_said | uncertain_notice | floor_notice | waiting_notice).nonzero()[0].tolist():
@@ -248,7 +277,7 @@ def _judge_entries(cohort: Cohort, window: int, entries: Entries, config: Detect
                                      contract.ATTRIBUTION_UNKNOWN, timing_host=True)
             # slowdown: its time to the collective over its whole-step compute, as its peers see it
             step_ms = step_compute_ms[int(entries.slot[entry])]
-            judgement.verdicts.append(dataclasses.replace(record,
+            judgements[int(entries.cohort[entry])].verdicts.append(dataclasses.replace(record,
                                                           slowdown=verdict_number(1.0 + lateness[entry] / step_ms),
                                                           also_slow=also_slow.get(entry, ())))
             continue
@@ -265,18 +294,18 @@ def _judge_entries(cohort: Cohort, window: int, entries: Entries, config: Detect
         record = context.verdict(entry, verdict, reason, attribution)
         if entry in also_slow and onset[entry]:
             record = dataclasses.replace(record, also_slow=also_slow[entry])
-        judgement.verdicts.append(record)
+        judgements[int(entries.cohort[entry])].verdicts.append(record)
     for entry in (intermittent.onset | intermittent.recovery).nonzero()[0].tolist():
         onset_now = bool(intermittent.onset[entry])
         record = context.verdict(entry, contract.VERDICT_STRAGGLER if onset_now else contract.VERDICT_RECOVERED,
                                  contract.REASON_INTERMITTENT if onset_now else contract.REASON_WITHIN_TOLERANCE,
                                  contract.ATTRIBUTION_UNKNOWN, timing_host=True)
-        judgement.verdicts.append(dataclasses.replace(record, **intermittent_evidence(intermittent, entry),
-                                                      also_slow=intermittent_also_slow.get(entry, ())))
-    return judgement
+        judgements[int(entries.cohort[entry])].verdicts.append(dataclasses.replace(
+            record, **intermittent_evidence(intermittent, entry), also_slow=intermittent_also_slow.get(entry, ())))
+    return judgements
 
 
-def _judge_presence(cohort: Cohort, window: int, entries: Entries, config: DetectorConfig, now: int,
+def _judge_presence(batch: WindowBatch, index: int, entries: Entries, config: DetectorConfig, now: int,
                     judgement: WindowJudgement) -> None:
     """Coverage gaps and `silent`: ranks of the cohort that had no rows in this window.
 
@@ -288,15 +317,17 @@ def _judge_presence(cohort: Cohort, window: int, entries: Entries, config: Detec
     coverage gap, never a step towards silence. Ranks that all stop
     together, as torchrun stops the survivors of a crash before their last export, never get
     there, and a new incarnation replaces them without a `silent` verdict (CONTRACT §training.restart.count)."""
-    state: CohortVerdictState = cohort.verdict_state
-    present = entries.present
+    state: CohortVerdictState = batch.state
+    cohort, window = batch.cohorts[index], batch.windows[index]
+    slots = batch.slot_range(index)
+    present = entries.present[slots]
     slot_count = present.size
     roster = np.array([entry is not None for entry in cohort.slot_entries], dtype=bool)
-    silent = state.silent[:slot_count]
-    reported = state.silent_reported[:slot_count]
-    missed = state.missed_windows[:slot_count]
-    last_end = state.last_end_unix_nano[:slot_count]
-    np.maximum(last_end, entries.last_end_unix_nano, out=last_end)
+    silent = state.silent[slots]
+    reported = state.silent_reported[slots]
+    missed = state.missed_windows[slots]
+    last_end = state.last_end_unix_nano[slots]
+    np.maximum(last_end, entries.last_end_unix_nano[slots], out=last_end)
     missing = roster & ~present
     gaps = missing & ~silent
     judgement.coverage_gaps = int(np.count_nonzero(gaps))
@@ -321,18 +352,23 @@ def _judge_presence(cohort: Cohort, window: int, entries: Entries, config: Detec
             workload_comparable=None))
 
 
-def _judge_pace(cohort: Cohort, rows: WindowRows, entries: Entries, config: DetectorConfig, now: int) -> list[Verdict]:
-    """`job_slowdown` (job_baseline.py): the cohort's pace against its own baseline."""
-    state: CohortVerdictState = cohort.verdict_state
-    slot_count = entries.present.size
-    tokens_by_slot = np.full(slot_count, np.nan)
+def _judge_paces(batch: WindowBatch, entries: Entries, config: DetectorConfig, now: int) -> list[list[Verdict]]:
+    """`job_slowdown` (job_baseline.py): each cohort's pace against its own baseline."""
+    state: CohortVerdictState = batch.state
+    tokens_by_slot = np.full(batch.slot_count, np.nan)
     tokens_by_slot[entries.slot] = entries.tokens
-    stages = entries.code != 0
-    pace = window_pace(entries.rows, cohort.layout.window_steps, slot_count, tokens_by_slot, entries.present,
-                       entries.code[stages], entries.host[stages])
+    stages = entries.local_code != 0
+    alone = batch.size == 1
+    paces = window_paces(entries.rows, batch.window_steps, batch.slot_count, tokens_by_slot, entries.present,
+                         entries.code[stages], entries.host[stages], None if alone else batch.slots_per_cohort,
+                         None if alone else batch.codes_per_cohort)
     # a straggler makes every rank wait: its own alert explains the slower steps
     # an intermittent one only for the whole step: slow steps of one stage are too small a share of
     # the step to explain the cohort's pace
-    blamed = bool(state.alert.any() or state.intermittent.alert[:1].any() or (state.slow_streak[0::2] > 0).any()
-                  or (state.late_streak > 0).any())
-    return judge_pace(state.job, pace, blamed, cohort, rows.window, config, now)
+    shape = (batch.size, batch.codes_per_cohort, batch.slots_per_cohort)
+    blamed = np.asarray(state.alert.reshape(shape).any(axis=(1, 2))
+                        | state.intermittent.alert.reshape(shape)[:, 0].any(axis=1)
+                        | (state.slow_streak.reshape(shape)[:, 0::2] > 0).any(axis=(1, 2))
+                        | (state.late_streak.reshape(shape) > 0).any(axis=(1, 2)))
+    return [judge_pace(cohort.verdict_state.job, pace, bool(blame), cohort, window, config, now)
+            for cohort, window, pace, blame in zip(batch.cohorts, batch.windows, paces, blamed.tolist(), strict=True)]

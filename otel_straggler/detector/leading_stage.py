@@ -20,7 +20,7 @@ DOMINANT_FACTOR = 2.0  # of the other clearly-over stages' excess together, for 
 
 def lead_intermittent_stages(stage_names: list, state: CohortVerdictState, entries: Entries,
                              intermittent: IntermittentJudgement, slow_named: np.ndarray, clearly_over: np.ndarray,
-                             gap_ms: np.ndarray) -> dict[int, tuple[str, ...]]:
+                             gap_ms: np.ndarray, codes_per_cohort: int) -> dict[int, tuple[str, ...]]:
     """lead_stages for the intermittent rule's onsets: on a rank whose whole step starts an intermittent
     alert, several named stages starting one too are a slowdown spread over the step, said once on
     `*`; one named stage starting one, or any other stage already alerted, explains the whole
@@ -30,47 +30,49 @@ def lead_intermittent_stages(stage_names: list, state: CohortVerdictState, entri
     the intermittent test first, a noisy step of an earlier window counting among its recurrences).
     Where no named stage is slow, one that carries the step's excess (carrier_stage) takes the whole
     step's onset, with its own evidence. The alerts not said are not kept; their evidence is.
-    Returns also_slow per entry."""
+    State is indexed by (code, the slot within the cohort), a cohort's codes `codes_per_cohort` from
+    its whole step's (window_batch.py). Returns also_slow per entry."""
     also_slow: dict[int, tuple[str, ...]] = {}
     if not intermittent.onset.any():
         return also_slow
-    slots = state.alert.shape[1]
-    codes = state.intermittent.alert.shape[0]
+    alerts = state.intermittent.alert
+    whole_step_code = entries.code - entries.local_code  # each entry's cohort's
     # named stages starting one on a rank whose whole step already holds one (spread): said there
-    named_onset = (intermittent.onset & (entries.code >= 2)).nonzero()[0]
-    whole_starting = set(entries.slot[intermittent.onset & (entries.code == 0)].tolist())
-    spread = np.array([entry for entry in named_onset.tolist() if state.intermittent.alert[0, entries.slot[entry]]
+    named_onset = (intermittent.onset & (entries.local_code >= 2)).nonzero()[0]
+    whole_starting = set(entries.slot[intermittent.onset & (entries.local_code == 0)].tolist())
+    spread = np.array([entry for entry in named_onset.tolist()
+                       if alerts[whole_step_code[entry], entries.local_slot[entry]]
                        and int(entries.slot[entry]) not in whole_starting], dtype=np.int64)
     intermittent.onset[spread] = False
-    state.intermittent.alert[entries.code[spread], entries.slot[spread]] = False
-    whole = (intermittent.onset & (entries.code == 0)).nonzero()[0]
-    if whole.size == 0:
-        return also_slow
-    alerted_before = np.any(state.alert[2:, :slots], axis=0)
+    alerts[entries.code[spread], entries.local_slot[spread]] = False
+    whole = (intermittent.onset & (entries.local_code == 0)).nonzero()[0]
     for entry in whole.tolist():
-        slot = int(entries.slot[entry])
-        named = (intermittent.onset & (entries.slot == slot) & (entries.code >= 2)).nonzero()[0]
+        slot, local_slot = int(entries.slot[entry]), int(entries.local_slot[entry])
+        whole_code = int(entries.code[entry])
+        named_codes = slice(whole_code + 2, whole_code + codes_per_cohort)
+        named = (intermittent.onset & (entries.slot == slot) & (entries.local_code >= 2)).nonzero()[0]
         names = tuple(stage_names[int(entries.code[other]) // 2] for other in named.tolist())
-        other_alert = alerted_before[slot] or state.intermittent.alert[2:codes, slot].sum() > named.size
+        other_alert = (bool(state.alert[named_codes, local_slot].any())
+                       or alerts[named_codes, local_slot].sum() > named.size)
         steady_under_way = not named.size and bool(slow_named[entries.slot == slot].any())
         carrier = None if named.size or other_alert or steady_under_way else carrier_stage(
-            entries, slot, entries.code == 0, clearly_over, gap_ms)
+            entries, slot, entries.local_code == 0, clearly_over, gap_ms)
         if steady_under_way:
             intermittent.onset[entry] = False
-            state.intermittent.alert[0, slot] = False
+            alerts[whole_code, local_slot] = False
         elif carrier is not None:
             intermittent.onset[entry] = False
-            state.intermittent.alert[0, slot] = False
+            alerts[whole_code, local_slot] = False
             intermittent.onset[carrier] = True
-            state.intermittent.alert[entries.code[carrier], slot] = True
+            alerts[entries.code[carrier], local_slot] = True
             also_slow[carrier] = (contract.WHOLE_STEP_STAGE,)
         elif named.size >= 2 and not other_alert:
             intermittent.onset[named] = False
-            state.intermittent.alert[entries.code[named], slot] = False
+            alerts[entries.code[named], local_slot] = False
             also_slow[entry] = names
         elif named.size or other_alert:
             intermittent.onset[entry] = False
-            state.intermittent.alert[0, slot] = False
+            alerts[whole_code, local_slot] = False
             for other in named.tolist():
                 also_slow[other] = (contract.WHOLE_STEP_STAGE,)
     return also_slow
@@ -110,11 +112,12 @@ def lead_stages(stage_names: list, entries: Entries, onset: np.ndarray, late_ons
         slow_here = (candidates & (entries.slot == slot)).nonzero()[0]
         if slow_here.size < 2:
             continue
-        codes = entries.code[slow_here]
+        codes = entries.local_code[slow_here]
         named = slow_here[((codes & 1) == 0) & (codes > 0)]
         whole = slow_here[codes == 0]
         collectives = slow_here[(codes & 1) == 1]
-        contains = {(outer, inner): stage_contains(entries.rows, slot, int(entries.code[outer]),
+        rows = entries.rows_of_cohort(slot)
+        contains = {(outer, inner): stage_contains(rows, slot, int(entries.code[outer]),
                                                    int(entries.code[inner]))
                     for outer in named.tolist() for inner in named.tolist() if outer != inner}
         leaders = [entry for entry in named.tolist()
@@ -143,13 +146,15 @@ def carrier_stage(entries: Entries, slot: int, candidates: np.ndarray, clearly_o
     """The named stage that carries the rank's slow whole step when no named stage is slow (see
     lead_stages), or None."""
     mine = entries.slot == slot
-    codes = entries.code
+    codes = entries.local_code
     whole = (mine & candidates & (codes == 0)).nonzero()[0]
     if whole.size == 0 or (mine & candidates & ((codes & 1) == 0) & (codes > 0)).any():
         return None
     over = (mine & clearly_over & ((codes & 1) == 0) & (codes > 0)).nonzero()[0].tolist()
+    rows = entries.rows_of_cohort(slot) if len(over) > 1 else entries.rows
     innermost = [entry for entry in over if not any(
-        stage_contains(entries.rows, slot, int(codes[entry]), int(codes[inner])) for inner in over if inner != entry)]
+        stage_contains(rows, slot, int(entries.code[entry]), int(entries.code[inner]))
+        for inner in over if inner != entry)]
     if not innermost:
         return None
     # the one that holds most of the excess carries it, when it holds CARRIED_SHARE of the whole

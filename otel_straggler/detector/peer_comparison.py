@@ -3,6 +3,7 @@ usable, over the relative threshold, over the floor, beyond the stage's noise.""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -26,7 +27,8 @@ class Comparison:
 
 def compare_to_peers(entries: np.ndarray, segment: np.ndarray, median: np.ndarray, tokens: np.ndarray,
                      floor_ms: np.ndarray, config: DetectorConfig, noise_var: np.ndarray, pair: np.ndarray,
-                     last_offset: np.ndarray) -> Comparison:
+                     last_offset: np.ndarray, cohort: Optional[np.ndarray] = None, cohorts: int = 1) -> Comparison:
+    """`cohort`: each entry's, where several cohorts are judged at once (window_batch.py)."""
     references = peer_references(segment, median, tokens, config.reference_quantile, config.work_tolerance)
     reference = references.reference
     slowdown = np.where(reference > 0, median / reference, np.where(median > 0, np.inf, 1.0))
@@ -34,6 +36,6 @@ def compare_to_peers(entries: np.ndarray, segment: np.ndarray, median: np.ndarra
     usable = (references.peer_count + 1 >= config.min_cohort_size) & np.isfinite(reference) & ~np.isnan(slowdown)
     over = usable & (slowdown > 1.0 + config.rel_threshold)
     beyond_noise = stage_noise.beyond_stage_noise(segment, median, slowdown, usable, config, noise_var, pair,
-                                                  last_offset)
+                                                  last_offset, cohort, cohorts)
     return Comparison(median, references, entries, usable, slowdown, over, over & (gap > floor_ms),
                        over & (gap > floor_ms) & beyond_noise)

@@ -21,7 +21,7 @@ HALF_NORMAL_MAD = 0.3986  # median absolute deviation from its median of the low
 
 def beyond_stage_noise(segment: np.ndarray, median: np.ndarray, slowdown: np.ndarray, usable: np.ndarray,
                        config: DetectorConfig, noise_var: np.ndarray, pair: np.ndarray,
-                       last_offset: np.ndarray) -> np.ndarray:
+                       last_offset: np.ndarray, cohort: Optional[np.ndarray] = None, cohorts: int = 1) -> np.ndarray:
     """Per entry: its deviation from its reference, log(slowdown), exceeds z * sigma of its stage.
 
     sigma (docs/detection.md, Thresholds), per stage, the larger of two robust spreads of the
@@ -42,7 +42,8 @@ def beyond_stage_noise(segment: np.ndarray, median: np.ndarray, slowdown: np.nda
     scheduling delay on a 1 ms stage) that the log scale shortens.
     z: the normal quantile 1 - false_alarm_rate / n for the n comparisons of the window
     (Bonferroni): a healthy rank of any stage crosses it in about false_alarm_rate of the windows,
-    before persist_windows asks for more."""
+    before persist_windows asks for more. `cohort`: each entry's, where several cohorts are judged
+    at once (window_batch.py): n is counted per cohort."""
     result = np.zeros(slowdown.size, dtype=bool)
     judged = (usable & np.isfinite(slowdown) & (slowdown > 0) & (median > 0)).nonzero()[0]
     if judged.size == 0:
@@ -62,16 +63,27 @@ def beyond_stage_noise(segment: np.ndarray, median: np.ndarray, slowdown: np.nda
     over_time[moved_segments] = change / (NORMAL_MAD * math.sqrt(2.0))
     last_offset[pair[judged]] = offset
     sigma = smoothed_sigma(segments, np.fmax(across, over_time), noise_var)
-    result[judged] = deviation > noise_z(judged.size, config.false_alarm_rate) * sigma[by_segment]
+    if cohort is None:
+        z = noise_z(judged.size, config.false_alarm_rate)
+    else:
+        counts = np.bincount(cohort[judged], minlength=cohorts).tolist()
+        z = per_cohort_z(counts, config.false_alarm_rate)[cohort[judged]]
+    result[judged] = deviation > z * sigma[by_segment]
     return result
 
 
+def per_cohort_z(comparisons: list[int], false_alarm_rate: float) -> np.ndarray:
+    """noise_z of each cohort's count of comparisons (windows judged together, window_batch.py)."""
+    return np.array([noise_z(count, false_alarm_rate) for count in comparisons])
+
+
 def late_beyond_noise(code: np.ndarray, wait_ms: np.ndarray, lateness: np.ndarray, step_ms: np.ndarray,
-                      candidates: np.ndarray, arrival_var: np.ndarray, z: float) -> np.ndarray:
+                      candidates: np.ndarray, arrival_var: np.ndarray, z) -> np.ndarray:
     """Per entry: its lateness at a collective, over its whole-step compute, exceeds z * sigma:
     as beyond_stage_noise, mirrored (the spread of the half of the ranks that waited longest, that is
     arrived earliest, so late ranks, up to half of them, do not widen it). A rank whose host
-    drifts slower for a while is then consistently late, and still not a straggler."""
+    drifts slower for a while is then consistently late, and still not a straggler. `z`: one, or
+    one per entry."""
     result = np.zeros(code.size, dtype=bool)
     judged = (candidates & np.isfinite(step_ms) & (step_ms > 0) & np.isfinite(lateness)).nonzero()[0]
     if judged.size == 0:
@@ -81,7 +93,7 @@ def late_beyond_noise(code: np.ndarray, wait_ms: np.ndarray, lateness: np.ndarra
     _, centre = grouped_medians_signed(by_segment, relative_wait, segments.size)
     sigma = healthy_half_spread(segments, by_segment, relative_wait, relative_wait > centre[by_segment],
                          np.ones(judged.size), arrival_var)
-    result[judged] = lateness[judged] / step_ms[judged] > z * sigma[by_segment]
+    result[judged] = lateness[judged] / step_ms[judged] > (z if np.ndim(z) == 0 else z[judged]) * sigma[by_segment]
     return result
 
 

@@ -2,11 +2,12 @@
 inside backward), found from the ranks' start and end times and judged as collectives (judge.py)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 from otel_straggler.detector.cohort_state import CohortVerdictState
 from otel_straggler.detector.grouped import cached_structure, dense_groups, grouped_medians_signed
-from otel_straggler.detector.windows import RowLayout
 
 SYNC_SLOPE_LIMIT = 0.5  # halfway between a synchronized end (slope 0) and a free one (slope 1)
 SYNC_SMOOTHING = 0.3  # weight of each window's slope in the smoothed one
@@ -16,8 +17,8 @@ SYNC_MIN_START_SPREAD_MS = 0.1  # rms start deviation below which the ends say n
 
 
 def mark_synchronization_points(state: CohortVerdictState, code: np.ndarray, slot: np.ndarray,
-                                step_offset: np.ndarray, host: np.ndarray, end_unix_nano: np.ndarray, layout: RowLayout,
-                                slot_count: int) -> np.ndarray:
+                                step_offset: np.ndarray, host: np.ndarray, end_unix_nano: np.ndarray, window_steps: int,
+                                slot_count: int, row_starts: Optional[np.ndarray] = None) -> np.ndarray:
     """`code` with the collective bit set on the rows of stages that end at a synchronization point
     (a collective hidden inside, such as DDP's all-reduce inside backward), judged as collectives.
 
@@ -26,18 +27,20 @@ def mark_synchronization_points(state: CohortVerdictState, code: np.ndarray, slo
     from the ranks' medians; each rank's own median deviation over the window's steps is removed
     (a clock offset, or a rank that is consistently later); the slope of the end deviations on the
     start deviations is near 0 at a synchronization point and near 1 for a stage each rank runs on
-    its own. The slope is smoothed over windows and compared with SYNC_SLOPE_LIMIT."""
+    its own. The slope is smoothed over windows and compared with SYNC_SLOPE_LIMIT.
+    `slot`: a rank's slot within its stage code's cohort (below `slot_count`); `row_starts`: where each
+    cohort's rows start, for windows of several cohorts judged at once (window_batch.py)."""
     stage_rows = ((code & 1) == 0) & (code > 0)
     if not stage_rows.any():
         return code
-    end_ms = (end_unix_nano[stage_rows] - end_unix_nano[stage_rows].min()) / 1e6
+    end_ms = (end_unix_nano[stage_rows] - _earliest_end(end_unix_nano, stage_rows, row_starts)) / 1e6
     start_ms = end_ms - host[stage_rows]
     # one cell per (stage, rank, step): its last interval, the one a synchronization point would
     # end (of several micro-batches, only the one that synchronizes does)
     # cells keyed over the cohort's slots: (code * slot_count + slot) * window_steps + step offset
-    cell_keys = (code[stage_rows] * slot_count + slot[stage_rows]) * layout.window_steps + step_offset[stage_rows]
-    plan = cached_structure("sync cells", cell_keys, lambda: _cell_plan(cell_keys, layout.window_steps, slot_count),
-                            layout.window_steps, slot_count)
+    cell_keys = (code[stage_rows] * slot_count + slot[stage_rows]) * window_steps + step_offset[stage_rows]
+    plan = cached_structure("sync cells", cell_keys, lambda: _cell_plan(cell_keys, window_steps, slot_count),
+                            window_steps, slot_count)
     cells, index, last = plan[:3]
     finite = np.isfinite(end_ms) & np.isfinite(start_ms)
     if cells.size != index.size:  # micro-batches: per cell, its row with the latest end
@@ -52,7 +55,7 @@ def mark_synchronization_points(state: CohortVerdictState, code: np.ndarray, slo
         cell_code, cell_slot, cell_step = (column[usable] for column in plan[3:6])
         cell_start, cell_end = cell_start[usable], cell_end[usable]
         by_step, step_count, enough, by_rank, rank_count, codes, by_code, cells_per_code = _cell_groups(
-            cell_code, cell_slot, cell_step, layout.window_steps, slot_count)
+            cell_code, cell_slot, cell_step, window_steps, slot_count)
     # deviations from the ranks' medians of the same (stage, step), where enough ranks have it
     _, median_end = grouped_medians_signed(by_step, cell_end, int(step_count))
     _, median_start = grouped_medians_signed(by_step, cell_start, int(step_count))
@@ -88,6 +91,14 @@ def mark_synchronization_points(state: CohortVerdictState, code: np.ndarray, slo
     state.sync_point_seen |= synchronized  # for hangs: a stage found to synchronize, not marked so
     marked = stage_rows & synchronized[np.minimum(code, synchronized.size - 1)]
     return np.where(marked, code | 1, code)
+
+
+def _earliest_end(end_unix_nano: np.ndarray, stage_rows: np.ndarray, row_starts: Optional[np.ndarray]):
+    """The origin of the stage rows' times: the earliest end of the cohort's stage rows, per row."""
+    if row_starts is None:
+        return end_unix_nano[stage_rows].min()
+    earliest = np.minimum.reduceat(np.where(stage_rows, end_unix_nano, np.iinfo(np.int64).max), row_starts[:-1])
+    return np.repeat(earliest, np.diff(row_starts))[stage_rows]
 
 
 def _cell_plan(cell_keys: np.ndarray, window_steps: int, slot_count: int) -> tuple:

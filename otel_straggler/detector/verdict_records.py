@@ -13,6 +13,7 @@ from otel_straggler.detector.intermittent import IntermittentJudgement
 from otel_straggler.detector.observation import Verdict
 from otel_straggler.detector.peer_comparison import Comparison
 from otel_straggler.detector.peer_reference import WORKLOAD_COMPARABLE, WORKLOAD_NOT_REPORTED
+from otel_straggler.detector.window_batch import WindowBatch
 from otel_straggler.detector.window_entries import Entries
 from otel_straggler.detector.windows import Cohort
 
@@ -48,11 +49,11 @@ def attribution_of(reason: str, host_flag: bool, device_flag: bool, device_usabl
 
 
 class VerdictContext:
-    """Builds the few verdict records of one window from its comparison arrays."""
+    """Builds the few verdict records of a batch's windows (window_batch.py) from its comparison arrays."""
 
-    def __init__(self, cohort: Cohort, window: int, now: int, entries: Entries, host: Comparison,
+    def __init__(self, batch: WindowBatch, now: int, entries: Entries, host: Comparison,
                  device: Comparison, use_device: np.ndarray, slowdown: np.ndarray) -> None:
-        self.cohort, self.window, self.now, self.entries = cohort, window, now, entries
+        self.batch, self.now, self.entries = batch, now, entries
         self.host, self.device, self.use_device, self.slowdown = host, device, use_device, slowdown
         self.device_row = np.full(entries.code.size, -1, dtype=np.int64)
         self.device_row[device.entries] = np.arange(device.entries.size)
@@ -61,8 +62,10 @@ class VerdictContext:
         uses_device = bool(self.use_device[entry]) and not timing_host
         comparison, row = (self.device, int(self.device_row[entry])) if uses_device else (self.host, entry)
         peers = comparison.entries[comparison.references.peers(row)]
-        slot = int(self.entries.slot[entry])
-        code = int(self.entries.code[entry])
+        index = int(self.entries.cohort[entry])
+        cohort = self.batch.cohorts[index]
+        slot = int(self.entries.local_slot[entry])
+        code = int(self.entries.local_code[entry])
         workload = int(comparison.references.workload[row])
         if reason == contract.REASON_WORKLOAD_INCOMPARABLE:
             workload_comparable: Optional[bool] = False
@@ -74,18 +77,18 @@ class VerdictContext:
         rank_ms = float(comparison.median[row])
         return Verdict(
             time_unix_nano=self.now,
-            job_id=self.cohort.job_id,
-            cohort=self.cohort.name,
-            stage=self.cohort.stage_name(code // 2),
-            rank=self.cohort.rank_in(slot),
-            window=self.window,
+            job_id=cohort.job_id,
+            cohort=cohort.name,
+            stage=cohort.stage_name(code // 2),
+            rank=cohort.rank_in(slot),
+            window=self.batch.windows[index],
             verdict=verdict,
             reason=reason,
             slowdown=verdict_number(self.slowdown[entry]),
             gap_ms=verdict_number(rank_ms - reference),
             rank_ms=verdict_number(rank_ms),
             reference_ms=verdict_number(reference),
-            reference_ranks=tuple(self.cohort.rank_in(int(s)) for s in self.entries.slot[peers]),
+            reference_ranks=tuple(cohort.rank_in(int(s)) for s in self.entries.local_slot[peers]),
             timing=contract.TIMING_DEVICE if uses_device else contract.TIMING_HOST,
             attribution=attribution,
             workload_comparable=workload_comparable,

@@ -7,17 +7,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from otel_straggler.detector.cohort_state import CohortVerdictState
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.grouped import SMALL_WINDOW_ROWS, dense_groups, grouped_medians, grouped_medians_signed
 from otel_straggler.detector.intermittent import CollectiveWaits, SlowSteps, count_slow_steps, workload_classes
 from otel_straggler.detector.synchronization_points import SYNC_MIN_RANKS, mark_synchronization_points
-from otel_straggler.detector.windows import RowLayout, WindowRows
+from otel_straggler.detector.window_batch import WindowBatch
 
 
 @dataclass
 class Entries:
-    """One entry per (stage code, slot) present in the window, sorted by code then slot."""
+    """One entry per (stage code, slot) present in the window, sorted by code then slot. Codes and
+    slots are the batch's (window_batch.py): a cohort's own where it is judged alone."""
     code: np.ndarray
     slot: np.ndarray
     host: np.ndarray
@@ -30,8 +30,25 @@ class Entries:
     late_steps: np.ndarray
     arrival_steps: np.ndarray
     slow_steps: SlowSteps  # per entry (compute stages and the whole step): its slow steps
-    steps: int  # distinct steps in the window
+    steps: np.ndarray  # per cohort: distinct steps in its window
     rows: Rows  # the window's rows, for the few questions asked of single ranks (lead_stages)
+    local_code: np.ndarray  # the code within its cohort (0: the whole step)
+    local_slot: np.ndarray  # the slot within its cohort
+    pair: np.ndarray  # index of its (code, slot) into the state's per-(code, slot) arrays, flattened
+    cohort: np.ndarray  # which cohort of the batch (0 for a cohort judged alone)
+    starts: np.ndarray  # where each cohort's entries start (and, last, end): they come cohort by cohort
+    row_starts: np.ndarray  # where each cohort's rows start (and, last, end)
+    slots_per_cohort: int
+
+    def rows_of_cohort(self, slot: int) -> "Rows":
+        """The rows of the cohort of `slot` (a slot of the batch): a rank's rows are among them."""
+        index = slot // self.slots_per_cohort if self.row_starts.size > 2 else 0
+        start, stop = int(self.row_starts[index]), int(self.row_starts[index + 1])
+        rows = self.rows
+        if start == 0 and stop == rows.code.size:
+            return rows
+        return Rows(rows.code[start:stop], rows.slot[start:stop], rows.step[start:stop], rows.host[start:stop],
+                    rows.end_unix_nano[start:stop])
 
 
 @dataclass
@@ -45,29 +62,27 @@ class Rows:
     end_unix_nano: np.ndarray
 
 
-def window_entries(rows: WindowRows, layout: RowLayout, slot_count: int, state: CohortVerdictState,
-                   config: DetectorConfig) -> tuple[Entries, int]:
-    keys = np.frombuffer(rows.keys, dtype=np.int64)
-    host = np.frombuffer(rows.host_ms, dtype=np.float64)
-    device = np.frombuffer(rows.device_ms, dtype=np.float64)
-    tokens = np.frombuffer(rows.tokens, dtype=np.float64)
-    end_unix_nano = np.frombuffer(rows.end_unix_nano, dtype=np.int64)
-    _, code, slot, step_offset = layout.unpack(keys)
-    code = mark_synchronization_points(state, code, slot, step_offset, host, end_unix_nano, layout, slot_count)
+def window_entries(batch: WindowBatch, config: DetectorConfig) -> tuple[Entries, list[int]]:
+    """The batch's entries, and per cohort its rows with an invalid device duration."""
+    state = batch.state
+    window_steps, slots, codes = batch.window_steps, batch.slots_per_cohort, batch.codes_per_cohort
+    slot_count = batch.slot_count
+    host, device, tokens, end_unix_nano = batch.host, batch.device, batch.tokens, batch.end_unix_nano
+    slot, local_slot, step_offset = batch.slot, batch.local_slot, batch.step_offset
+    code = mark_synchronization_points(state, batch.code, local_slot, step_offset, host, end_unix_nano, window_steps,
+                                       slots, None if batch.size == 1 else batch.row_starts)
     has_device = np.isfinite(device) & (device >= 0)
-    invalid_device_rows = int(np.count_nonzero(~np.isnan(device) & ~has_device))
+    invalid_device_rows = batch.per_cohort_rows(~np.isnan(device) & ~has_device)
 
     # per (stage, rank, step): the stage's intervals summed (micro-batches, gradient accumulation),
     # device only where every interval has one; then per (stage, rank) the median over steps.
-    # Keys repacked over the cohort's slots instead of max_ranks: same order, a range close to the
-    # row count, so that grouping them counts into a table (sums_by_bin, dense_groups) instead of sorting
-    slot_steps = slot_count * layout.window_steps
-    step_bin = slot * layout.window_steps + step_offset
-    compact_cells, (cell_host, cell_device, cell_device_missing) = sums_by_bin(
-        code * slot_steps + step_bin, host, np.where(has_device, device, 0.0), (~has_device).astype(np.float64))
-    cells = compact_cells // slot_steps * layout.code_stride + compact_cells % slot_steps  # the layout's keys
-    del compact_cells  # the window's largest arrays are these: none is kept longer than before
-    cell_groups = cells // layout.window_steps
+    # Keyed over the cohorts' slots instead of max_ranks: same order, a range close to the row
+    # count, so that grouping them counts into a table (sums_by_bin, dense_groups) instead of sorting
+    slot_steps = slots * window_steps
+    cells, (cell_host, cell_device, cell_device_missing) = sums_by_bin(
+        code * slot_steps + local_slot * window_steps + step_offset, host, np.where(has_device, device, 0.0),
+        (~has_device).astype(np.float64))
+    cell_groups = cells // window_steps  # code * slots + slot within the cohort
     stage_groups, stage_host = grouped_medians(cell_groups, cell_host)
     complete_cells = cell_device_missing == 0
     device_groups, device_medians = grouped_medians(cell_groups[complete_cells], cell_device[complete_cells])
@@ -75,13 +90,14 @@ def window_entries(rows: WindowRows, layout: RowLayout, slot_count: int, state: 
     stage_device[np.searchsorted(stage_groups, device_groups)] = device_medians
 
     # whole step: per (slot, step) sums of the non-collective intervals, then per-slot medians
+    step_bin = slot * window_steps + step_offset
     compute = (code & 1) == 0
     bins, (host_sum, device_sum, device_missing) = sums_by_bin(
         step_bin[compute], host[compute], np.where(has_device, device, 0.0)[compute],
         (~has_device[compute]).astype(np.float64))
-    whole_slots, whole_host = grouped_medians(bins // layout.window_steps, host_sum)
+    whole_slots, whole_host = grouped_medians(bins // window_steps, host_sum)
     complete = device_missing == 0
-    whole_device_slots, whole_device_medians = grouped_medians(bins[complete] // layout.window_steps,
+    whole_device_slots, whole_device_medians = grouped_medians(bins[complete] // window_steps,
                                                                device_sum[complete])
     whole_device = np.full(whole_slots.size, np.nan)
     whole_device[np.searchsorted(whole_slots, whole_device_slots)] = whole_device_medians
@@ -90,58 +106,80 @@ def window_entries(rows: WindowRows, layout: RowLayout, slot_count: int, state: 
     reported = np.isfinite(tokens) & (tokens > 0)
     token_bins, (token_sum, token_rows) = sums_by_bin(step_bin[reported], tokens[reported],
                                                        np.ones(int(np.count_nonzero(reported))))
-    token_slots, token_medians = grouped_medians(token_bins // layout.window_steps, token_sum / token_rows)
+    token_slots, token_medians = grouped_medians(token_bins // window_steps, token_sum / token_rows)
     tokens_by_slot = np.full(slot_count, np.nan)
     tokens_by_slot[token_slots] = np.where(np.isfinite(token_medians), token_medians, np.nan)
 
-    stage_code = stage_groups // layout.slot_stride
-    stage_slot = stage_groups - stage_code * layout.slot_stride
-    all_slots = np.concatenate((whole_slots, stage_slot))
+    stage_code = stage_groups // slots
+    stage_local_slot = stage_groups - stage_code * slots
+    whole_cohort = whole_slots // slots
+    entry_code = np.concatenate((whole_cohort * codes, stage_code))
+    entry_local_slot = np.concatenate((whole_slots - whole_cohort * slots, stage_local_slot))
+    entry_slot = np.concatenate((whole_slots, stage_code // codes * slots + stage_local_slot))
+    entry_host = np.concatenate((whole_host, stage_host))
+    entry_device = np.concatenate((whole_device, stage_device))
+    pair = entry_code * slots + entry_local_slot
+    if batch.size > 1:  # cohort by cohort, each as it would be alone: its whole step first
+        order = np.argsort(pair)
+        entry_code, entry_local_slot, entry_slot = entry_code[order], entry_local_slot[order], entry_slot[order]
+        entry_host, entry_device, pair = entry_host[order], entry_device[order], pair[order]
     present = np.zeros(slot_count, dtype=bool)
     present[slot] = True
     last_end = np.zeros(slot_count, dtype=np.int64)
     np.maximum.at(last_end, slot, end_unix_nano)
-    entry_codes = np.concatenate((np.zeros(whole_slots.size, dtype=np.int64), stage_code))
-    late_steps, arrival_steps = collective_late_steps(code, slot, step_offset, host, layout, slot_count, entry_codes,
-                                                      all_slots)
+    late_steps, arrival_steps = collective_late_steps(code, local_slot, step_offset, host, window_steps, slots,
+                                                      entry_code, pair)
     # per (stage, rank, step) time of the compute stages, and the whole step's sums, for intermittent.py
-    _, cell_code, cell_slot, cell_step = layout.unpack(cells)
-    compute_cells = ((cell_code & 1) == 0) & (cell_code > 0)
+    cell_code = cells // slot_steps
+    cell_step = cells % window_steps
+    cell_slot = cell_code // codes * slots + (cell_groups - cell_code * slots)
+    compute_cells = ((cell_code & 1) == 0) & (cell_code % codes > 0)
     cell_code, cell_slot, cell_step = cell_code[compute_cells], cell_slot[compute_cells], cell_step[compute_cells]
     stage_cell_ms = cell_host[compute_cells]
+    bin_slots = bins // window_steps
     slow_steps = count_slow_steps(
-        np.concatenate((np.zeros(bins.size, dtype=np.int64), cell_code)),
-        np.concatenate((bins // layout.window_steps, cell_slot)),
-        np.concatenate((bins % layout.window_steps, cell_step)),
-        np.concatenate((host_sum, stage_cell_ms)), workload_classes(tokens_by_slot, config.work_tolerance),
-        entry_codes, all_slots, layout.window_steps,
+        np.concatenate((bin_slots // slots * codes, cell_code)),
+        np.concatenate((bin_slots, cell_slot)),
+        np.concatenate((bins % window_steps, cell_step)),
+        np.concatenate((host_sum, stage_cell_ms)),
+        workload_classes(tokens_by_slot, config.work_tolerance, slots if batch.size > 1 else None),
+        entry_code, entry_slot, window_steps,
         config.intermittent_threshold, config.min_gap_ms, config.min_cohort_size,
-        CollectiveWaits(slot[~compute], step_offset[~compute], host[~compute]))
+        CollectiveWaits(slot[~compute], step_offset[~compute], host[~compute]), None if batch.size == 1 else slots)
+    entry_cohort = batch.cohort_of_codes(entry_code)
     return Entries(
         late_steps=late_steps, arrival_steps=arrival_steps, slow_steps=slow_steps,
-        code=np.concatenate((np.zeros(whole_slots.size, dtype=np.int64), stage_code)),
-        slot=all_slots,
-        host=np.concatenate((whole_host, stage_host)),
-        device=np.concatenate((whole_device, stage_device)),
-        tokens=tokens_by_slot[all_slots],
+        code=entry_code,
+        slot=entry_slot,
+        host=entry_host,
+        device=entry_device,
+        tokens=tokens_by_slot[entry_slot],
         present=present,
         last_end_unix_nano=last_end,
-        steps=int(np.count_nonzero(np.bincount(step_offset))),  # offsets are in [0, window_steps)
+        steps=batch.steps_per_cohort(),
         rows=Rows(code, slot, step_offset, host, end_unix_nano),
+        local_code=entry_code - entry_cohort * codes,
+        local_slot=entry_local_slot,
+        pair=pair,
+        cohort=entry_cohort,
+        starts=np.searchsorted(entry_cohort, np.arange(batch.size + 1)),
+        row_starts=batch.row_starts,
+        slots_per_cohort=slots,
     ), invalid_device_rows
 
 
 def collective_late_steps(code: np.ndarray, slot: np.ndarray, step_offset: np.ndarray, host: np.ndarray,
-                          layout: RowLayout, slot_count: int,
-                          entry_codes: np.ndarray, entry_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                          window_steps: int, slot_count: int,
+                          entry_codes: np.ndarray, entry_pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per collective entry (code, slot): the steps in which its wait was under the step's median
-    wait, and the steps of its code with at least SYNC_MIN_RANKS ranks."""
+    wait, and the steps of its code with at least SYNC_MIN_RANKS ranks. `slot`: each row's slot
+    within its code's cohort, below `slot_count`; `entry_pairs`: code * slot_count + that slot."""
     count = entry_codes.size
     late, steps = np.zeros(count, np.int64), np.zeros(count, np.int64)
     rows = ((code & 1) == 1).nonzero()[0]
     if rows.size == 0:
         return late, steps
-    step_ids, by_step = dense_groups(code[rows] * layout.window_steps + step_offset[rows])
+    step_ids, by_step = dense_groups(code[rows] * window_steps + step_offset[rows])
     ranks_in_step = np.bincount(by_step)
     _, step_median = grouped_medians_signed(by_step, host[rows], step_ids.size)
     enough_in_step = ranks_in_step >= SYNC_MIN_RANKS
@@ -152,9 +190,9 @@ def collective_late_steps(code: np.ndarray, slot: np.ndarray, step_offset: np.nd
     # np.unique's sort of the pairs
     code_count = int(code[rows].max()) + 1
     late_pairs = np.bincount((code[rows] * slot_count + slot[rows])[under], minlength=code_count * slot_count)
-    late[collective] = late_pairs[entry_codes * slot_count + entry_slots[collective]]
+    late[collective] = late_pairs[entry_pairs[collective]]
     # per code, its (code, step) groups with enough ranks
-    steps_per_code = np.bincount(step_ids[enough_in_step] // layout.window_steps, minlength=code_count)
+    steps_per_code = np.bincount(step_ids[enough_in_step] // window_steps, minlength=code_count)
     steps[collective] = steps_per_code[entry_codes]
     return late, steps
 

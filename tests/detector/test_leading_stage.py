@@ -34,7 +34,9 @@ def back_to_back_rows(slot: int) -> Rows:
 
 
 def entries_of(slot: int = 1) -> SimpleNamespace:
-    return SimpleNamespace(code=np.array(CODES), slot=np.full(len(CODES), slot), rows=back_to_back_rows(slot))
+    rows = back_to_back_rows(slot)
+    return SimpleNamespace(code=np.array(CODES), local_code=np.array(CODES), slot=np.full(len(CODES), slot),
+                           rows=rows, rows_of_cohort=lambda _: rows)
 
 
 def carrier(gaps: dict[int, float], over: set[int]):

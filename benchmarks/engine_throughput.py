@@ -133,6 +133,8 @@ def main() -> int:
         floor = rates["python floor"]
         for name, rate in rates.items():
             print(f"{label:<28}{name:<20}{rate:>16,.0f}{rate / floor:>17.2f}x")
+    if not args.memory_ranks:  # 0: throughput only
+        return 0
     peak, in_flight, windows = peak_memory(args.memory_ranks, args.memory_steps)
     print(f"\npeak memory: {args.memory_ranks} ranks x {len(TEN_STAGES)} stages x {args.memory_steps} steps "
           f"({windows} windows judged)")

@@ -27,8 +27,8 @@ import numpy as np
 from otel_straggler.detector.cohort_state import CohortVerdictState, stack, unstack
 from otel_straggler.detector.windows import Cohort, RowLayout, WindowRows
 
-# windows of at most this many rows are batched, and a batch holds at most this many rows: larger
-# windows gain nothing (their work is per row), and a bound keeps a batch's memory a small window's
+# a batch holds at most this many rows, and a window of over a quarter of it is judged alone: a
+# large window gains nothing (its work is per row), and the bound keeps a batch's memory a small one's
 MAX_BATCH_ROWS = 1 << 16
 
 

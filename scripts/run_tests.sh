@@ -12,7 +12,8 @@ export PATH="$venv/bin:$PATH"
 # ruff and mypy on the package first: a finding fails the run, after the tests have run too
 scripts/lint.sh "$venv"
 lint=$?
-python -m pytest -q -p no:cacheprovider "$@"
+# the slowest tests named at the end: what to look at when the run nears its time budget
+python -m pytest -q -p no:cacheprovider --durations=25 "$@"
 suite=$?
 # the torch-free part again on the lowest Python the package declares (only with no arguments:
 # arguments select tests of the main run)

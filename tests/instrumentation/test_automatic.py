@@ -302,12 +302,14 @@ def run_instrumented(tmp_path, env_extra: dict) -> subprocess.CompletedProcess:
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.child_processes
 def test_opentelemetry_instrument_times_an_unchanged_script(tmp_path):
     result = run_instrumented(tmp_path, {"OTEL_STRAGGLER_ENABLED": "true"})
     assert result.returncode == 0, result.stderr
     assert "configured True stages 9 steps 3" in result.stdout, result.stdout + result.stderr
 
 
+@pytest.mark.child_processes
 def test_opentelemetry_instrument_with_a_bad_setting_says_so_once_and_trains(tmp_path):
     result = run_instrumented(tmp_path, {"OTEL_STRAGGLER_ENABLED": "true", "OTEL_STRAGGLER_QUEUE_SIZE": "lots"})
     assert result.returncode == 0, result.stderr

@@ -89,6 +89,7 @@ def run_under_opentelemetry_instrument(tmp_path: Path, **env: str) -> subprocess
                           text=True, timeout=60)
 
 
+@pytest.mark.child_processes
 def test_opentelemetry_instrument_turns_it_on_from_env_alone(tmp_path, grpc_receiver):
     finished = run_under_opentelemetry_instrument(
         tmp_path, OTEL_STRAGGLER_ENABLED="true", OTEL_STRAGGLER_JOB_ID="auto-job",
@@ -100,6 +101,7 @@ def test_opentelemetry_instrument_turns_it_on_from_env_alone(tmp_path, grpc_rece
     assert {item.resource["training.job.id"] for item in grpc_receiver.spans()} == {"auto-job"}
 
 
+@pytest.mark.child_processes
 def test_without_enabling_it_stays_off(tmp_path):
     finished = run_under_opentelemetry_instrument(tmp_path)
     assert finished.returncode == 0, finished.stderr
@@ -114,6 +116,7 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+@pytest.mark.child_processes
 @pytest.mark.parametrize("bad", [
     {"OTEL_STRAGGLER_QUEUE_SIZE": "lots"}, {"OTEL_STRAGGLER_ENABLED": "yes please"},
     pytest.param({"OTEL_STRAGGLER_DEVICE_TIMING": "cuda"}, id="cuda-without-a-gpu",
@@ -128,6 +131,7 @@ def test_a_bad_value_under_opentelemetry_instrument_says_so_once_and_training_go
     assert len(complaints) == 1 and variable in complaints[0], finished.stderr
 
 
+@pytest.mark.child_processes
 def test_status_has_every_section_from_the_start(unreachable_endpoint):
     """A script reads status()["automatic"] or ["timer_misuse"] without having used automatic
     timing or Megatron's timers: a fresh process has every section, with zeros."""

@@ -51,6 +51,7 @@ def duration_ms(span: dict) -> float:
     return (span["end_ns"] - span["start_ns"]) / 1e6
 
 
+@pytest.mark.child_processes
 def test_each_step_has_one_compute_and_one_sync_span_per_rank(slow_backward_ranks):
     for rank, result in enumerate(slow_backward_ranks):
         ready, sync = ddp_spans(result, ddp.GRADS_READY), ddp_spans(result, ddp.GRADS_SYNC)
@@ -74,6 +75,7 @@ def test_each_step_has_one_compute_and_one_sync_span_per_rank(slow_backward_rank
         assert not any(result["slow-backward"]["lost"].values()), f"rank {rank}"
 
 
+@pytest.mark.child_processes
 def test_the_rank_slow_in_backward_computes_longer_and_waits_less(slow_backward_ranks):
     fast, slow = slow_backward_ranks
     compute = [statistics.median(map(duration_ms, ddp_spans(rank, ddp.GRADS_READY))) for rank in (fast, slow)]
@@ -83,6 +85,7 @@ def test_the_rank_slow_in_backward_computes_longer_and_waits_less(slow_backward_
     assert wait[0] - wait[1] > 0.75 * slow_ms, f"wait ms per rank: {wait}"
 
 
+@pytest.mark.child_processes
 def test_every_micro_step_backward_is_timed_and_a_slow_one_under_no_sync_shows(slow_backward_ranks):
     fast, slow = slow_backward_ranks
     for result in (fast, slow):
@@ -99,6 +102,7 @@ def test_every_micro_step_backward_is_timed_and_a_slow_one_under_no_sync_shows(s
     assert wait[0] - wait[1] > 0.75 * slow_ms, f"wait ms per step and rank: {wait}"
 
 
+@pytest.mark.child_processes
 def test_time_between_forward_and_backward_is_not_backward_compute(slow_backward_ranks):
     fast, slow = slow_backward_ranks
     compute = [statistics.median(per_step_ms(rank, ddp.GRADS_READY, "fetch-between").values()) for rank in (fast, slow)]

@@ -1,7 +1,9 @@
 """The hot path has two implementations with one behaviour: the C extension _hot_path, which runs
 where it was built, and the Python reference in hot_path_reference.py, which runs where it was not. The
 instrumentation tests run here with whichever is built; this runs them again with the Python one,
-in a process where importing the extension fails as it does without a C compiler."""
+in a process where importing the extension fails as it does without a C compiler. Tests marked
+`child_processes` are left out of that run: their rank code runs in children of their own, which
+import the built extension whatever this process blocks."""
 from __future__ import annotations
 
 import os
@@ -47,7 +49,8 @@ def test_both_implementations_document_stage_and_step_alike():
 @pytest.mark.slow
 def test_the_python_reference_passes_the_instrumentation_tests():
     result = subprocess.run(
-        [sys.executable, "-c", WITHOUT_THE_EXTENSION, "-q", "-p", "no:cacheprovider", "-m", "not services and not slow",
+        [sys.executable, "-c", WITHOUT_THE_EXTENSION, "-q", "-p", "no:cacheprovider", "-m",
+         "not services and not slow and not child_processes",
          "--ignore", str(Path(__file__).relative_to(REPO)), "tests/instrumentation"],
         # without CI=true: the tests that need the extension there skip, as where it is not built
         cwd=REPO, capture_output=True, text=True, timeout=600,

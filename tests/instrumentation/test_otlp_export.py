@@ -219,6 +219,7 @@ print(handle.status()["pending_build"])
 """
 
 
+@pytest.mark.child_processes
 @pytest.mark.parametrize("pipeline", ["built-before", "made-at-exit"])
 def test_a_rank_that_exits_without_shutdown_exports_everything(grpc_receiver, tmp_path, pipeline):
     script = tmp_path / "rank.py"

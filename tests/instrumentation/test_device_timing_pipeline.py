@@ -197,8 +197,9 @@ def test_a_span_that_fails_to_be_made_gives_its_events_back(configure, monkeypat
         raise ValueError("a span the SDK will not make")
 
     monkeypatch.setattr(span_builder.ProcessorSpans, "_readable_span", failing)
+    # no metrics: their exporter would retry the unreachable endpoint until shutdown's deadline
     handle = configure(job_id="unmade", rank=0, endpoint=unreachable_endpoint, protocol="grpc",
-                       device_timing="fake", event_pool_size=4)
+                       device_timing="fake", event_pool_size=4, export_metrics=False)
     steps_of_one_stage(handle, 6, flush_timeout_s=0.2)  # 12 events from a pool of 4: each must come back
     status = handle.status()
     assert status["spans_built"] == 0 and status["lost"]["internal_error"] >= 6

@@ -1,6 +1,11 @@
 """The real detector behind the real gateway: its own metrics come back through the collector to
 Prometheus under the names the rules and dashboards use, and its verdict events reach the gateway's
-events file (the full demo run is an end-to-end test of its own)."""
+events file (the full demo run is an end-to-end test of its own).
+
+Spans go straight to the detector: the gateway's route to the shard is test_gateway_smoke's and
+test_end_to_end's subject. Through the gateway these tests would also wait on its load-balancing
+exporter reconnecting to a port that earlier tests' detectors left (gRPC's reconnect backoff grows
+with every failed attempt while no detector listens), which is not what they check."""
 
 from __future__ import annotations
 
@@ -26,6 +31,10 @@ def detector(pipeline, tmp_path):
         yield process
 
 
+def detector_endpoint(pipeline) -> str:
+    return f"{services.LOOPBACK}:{pipeline.detector_grpc_port}"
+
+
 def wait_for_sum(pipeline, detector, query: str, at_least: float) -> None:
     """Waits until Prometheus answers `query` (one sum) with at least `at_least`."""
     def reached():
@@ -41,7 +50,7 @@ def wait_for_sum(pipeline, detector, query: str, at_least: float) -> None:
 def test_detector_intake_counter_reaches_prometheus(pipeline, detector):
     job_id = f"detector-{uuid.uuid4().hex[:8]}"
     for rank in range(3):
-        send_rank_steps(pipeline.collector_grpc, Rank(job_id, rank, 3, "tp0-pp0"), range(3))
+        send_rank_steps(detector_endpoint(pipeline), Rank(job_id, rank, 3, "tp0-pp0"), range(3))
     # The detector's resource names it: job="otel-straggler-detector", instance="<host>:<grpc port>".
     query = 'sum(straggler_detector_spans_total{job="otel-straggler-detector", outcome="accepted"})'
     stage_spans = 3 * 3 * 3  # ranks x steps x stages; train.step spans carry no stage and are not counted
@@ -50,7 +59,7 @@ def test_detector_intake_counter_reaches_prometheus(pipeline, detector):
 
 def test_detector_rejections_reach_prometheus_by_reason(pipeline, detector):
     # a rank that found no job id: every stage span is rejected, and the metric says why
-    send_rank_steps(pipeline.collector_grpc, Rank("", 0, 1, "tp0-pp0"), range(2))
+    send_rank_steps(detector_endpoint(pipeline), Rank("", 0, 1, "tp0-pp0"), range(2))
     query = 'sum(straggler_detector_rejections_total{job="otel-straggler-detector", reason="missing_job_id"})'
     stage_spans = 2 * 3  # steps x stages
     wait_for_sum(pipeline, detector, query, stage_spans)
@@ -77,7 +86,7 @@ def test_detector_verdict_events_reach_the_events_file(pipeline, tmp_path):
 
     with process:
         for rank in range(4):  # rank 3 six times as slow in every stage
-            send_rank_steps(pipeline.collector_grpc, Rank(job_id, rank, 4, "tp0-pp0"), range(25),
+            send_rank_steps(detector_endpoint(pipeline), Rank(job_id, rank, 4, "tp0-pp0"), range(25),
                             stage_ms=12.0 if rank == 3 else 2.0)
         try:
             found = services.wait_until(straggler_events, DEADLINE_S, what="a straggler event in the events file")

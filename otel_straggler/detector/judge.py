@@ -91,16 +91,15 @@ def judge_windows(batch: WindowBatch, config: DetectorConfig, now_unix_nano: int
         # ranks with no rows here that have sent a later window's: alive, their rows of this one lost
         # on the way (an exporter's full queue while the detector was down); where they outnumber
         # the ranks present, the window is a backlog too thin to compare anyone in
-        thin = np.zeros(batch.size, dtype=bool)
-        for index, cohort in enumerate(batch.cohorts):
-            present = entries.present[batch.slot_range(index)]
-            moved_past = np.count_nonzero(~present & (cohort.latest_windows(present.size) > batch.windows[index]))
-            thin[index] = moved_past > np.count_nonzero(present)
+        held, moved_on = batch.rosters()
+        present = entries.present
+        thin = (np.count_nonzero(batch.by_cohort(~present & moved_on), axis=1)
+                > np.count_nonzero(batch.by_cohort(present), axis=1))
         judgements = _judge_entries(batch, entries, config, now_unix_nano, thin)
     paces = _judge_paces(batch, entries, config, now_unix_nano)
+    _judge_presence(batch, entries, held, moved_on, config, now_unix_nano, judgements)
     for index, judgement in enumerate(judgements):
         judgement.invalid_device_rows = invalid_device_rows[index]
-        _judge_presence(batch, index, entries, config, now_unix_nano, judgement)
         judgement.verdicts += paces[index]
     state.windows_seen[:batch.slot_count][entries.present] += 1
     state.collective_seen[entries.code[(entries.code & 1) == 1]] = True  # for hangs: who waits where
@@ -305,9 +304,10 @@ def _judge_entries(batch: WindowBatch, entries: Entries, config: DetectorConfig,
     return judgements
 
 
-def _judge_presence(batch: WindowBatch, index: int, entries: Entries, config: DetectorConfig, now: int,
-                    judgement: WindowJudgement) -> None:
-    """Coverage gaps and `silent`: ranks of the cohort that had no rows in this window.
+def _judge_presence(batch: WindowBatch, entries: Entries, held: np.ndarray, moved_on: np.ndarray,
+                    config: DetectorConfig, now: int, judgements: list[WindowJudgement]) -> None:
+    """Coverage gaps and `silent`: ranks of each cohort that had no rows in this window (`held`:
+    the slots ranks hold; `moved_on`: their ranks have sent rows of a later window).
 
     A rank that misses silent_windows windows in a row falls silent at once (windows stop waiting
     for it), but its verdict waits until its peers' intervals, in the windows judged, end more than
@@ -318,35 +318,41 @@ def _judge_presence(batch: WindowBatch, index: int, entries: Entries, config: De
     together, as torchrun stops the survivors of a crash before their last export, never get
     there, and a new incarnation replaces them without a `silent` verdict (CONTRACT §training.restart.count)."""
     state: CohortVerdictState = batch.state
-    cohort, window = batch.cohorts[index], batch.windows[index]
-    slots = batch.slot_range(index)
-    present = entries.present[slots]
-    slot_count = present.size
-    roster = np.array([entry is not None for entry in cohort.slot_entries], dtype=bool)
-    silent = state.silent[slots]
-    reported = state.silent_reported[slots]
-    missed = state.missed_windows[slots]
-    last_end = state.last_end_unix_nano[slots]
-    np.maximum(last_end, entries.last_end_unix_nano[slots], out=last_end)
-    missing = roster & ~present
+    count = batch.slot_count
+    present = entries.present
+    silent = state.silent[:count]
+    reported = state.silent_reported[:count]
+    missed = state.missed_windows[:count]
+    last_end = state.last_end_unix_nano[:count]
+    np.maximum(last_end, entries.last_end_unix_nano, out=last_end)
+    missing = held & ~present
     gaps = missing & ~silent
-    judgement.coverage_gaps = int(np.count_nonzero(gaps))
     missed[missing] += 1
-    missed[present | (cohort.latest_windows(slot_count) > window)] = 0
+    missed[present | moved_on] = 0
     fell_silent = gaps & (missed >= config.silent_windows)
     came_back = present & silent
     silent[fell_silent] = True
     silent[came_back] = reported[came_back] = False
-    judgement.fell_silent = fell_silent.nonzero()[0]
-    judgement.came_back = came_back.nonzero()[0]
     # by the judged windows' own rows (not what has arrived since), so that replay agrees with live
-    peers_moved_on = int(last_end.max(initial=0)) - last_end > int(config.max_export_lag_s * 1e9)
-    confirmed = roster & silent & ~reported & peers_moved_on
+    by_cohort = batch.by_cohort(last_end)
+    peers_moved_on = (by_cohort.max(axis=1, initial=0)[:, None] - by_cohort > int(config.max_export_lag_s * 1e9))
+    confirmed = held & silent & ~reported & peers_moved_on.reshape(-1)
     reported[confirmed] = True
+    for judgement, gap_count in zip(judgements, np.count_nonzero(batch.by_cohort(gaps), axis=1).tolist(), strict=True):
+        judgement.coverage_gaps = gap_count
+    per_cohort = count // batch.size
+    for name, changed in (("fell_silent", fell_silent), ("came_back", came_back)):
+        slots = changed.nonzero()[0]
+        if slots.size:  # rare: ranks falling silent or coming back
+            cohort_of = slots // per_cohort
+            for index in np.unique(cohort_of).tolist():
+                setattr(judgements[index], name, slots[cohort_of == index] - index * per_cohort)
     for slot in confirmed.nonzero()[0].tolist():
-        judgement.verdicts.append(Verdict(
+        index, own = divmod(slot, per_cohort)
+        cohort, window = batch.cohorts[index], batch.windows[index]
+        judgements[index].verdicts.append(Verdict(
             time_unix_nano=now, job_id=cohort.job_id, cohort=cohort.name, stage=contract.WHOLE_STEP_STAGE,
-            rank=cohort.slot_entries[slot].rank, window=window, verdict=contract.VERDICT_SILENT,
+            rank=cohort.slot_entries[own].rank, window=window, verdict=contract.VERDICT_SILENT,
             reason=contract.REASON_NO_REPORT, slowdown=None, gap_ms=None, rank_ms=None, reference_ms=None,
             reference_ranks=(), timing=contract.TIMING_HOST, attribution=contract.ATTRIBUTION_UNKNOWN,
             workload_comparable=None))

@@ -113,6 +113,26 @@ class WindowBatch:
     def row_range(self, index: int) -> slice:
         return slice(int(self.row_starts[index]), int(self.row_starts[index + 1]))
 
+    def rosters(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per slot of the batch: whether a rank holds it, and whether its rank has sent rows of a
+        later window than the one judged (slots no rank has held: neither)."""
+        if self.size == 1:
+            cohort = self.cohorts[0]
+            held = np.array([entry is not None for entry in cohort.slot_entries], dtype=bool)
+            return held, cohort.latest_windows(self.slot_count) > self.windows[0]
+        held = np.zeros(self.slot_count, dtype=bool)
+        moved_on = np.zeros(self.slot_count, dtype=bool)
+        for index, cohort in enumerate(self.cohorts):
+            slots = self.slot_range(index)
+            held[slots] = [entry is not None for entry in cohort.slot_entries]
+            # a window is a Python int, which may be past int64 (a hostile step)
+            moved_on[slots] = cohort.latest_windows(self.slot_counts[index]) > self.windows[index]
+        return held, moved_on
+
+    def by_cohort(self, per_slot: np.ndarray) -> np.ndarray:
+        """A per-slot array of the batch as one row per cohort (a view)."""
+        return per_slot.reshape(self.size, -1)
+
     def write_back(self) -> None:
         """The stacked state back into each cohort's own (nothing to do for a batch of one)."""
         for index, cohort in enumerate(self.cohorts):

@@ -1,5 +1,15 @@
-"""What a cohort's judge (judge.py) remembers between windows, as arrays per rank and per (stage code, rank)."""
+"""What a cohort's judge (judge.py) remembers between windows, as arrays per rank and per (stage code, rank).
+
+Cohorts judged together (window_batch.py) have their states stacked into one (`stack`). After
+judging, each state's arrays become views of the stacked arrays (`unstack`), so that when the same
+cohorts are judged together again, as the cohorts of one job are window after window, the stacked
+state is used as it is, with nothing copied either way. A state whose arrays are about to be
+replaced (grown, or its ring made anew) first dissolves its stack: every member gets arrays of its
+own again, so stacked arrays never outlive their members' use of them.
+"""
 from __future__ import annotations
+
+from typing import Optional
 
 import numpy as np
 
@@ -38,12 +48,17 @@ class CohortVerdictState:
         self.full_window_steps = 0  # the most distinct steps a judged window of the cohort had
         self.job = JobBaseline()  # the cohort's pace against its own baseline (job_baseline.py)
         self.intermittent = IntermittentState()  # slow steps per (code, slot), recent windows
+        # the stacked state whose arrays this state's are views of, and the states stacked in it (a
+        # stacked state's own): see the module docstring
+        self.stacked_in: Optional[CohortVerdictState] = None
+        self.members: Optional[list[CohortVerdictState]] = None
 
     def ensure(self, stage_count: int, slot_count: int) -> None:
         """Room for `stage_count` stage indices (two codes each) and `slot_count` slots, grown by doubling."""
         codes, slots = self.alert.shape
         if 2 * stage_count <= codes and slot_count <= slots:
             return
+        self.leave_stack()
         codes = codes if 2 * stage_count <= codes else max(2 * codes, 2 * stage_count, 4)
         slots = slots if slot_count <= slots else max(2 * slots, slot_count, 16)
         for name in ("windows_seen", "missed_windows", "silent", "silent_reported", "last_end_unix_nano"):
@@ -79,6 +94,17 @@ class CohortVerdictState:
         offset[:, :self.last_offset.shape[1], :self.last_offset.shape[2]] = self.last_offset
         self.last_offset = offset
         self.intermittent.ensure(codes, slots)
+
+    def ensure_ring(self, windows: int) -> None:
+        """The intermittent ring of `windows` rows (IntermittentState.ensure_ring)."""
+        if windows != self.intermittent.windows:
+            self.leave_stack()
+        self.intermittent.ensure_ring(windows)
+
+    def leave_stack(self) -> None:
+        """Before this state's arrays are replaced: the stack it is in gives every member arrays of its own."""
+        if self.stacked_in is not None:
+            _dissolve(self.stacked_in)
 
     def reset_slot(self, slot: int) -> None:
         self.windows_seen[slot] = self.missed_windows[slot] = self.last_end_unix_nano[slot] = 0
@@ -118,7 +144,14 @@ _RING_ARRAYS = ("slow", "steps", "slow_ms", "slow_reference_ms")
 def stack(states: list[CohortVerdictState]) -> CohortVerdictState:
     """The states of cohorts judged together (window_batch.py), all of one shape, as one: per-slot
     arrays one cohort's after another, per-code and per-(code, slot) ones stacked along the codes.
-    The intermittent ring's position is per cohort (an array); the job baselines stay the cohorts'."""
+    The intermittent ring's position is per cohort (an array); the job baselines stay the cohorts'.
+    The same states stacked last time, in the same order: that stacked state, as it is."""
+    previous = states[0].stacked_in
+    if previous is not None and _still_stacked(previous, states):
+        previous.intermittent.position = np.array([state.intermittent.position for state in states], dtype=np.int64)
+        return previous
+    for old in {id(state.stacked_in): state.stacked_in for state in states if state.stacked_in is not None}.values():
+        _dissolve(old)
     stacked = CohortVerdictState()
     for name in _SLOT_ARRAYS + _PAIR_ARRAYS + _CODE_ARRAYS:
         setattr(stacked, name, np.concatenate([getattr(state, name) for state in states]))
@@ -134,19 +167,51 @@ def stack(states: list[CohortVerdictState]) -> CohortVerdictState:
 
 
 def unstack(stacked: CohortVerdictState, states: list[CohortVerdictState]) -> None:
-    """Writes what judging changed in `stacked` back into each of `states` (stack's inverse)."""
-    codes, slots = states[0].alert.shape
-    for index, state in enumerate(states):
+    """After judging: each of `states` reads and writes its part of `stacked` (views), and its ring's
+    position is the stacked one's."""
+    if stacked.members is None:
+        _view(stacked, states, range(len(states)), copy=False)
+        stacked.members = list(states)
+    for state, position in zip(states, stacked.intermittent.position.tolist(), strict=True):
+        state.intermittent.position = position
+
+
+def _still_stacked(stacked: CohortVerdictState, states: list[CohortVerdictState]) -> bool:
+    """Whether `states` are the members of `stacked`, in order, their arrays still views of its own
+    (the ring and the alerts checked as witnesses)."""
+    members = stacked.members
+    if members is None or len(members) != len(states):
+        return False
+    ring, alert = stacked.intermittent.slow, stacked.alert
+    return all(member is state and state.stacked_in is stacked and state.alert.base is alert
+               and state.intermittent.slow.base is ring for member, state in zip(members, states, strict=True))
+
+
+def _dissolve(stacked: CohortVerdictState) -> None:
+    """Every member of `stacked` that still views it gets copies of its part as arrays of its own."""
+    members = stacked.members or []
+    _view(stacked, members, [index for index, state in enumerate(members) if state.stacked_in is stacked], copy=True)
+    stacked.members = None
+
+
+def _view(stacked: CohortVerdictState, members: list[CohortVerdictState], which, copy: bool) -> None:
+    """Points the arrays of members[index] for each index of `which` at its part of `stacked`
+    (with `copy`, at copies of it, and out of the stack)."""
+    count = len(members)
+    codes, slots = stacked.alert.shape[0] // count, stacked.windows_seen.size // count
+    take = np.copy if copy else (lambda array: array)
+    for index in which:
+        state = members[index]
         by_slot = slice(index * slots, (index + 1) * slots)
         by_code = slice(index * codes, (index + 1) * codes)
         for name in _SLOT_ARRAYS:
-            getattr(state, name)[...] = getattr(stacked, name)[by_slot]
+            setattr(state, name, take(getattr(stacked, name)[by_slot]))
         for name in _PAIR_ARRAYS + _CODE_ARRAYS:
-            getattr(state, name)[...] = getattr(stacked, name)[by_code]
-        state.noise_var[...] = stacked.noise_var[:, by_code]
-        state.last_offset[...] = stacked.last_offset[:, by_code]
+            setattr(state, name, take(getattr(stacked, name)[by_code]))
+        state.noise_var = take(stacked.noise_var[:, by_code])
+        state.last_offset = take(stacked.last_offset[:, by_code])
         ring = state.intermittent
-        ring.position = int(stacked.intermittent.position[index])
         for name in _RING_ARRAYS:
-            getattr(ring, name)[...] = getattr(stacked.intermittent, name)[:, by_code]
-        ring.alert[...] = stacked.intermittent.alert[by_code]
+            setattr(ring, name, take(getattr(stacked.intermittent, name)[:, by_code]))
+        ring.alert = take(stacked.intermittent.alert[by_code])
+        state.stacked_in = None if copy else stacked

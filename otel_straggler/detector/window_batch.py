@@ -13,10 +13,11 @@ ranges of their own, so that
   rank; what is kept per (code, slot) is indexed by `pair` = code * slots_per_cohort + the cohort's
   slot (`local_slot`), in the cohort states' arrays stacked along their codes.
 
-The cohorts' verdict states are stacked into one (cohort_state.stack) before judging and written back
-after (cohort_state.unstack). What a rule counts over a whole window (its comparisons, for the
-Bonferroni levels; the window's steps; the workload classes; the times' origin) is counted per
-cohort. A batch of one cohort is that cohort: its own state, codes and slots unchanged.
+The cohorts' verdict states are stacked into one (cohort_state.stack) before judging, and read
+through views of it after (cohort_state.unstack): the same cohorts batched again reuse it as it is.
+What a rule counts over a whole window (its comparisons, for the Bonferroni levels; the window's
+steps; the workload classes; the times' origin) is counted per cohort. A batch of one cohort is
+that cohort: its own state, codes and slots unchanged.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ class WindowBatch:
         self.window_steps = self.layout.window_steps
         states = [cohort.verdict_state for cohort in self.cohorts]
         for state in states:  # one shape for every cohort's ring (intermittent.ring_length(persist_windows))
-            state.intermittent.ensure_ring(ring_windows)
+            state.ensure_ring(ring_windows)
         self.codes_per_cohort, self.slots_per_cohort = states[0].alert.shape
         self.state: CohortVerdictState = states[0] if self.size == 1 else stack(states)
         self.full_window_steps = np.array([state.full_window_steps for state in states], dtype=np.int64)

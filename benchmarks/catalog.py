@@ -30,7 +30,7 @@ class Benchmark:
     measures: str
     default_run: str  # how long `python benchmarks/<name>.py` takes, or how much it runs
     short: Optional[str]  # the arguments of its short run in `all` (split on spaces); None: not run there
-    needs: str = "CPU"  # CPU, GPU, or services (scripts/services.sh build)
+    needs: str = "CPU"  # CPU, GPU, valgrind, or services (scripts/services.sh build)
 
 
 CATALOG = (
@@ -57,6 +57,9 @@ CATALOG = (
               "--ranks 64 --steps 20 --rounds 1 --memory-ranks 64 --memory-steps 10"),
     Benchmark("detector_throughput", "OTLP requests to verdicts, spans per second on one core, and peak memory",
               "about five minutes", "--ranks 64 --steps 20 --rounds 1 --memory-ranks 64 --memory-steps 10"),
+    Benchmark("detector_instructions", "instructions per span of the same work under valgrind, against parse only: "
+              "decides small changes on a noisy machine", "about 4 minutes", "--ranks 64 --steps 20",
+              needs="valgrind"),
     Benchmark("detector_idle", "CPU of an idle detector by thread, against one thread polling every 0.1 s",
               "22 s (2 + 10 + 10 s of waiting)", "--seconds 2"),
     Benchmark("late_spans", "spans that reach the detector after their window was judged, by step time and schedule",

@@ -58,7 +58,7 @@ CATALOG = (
     Benchmark("detector_throughput", "OTLP requests to verdicts, spans per second on one core, and peak memory",
               "about five minutes", "--ranks 64 --steps 20 --rounds 1 --memory-ranks 64 --memory-steps 10"),
     Benchmark("detector_instructions", "instructions per span of the same work under valgrind, against parse only: "
-              "decides small changes on a noisy machine", "about 4 minutes", "--ranks 64 --steps 20",
+              "decides small changes on a noisy machine", "about 3 minutes", "--ranks 64 --steps 20",
               needs="valgrind"),
     Benchmark("detector_idle", "CPU of an idle detector by thread, against one thread polling every 0.1 s",
               "22 s (2 + 10 + 10 s of waiting)", "--seconds 2"),

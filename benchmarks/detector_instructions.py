@@ -9,7 +9,7 @@ Each arm runs in a child under `valgrind --tool=cachegrind --cache-sim=no`, once
 the payloads once and once making it twice; the difference is one warm pass (what the timed
 benchmark's later rounds measure) without the interpreter's start, the imports and the loading of
 the payloads, which the parent builds once. Needs valgrind (Debian: `apt-get install valgrind`);
-about 4 minutes at the defaults, two children at a time.
+about 3 minutes at the defaults, two children at a time.
 """
 from __future__ import annotations
 

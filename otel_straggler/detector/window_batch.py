@@ -117,10 +117,6 @@ class WindowBatch:
     def rosters(self) -> tuple[np.ndarray, np.ndarray]:
         """Per slot of the batch: whether a rank holds it, and whether its rank has sent rows of a
         later window than the one judged (slots no rank has held: neither)."""
-        if self.size == 1:
-            cohort = self.cohorts[0]
-            held = np.array([entry is not None for entry in cohort.slot_entries], dtype=bool)
-            return held, cohort.latest_windows(self.slot_count) > self.windows[0]
         held = np.zeros(self.slot_count, dtype=bool)
         moved_on = np.zeros(self.slot_count, dtype=bool)
         for index, cohort in enumerate(self.cohorts):
@@ -135,7 +131,8 @@ class WindowBatch:
         return per_slot.reshape(self.size, -1)
 
     def write_back(self) -> None:
-        """The stacked state back into each cohort's own (nothing to do for a batch of one)."""
+        """Each cohort's state pointed at its part of the stacked state (views, kept until the stack
+        dissolves; nothing to do for a batch of one but the full-window steps)."""
         for index, cohort in enumerate(self.cohorts):
             cohort.verdict_state.full_window_steps = int(self.full_window_steps[index])
         if self.size > 1:

@@ -189,7 +189,9 @@ def _still_stacked(stacked: CohortVerdictState, states: list[CohortVerdictState]
 
 def _dissolve(stacked: CohortVerdictState) -> None:
     """Every member of `stacked` that still views it gets copies of its part as arrays of its own."""
-    members = stacked.members or []
+    members = stacked.members
+    if not members:  # never judged, so nothing views it
+        return
     _view(stacked, members, [index for index, state in enumerate(members) if state.stacked_in is stacked], copy=True)
     stacked.members = None
 

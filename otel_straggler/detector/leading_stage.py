@@ -50,13 +50,14 @@ def lead_intermittent_stages(stage_names: list, state: CohortVerdictState, entri
         slot, local_slot = int(entries.slot[entry]), int(entries.local_slot[entry])
         whole_code = int(entries.code[entry])
         named_codes = slice(whole_code + 2, whole_code + codes_per_cohort)
-        named = (intermittent.onset & (entries.slot == slot) & (entries.local_code >= 2)).nonzero()[0]
+        mine = (entries.slot == slot).nonzero()[0]
+        named = mine[intermittent.onset[mine] & (entries.local_code[mine] >= 2)]
         names = tuple(stage_names[int(entries.code[other]) // 2] for other in named.tolist())
         other_alert = (bool(state.alert[named_codes, local_slot].any())
                        or alerts[named_codes, local_slot].sum() > named.size)
-        steady_under_way = not named.size and bool(slow_named[entries.slot == slot].any())
+        steady_under_way = not named.size and bool(slow_named[mine].any())
         carrier = None if named.size or other_alert or steady_under_way else carrier_stage(
-            entries, slot, entries.local_code == 0, clearly_over, gap_ms)
+            entries, slot, entries.local_code == 0, clearly_over, gap_ms, mine)
         if steady_under_way:
             intermittent.onset[entry] = False
             alerts[whole_code, local_slot] = False
@@ -104,12 +105,13 @@ def lead_stages(stage_names: list, entries: Entries, onset: np.ndarray, late_ons
     onset = onset.copy()
     if not onset.any():
         return onset, also_slow, explained_mask
-    for slot in np.unique(entries.slot[onset]).tolist():
-        carrier = carrier_stage(entries, slot, candidates, clearly_over, gap_ms)
+    slots = np.unique(entries.slot[onset])
+    for slot, mine in zip(slots.tolist(), _entries_of(entries.slot, slots), strict=True):
+        carrier = carrier_stage(entries, slot, candidates, clearly_over, gap_ms, mine)
         if carrier is not None:
             candidates = candidates.copy()
             candidates[carrier] = True
-        slow_here = (candidates & (entries.slot == slot)).nonzero()[0]
+        slow_here = mine[candidates[mine]]
         if slow_here.size < 2:
             continue
         codes = entries.local_code[slow_here]
@@ -141,16 +143,31 @@ def lead_stages(stage_names: list, entries: Entries, onset: np.ndarray, late_ons
     return onset, also_slow, explained_mask
 
 
+def _entries_of(entry_slots: np.ndarray, slots: np.ndarray) -> list[np.ndarray]:
+    """The entries of each of `slots` (distinct, ascending), each rank's in ascending order: one pass
+    over the entries, so a batch with many ranks starting an alert at once is not looked over once
+    per rank."""
+    wanted = np.zeros(int(entry_slots.max()) + 1, dtype=bool)
+    wanted[slots] = True
+    picked = wanted[entry_slots].nonzero()[0]
+    picked = picked[np.argsort(entry_slots[picked], kind="stable")]
+    bounds = np.searchsorted(entry_slots[picked], slots, side="right").tolist()
+    return [picked[start:end] for start, end in zip([0] + bounds[:-1], bounds, strict=True)]
+
+
 def carrier_stage(entries: Entries, slot: int, candidates: np.ndarray, clearly_over: np.ndarray,
-                  gap_ms: np.ndarray) -> Optional[int]:
+                  gap_ms: np.ndarray, mine: Optional[np.ndarray] = None) -> Optional[int]:
     """The named stage that carries the rank's slow whole step when no named stage is slow (see
-    lead_stages), or None."""
-    mine = entries.slot == slot
-    codes = entries.local_code
-    whole = (mine & candidates & (codes == 0)).nonzero()[0]
-    if whole.size == 0 or (mine & candidates & ((codes & 1) == 0) & (codes > 0)).any():
+    lead_stages), or None. mine: the rank's entries, ascending, where the caller has them."""
+    if mine is None:
+        mine = (entries.slot == slot).nonzero()[0]
+    codes = entries.local_code[mine]
+    named = ((codes & 1) == 0) & (codes > 0)
+    chosen = candidates[mine]
+    whole = mine[chosen & (codes == 0)]
+    if whole.size == 0 or (chosen & named).any():
         return None
-    over = (mine & clearly_over & ((codes & 1) == 0) & (codes > 0)).nonzero()[0].tolist()
+    over = mine[clearly_over[mine] & named].tolist()
     rows = entries.rows_of_cohort(slot) if len(over) > 1 else entries.rows
     innermost = [entry for entry in over if not any(
         stage_contains(rows, slot, int(entries.code[entry]), int(entries.code[inner]))

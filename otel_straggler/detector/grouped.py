@@ -97,27 +97,56 @@ def _runs(sorted_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return first, starts, ends
 
 
-def dense_groups(groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def dense_groups(groups: np.ndarray, stride: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
     """(distinct group ids, each row's index into them): for group ids too large to pack. Ids that
     span a range not much wider than their count (steps, stage codes, a small cohort's cells) are
     counted into a table instead of sorted: the same result, without np.unique's sort and its
-    fixed cost, which a small window pays a dozen times."""
-    distinct, index = cached_structure("dense", groups, lambda: _dense_groups(groups))
+    fixed cost, which a small window pays a dozen times. stride: where each id is prefix * stride
+    plus a remainder below stride, and few of the prefixes in their range are used (the stage codes
+    of a batch of cohorts, each using a few of the codes it has room for), the used prefixes are
+    numbered first, so that such ids too are counted into a table."""
+    distinct, index = cached_structure("dense", groups, lambda: _dense_groups(groups, stride))
     return distinct, index
 
 
-def _dense_groups(groups: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _dense_groups(groups: np.ndarray, stride: Optional[int]) -> tuple[np.ndarray, np.ndarray]:
     if groups.size and groups.dtype == np.int64:
         low, high = int(groups.min()), int(groups.max())
-        span = high - low + 1
-        if span <= DENSE_SPAN_FACTOR * groups.size + DENSE_SPAN_SLACK:
-            shifted = groups - low if low else groups
-            present = np.bincount(shifted, minlength=span) != 0
-            distinct = present.nonzero()[0]
-            index = np.cumsum(present)[shifted] - 1
-            return distinct + low if low else distinct, index
+        if high - low + 1 <= DENSE_SPAN_FACTOR * groups.size + DENSE_SPAN_SLACK:
+            return _counted(groups, low, high - low + 1)
+        if stride and low >= 0:
+            by_prefix = _counted_by_prefix(groups, stride, low, high)
+            if by_prefix is not None:
+                return by_prefix
     distinct, index = np.unique(groups, return_inverse=True)
     return distinct, index.reshape(-1)
+
+
+def _counted(groups: np.ndarray, low: int, span: int) -> tuple[np.ndarray, np.ndarray]:
+    shifted = groups - low if low else groups
+    present = np.bincount(shifted, minlength=span) != 0
+    distinct = present.nonzero()[0]
+    index = np.cumsum(present)[shifted] - 1
+    return distinct + low if low else distinct, index
+
+
+def _counted_by_prefix(groups: np.ndarray, stride: int, low: int, high: int):
+    """_counted of non-negative ids with their used prefixes (id // stride) numbered in order, so
+    the table spans the used prefixes only; None where that is still too wide. The numbering keeps
+    the ids' order, so distinct ids and indices are np.unique's."""
+    first = low // stride
+    prefix, remainder = np.divmod(groups, stride)
+    if first:
+        prefix -= first
+    used = np.bincount(prefix, minlength=high // stride - first + 1) != 0
+    used_prefixes = used.nonzero()[0]
+    span = used_prefixes.size * stride
+    if span > DENSE_SPAN_FACTOR * groups.size + DENSE_SPAN_SLACK:
+        return None
+    number = np.cumsum(used) - 1
+    distinct, index = _counted(number[prefix] * stride + remainder, 0, span)
+    distinct_prefix, distinct_remainder = np.divmod(distinct, stride)
+    return (used_prefixes[distinct_prefix] + first) * stride + distinct_remainder, index
 
 
 def order_within_groups(groups: np.ndarray, values: np.ndarray) -> np.ndarray:

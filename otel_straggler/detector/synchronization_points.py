@@ -105,7 +105,7 @@ def _cell_plan(cell_keys: np.ndarray, window_steps: int, slot_count: int) -> tup
     """What depends on a window's stage rows' (stage, rank, step) keys alone: the cells and each
     row's cell, each cell's row where it has one only, the cells' code, slot and step, and their
     groups (_cell_groups) where every cell is usable."""
-    cells, index = dense_groups(cell_keys)
+    cells, index = dense_groups(cell_keys, slot_count * window_steps)
     last = np.zeros(0, dtype=np.int64)
     if cells.size == index.size:  # one interval per cell (no micro-batches): it is the last
         last = np.empty_like(index)
@@ -122,10 +122,10 @@ def _cell_groups(cell_code: np.ndarray, cell_slot: np.ndarray, cell_step: np.nda
                  slot_count: int) -> tuple:
     """Cells by (stage, step): each cell's group, the group count, and whether its group has
     SYNC_MIN_RANKS ranks; those cells by rank: group, count; by code: the codes, group, cells."""
-    step_ids, by_step = dense_groups(cell_code * window_steps + cell_step)
+    step_ids, by_step = dense_groups(cell_code * window_steps + cell_step, window_steps)
     enough = np.bincount(by_step)[by_step] >= SYNC_MIN_RANKS
     cell_code, cell_slot = cell_code[enough], cell_slot[enough]
-    rank_ids, by_rank = dense_groups(cell_code * slot_count + cell_slot)
+    rank_ids, by_rank = dense_groups(cell_code * slot_count + cell_slot, slot_count)
     codes, by_code = dense_groups(cell_code)
     cells_per_code = np.bincount(by_code, minlength=codes.size)
     return (by_step, np.array(step_ids.size), enough, by_rank, np.array(rank_ids.size), codes, by_code,

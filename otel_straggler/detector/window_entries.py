@@ -4,6 +4,7 @@ each entry's slow steps for the intermittent rule."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -81,7 +82,7 @@ def window_entries(batch: WindowBatch, config: DetectorConfig) -> tuple[Entries,
     slot_steps = slots * window_steps
     cells, (cell_host, cell_device, cell_device_missing) = sums_by_bin(
         code * slot_steps + local_slot * window_steps + step_offset, host, np.where(has_device, device, 0.0),
-        (~has_device).astype(np.float64))
+        (~has_device).astype(np.float64), stride=slot_steps)
     cell_groups = cells // window_steps  # code * slots + slot within the cohort
     stage_groups, stage_host = grouped_medians(cell_groups, cell_host)
     complete_cells = cell_device_missing == 0
@@ -197,15 +198,16 @@ def collective_late_steps(code: np.ndarray, slot: np.ndarray, step_offset: np.nd
     return late, steps
 
 
-def sums_by_bin(bins: np.ndarray, *weights: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
-    """(the distinct bins, each weight column summed per bin)."""
+def sums_by_bin(bins: np.ndarray, *weights: np.ndarray,
+                stride: Optional[int] = None) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(the distinct bins, each weight column summed per bin); stride: as dense_groups'."""
     if bins.size == 0:
         return bins, [np.zeros(0) for _ in weights]
     if bins.size <= SMALL_WINDOW_ROWS:  # a small window's bins repeat: their grouping is cached
-        distinct, index = dense_groups(bins)
+        distinct, index = dense_groups(bins, stride)
         return distinct, [np.bincount(index, weights=column) for column in weights]
     if int(bins.max()) < max(4 * bins.size, 1 << 16):  # dense enough to count directly
         used = np.bincount(bins).nonzero()[0]
         return used, [np.bincount(bins, weights=column)[used] for column in weights]
-    distinct, index = dense_groups(bins)
+    distinct, index = dense_groups(bins, stride)
     return distinct, [np.bincount(index, weights=column) for column in weights]

@@ -135,10 +135,13 @@ def _counted_by_prefix(groups: np.ndarray, stride: int, low: int, high: int):
     the table spans the used prefixes only; None where that is still too wide. The numbering keeps
     the ids' order, so distinct ids and indices are np.unique's."""
     first = low // stride
+    prefixes = high // stride - first + 1
+    if prefixes > DENSE_SPAN_FACTOR * groups.size + DENSE_SPAN_SLACK:  # the prefixes' table as bounded as the ids'
+        return None
     prefix, remainder = np.divmod(groups, stride)
     if first:
         prefix -= first
-    used = np.bincount(prefix, minlength=high // stride - first + 1) != 0
+    used = np.bincount(prefix, minlength=prefixes) != 0
     used_prefixes = used.nonzero()[0]
     span = used_prefixes.size * stride
     if span > DENSE_SPAN_FACTOR * groups.size + DENSE_SPAN_SLACK:

@@ -64,3 +64,11 @@ def test_negative_ids_take_the_sort():
     found, expected = grouped._dense_groups(ids, 7), _unique(ids)
     np.testing.assert_array_equal(found[0], expected[0])
     np.testing.assert_array_equal(found[1], expected[1])
+
+
+def test_prefixes_spread_too_wide_take_the_sort_without_a_table_of_them():
+    ids = np.array([0, 3, (1 << 60) + 5], dtype=np.int64)
+    assert grouped._counted_by_prefix(ids, 8, 0, int(ids.max())) is None
+    found, expected = grouped._dense_groups(ids, 8), _unique(ids)
+    np.testing.assert_array_equal(found[0], expected[0])
+    np.testing.assert_array_equal(found[1], expected[1])

@@ -8,6 +8,7 @@ import numpy as np
 
 from otel_straggler import contract
 from otel_straggler.detector.cohort_state import CohortVerdictState
+from otel_straggler.detector.grouped import run_bounds
 from otel_straggler.detector.intermittent import IntermittentJudgement
 from otel_straggler.detector.window_entries import Entries, Rows
 
@@ -144,15 +145,15 @@ def lead_stages(stage_names: list, entries: Entries, onset: np.ndarray, late_ons
 
 
 def _entries_of(entry_slots: np.ndarray, slots: np.ndarray) -> list[np.ndarray]:
-    """The entries of each of `slots` (distinct, ascending), each rank's in ascending order: one pass
-    over the entries, so a batch with many ranks starting an alert at once is not looked over once
-    per rank."""
+    """The entries of each of `slots` (distinct, ascending, each with at least one entry), each rank's
+    in ascending order: one pass over the entries, so a batch with many ranks starting an alert at
+    once is not looked over once per rank."""
     wanted = np.zeros(int(entry_slots.max()) + 1, dtype=bool)
     wanted[slots] = True
     picked = wanted[entry_slots].nonzero()[0]
     picked = picked[np.argsort(entry_slots[picked], kind="stable")]
-    bounds = np.searchsorted(entry_slots[picked], slots, side="right").tolist()
-    return [picked[start:end] for start, end in zip([0] + bounds[:-1], bounds, strict=True)]
+    starts, ends, _ = run_bounds(entry_slots[picked])  # one run per slot, in the slots' order
+    return [picked[start:end] for start, end in zip(starts.tolist(), ends.tolist(), strict=True)]
 
 
 def carrier_stage(entries: Entries, slot: int, candidates: np.ndarray, clearly_over: np.ndarray,

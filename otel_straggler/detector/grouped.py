@@ -138,16 +138,17 @@ def _counted_by_prefix(groups: np.ndarray, stride: int, low: int, high: int):
     prefixes = high // stride - first + 1
     if prefixes > DENSE_SPAN_FACTOR * groups.size + DENSE_SPAN_SLACK:  # the prefixes' table as bounded as the ids'
         return None
-    prefix, remainder = np.divmod(groups, stride)
+    prefix = groups // stride
     if first:
         prefix -= first
     used = np.bincount(prefix, minlength=prefixes) != 0
     used_prefixes = used.nonzero()[0]
     span = used_prefixes.size * stride
-    if span > DENSE_SPAN_FACTOR * groups.size + DENSE_SPAN_SLACK:
+    if span > DENSE_SPAN_FACTOR * groups.size + DENSE_SPAN_SLACK:  # checked before any id is renumbered
         return None
-    number = np.cumsum(used) - 1
-    distinct, index = _counted(number[prefix] * stride + remainder, 0, span)
+    # an id's prefix replaced by its number among the used ones: id + (number - prefix) * stride
+    shift = (np.cumsum(used) - 1 - np.arange(prefixes) - first) * stride
+    distinct, index = _counted(groups + shift[prefix], 0, span)
     distinct_prefix, distinct_remainder = np.divmod(distinct, stride)
     return (used_prefixes[distinct_prefix] + first) * stride + distinct_remainder, index
 

@@ -1,6 +1,7 @@
 """CPU the rank's background threads spend per span, by span writer and OTLP protocol.
 
-    python benchmarks/rank_background.py [--rounds 5] [--steps 1500] [--step-ms 4] [--json out.json]
+    python benchmarks/rank_background.py [--rounds 5] [--steps 1500] [--step-ms 4] [--schedule-delay-ms 500]
+                                         [--json out.json]
 
 A host loop (a step and four stages, 5 spans a step, fake device events, --step-ms a step) runs
 with `ots.configure()` exporting to a live detector in another process: span building, device
@@ -20,9 +21,11 @@ round by round (the machine is noisy):
                        BatchSpanProcessor and OTLPSpanExporter (its encoder, its transport)
   stock, HTTP          the same over the SDK's OTLP/HTTP exporter (a requests Session)
 Our arms run our batching processor and exporters (batching.py, otlp_exporters.py).
-A rank exports every 500 ms (OTEL_BSP_SCHEDULE_DELAY, as the demo's ranks), so the step time sets
-how many spans an export carries: at 4 ms about 600; at 75 ms, about a rank's step in the overhead
-benchmark's 4-rank job, about 33, where the cost of each export itself shows.
+A rank exports every 500 ms by default here (OTEL_BSP_SCHEDULE_DELAY, as the demo's ranks), so
+the step time sets how many spans an export carries: at 4 ms about 600; at 75 ms, about a rank's
+step in the overhead benchmark's 4-rank job, about 33, where the cost of each export itself shows.
+`--schedule-delay-ms 5000` runs every arm at the SDK's default (what a rank gets when
+OTEL_BSP_SCHEDULE_DELAY is not set): at 75 ms about 330 spans an export.
 """
 from __future__ import annotations
 
@@ -49,9 +52,10 @@ BUILDER_THREAD = "otel-straggler-span-builder"
 STAGES = ("batch-generator", "forward-compute", "backward-compute", "optimizer")
 
 
-def arm(writer: str, protocol: str, steps: int, step_s: float, endpoints: dict[str, str]) -> dict:
+def arm(writer: str, protocol: str, steps: int, step_s: float, endpoints: dict[str, str],
+        schedule_delay_ms: int = 500) -> dict:
     """One arm, run in this process (a fresh one per arm)."""
-    os.environ.update({"OTEL_BSP_SCHEDULE_DELAY": "500", "OTEL_STRAGGLER_EXPORT_METRICS": "false"})
+    os.environ.update({"OTEL_BSP_SCHEDULE_DELAY": str(schedule_delay_ms), "OTEL_STRAGGLER_EXPORT_METRICS": "false"})
     import otel_straggler as ots
     from otel_straggler.instrumentation import span_encoding
 
@@ -123,13 +127,18 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--step-ms", type=float, default=4.0,
                         help="the loop's sleep a step (default 4: no queue overflows, every span is exported)")
+    parser.add_argument("--schedule-delay-ms", type=int, default=500,
+                        help="OTEL_BSP_SCHEDULE_DELAY of every arm (default 500, as the demo's ranks; the SDK's is 5000)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--arm", choices=sorted(ARMS.values()), help=argparse.SUPPRESS)  # one arm, in a child
     parser.add_argument("--endpoints", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.schedule_delay_ms <= 0:
+        parser.error(f"--schedule-delay-ms must be positive, not {args.schedule_delay_ms}")
     if args.arm:
         writer, protocol = args.arm.split(",")
-        print(json.dumps(arm(writer, protocol, args.steps, args.step_ms / 1e3, json.loads(args.endpoints))))
+        print(json.dumps(arm(writer, protocol, args.steps, args.step_ms / 1e3, json.loads(args.endpoints),
+                             args.schedule_delay_ms)))
         return 0
     results: dict[str, list[dict]] = {label: [] for label in ARMS}
     with tempfile.TemporaryDirectory(prefix="rank-background-") as scratch:
@@ -140,13 +149,15 @@ def main(argv=None) -> int:
                 order = list(ARMS) if round_number % 2 == 0 else list(reversed(ARMS))
                 for label in order:
                     child = subprocess.run([sys.executable, __file__, "--arm", ARMS[label], "--steps", str(args.steps),
-                                            "--step-ms", str(args.step_ms), "--endpoints", endpoints],
+                                            "--step-ms", str(args.step_ms), "--endpoints", endpoints,
+                                            "--schedule-delay-ms", str(args.schedule_delay_ms)],
                                            check=True, capture_output=True, text=True)
                     results[label].append(json.loads(child.stdout.strip().splitlines()[-1]))
         finally:
             detector.stop()
     print(f"\nrank background CPU per span: {args.rounds} rounds x {args.steps} steps x {1 + len(STAGES)} spans,"
-          f" {args.step_ms:g} ms a step, fake device events, OTLP to a live detector; {describe(measured_on())}")
+          f" {args.step_ms:g} ms a step, an export every {args.schedule_delay_ms} ms at most, fake device events,"
+          f" OTLP to a live detector; {describe(measured_on())}")
     print(f"\n{'arm':20} {'median µs/span':>15} {'min':>7} {'max':>7} {'vs stock':>9} {'builder':>8} {'rest':>6}"
           f"  threads µs/span")
     summary = {}

@@ -12,8 +12,8 @@ device events), `on-host` (device timing off), `on-python` (as `on`, with the Py
 hot path instead of the C extension) and `on-deferred` (as `on`, with a 60 s build interval: the
 library's threads do no work during the measured steps, the records wait in the queue for the
 flush after them) and `on-one-burst` (as `on`, with each build taking every record queued in one
-burst, as before the builder thread paused between bursts of rank_pipeline.BUILD_BURST_RECORDS
-records; the few that arrive during it follow after a pause), all exporting over
+burst, as before the builder thread paused between bursts of rank_pipeline.BUILD_BURST_S
+each; the few that arrive during it follow after a pause), all exporting over
 OTLP/gRPC to a live detector in this process, as the
 overhead benchmark's ON arm does. Each arm runs in a fresh process, arms alternating over rounds.
 Per arm: the median over steps of the nine calls' time, in the loop and in a tight loop of the
@@ -103,7 +103,7 @@ def run_arm(args: argparse.Namespace) -> None:
     if args.arm == "on-one-burst":
         from otel_straggler.instrumentation import rank_pipeline
 
-        rank_pipeline.BUILD_BURST_RECORDS = None  # each build takes every record queued, in one go
+        rank_pipeline.BUILD_BURST_S = float("inf")  # each build takes every record queued, in one go
     handle = None
     if args.arm != "off":
         from demo_training import DEMO_RANK_ENVIRONMENT  # the overhead benchmark's ON arm, as the demo's ranks

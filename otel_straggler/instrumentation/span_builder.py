@@ -17,6 +17,7 @@ import math
 import operator
 import os
 import threading
+import time
 from typing import Any, Callable, MutableMapping, Optional
 
 from opentelemetry import trace as trace_api
@@ -37,6 +38,7 @@ from otel_straggler.processors.device_events import give_back
 _MASK64 = (1 << 64) - 1
 MAX_OPEN_PARENTS = 1024  # enclosing intervals with built children, not yet ended themselves
 MAX_BATCH_SPANS = 256  # spans made before they are handed on together, in a long build
+DEADLINE_CHECK_RECORDS = 8  # records built between looks at the clock, in a build with a deadline
 # build_errors: records of any kind that failed to build; intervals_failed: those of them that
 # were intervals (so status() can account for every interval)
 COUNTER_NAMES = ("spans_built", "steps_built", "heartbeats_built", "pool_exhausted", "build_errors",
@@ -295,17 +297,24 @@ class SpanBuilder:
         # were built first. Holding the interval keeps its id() from being reused meanwhile.
         self._ids_of_open_parents: dict[int, tuple] = {}
 
-    def build_pending(self, close_open_step: bool = False, limit: Optional[int] = None) -> bool:
-        """Builds the records queued so far, at most `limit` of them; `close_open_step` ends the
-        running step's span too (at shutdown, with no limit). Says whether records remain.
-        Not thread-safe: one caller at a time."""
+    def build_pending(self, close_open_step: bool = False, until: Optional[float] = None) -> bool:
+        """Builds the records queued so far, none begun after the time.monotonic() `until` (looked
+        at every DEADLINE_CHECK_RECORDS records, so at least that many are built); `close_open_step`
+        ends the running step's span too (at shutdown, without `until`). Says whether records
+        remain. Not thread-safe: one caller at a time."""
         completed = self.recorder.completed
-        left = -1 if limit is None else limit
+        # records to build before the next look at the clock; without a deadline it never reaches 0
+        next_look = DEADLINE_CHECK_RECORDS if until is not None else -1
+        deadline = math.inf if until is None else until
         # spans made but not yet emitted (emit()'s arguments), handed on together (_emit_batch);
         # None: one by one. The positions in it of train.step spans are in _batch_steps.
         batch: Optional[list] = [] if self._emit_many is not None else None
-        while completed and left != 0:
-            left -= 1
+        while completed:
+            if next_look == 0:
+                if time.monotonic() >= deadline:
+                    break
+                next_look = DEADLINE_CHECK_RECORDS
+            next_look -= 1
             record = completed.popleft()
             try:
                 kind = record[0]
@@ -325,7 +334,7 @@ class SpanBuilder:
                 batch = []
         if batch:
             self._emit_batch(batch)
-        if close_open_step and (limit is None or not completed) and self._open_step is not None:
+        if close_open_step and (until is None or not completed) and self._open_step is not None:
             self._close_step(max(self._last_end_ns, self._open_step[1]), None)
         return bool(completed)
 

@@ -1,12 +1,15 @@
 """The builder thread works in short bursts with pauses between them, so a training thread that
 wants the GIL back never waits for a whole build interval's worth of spans; it stops pausing when
-it must catch up."""
+it must catch up. A burst ends at a deadline (rank_pipeline.BUILD_BURST_S after it began), looked
+at every span_builder.DEADLINE_CHECK_RECORDS records: the tests set that time to 0, so every burst
+takes exactly that many records, whatever this machine's speed."""
 from __future__ import annotations
 
 import time
 
 import otel_straggler as ots
 from otel_straggler.instrumentation import rank_pipeline
+from otel_straggler.instrumentation.span_builder import DEADLINE_CHECK_RECORDS
 
 STAGES = ("forward-compute", "backward-compute", "optimizer")
 
@@ -48,6 +51,7 @@ def pauses(bursts: list[tuple[float, float, int]]) -> list[float]:
 
 def test_the_builder_thread_builds_in_bounded_bursts_with_pauses_and_loses_nothing(in_memory, wait_until, monkeypatch):
     monkeypatch.setattr(rank_pipeline, "BUILD_PAUSE_S", 0.01)  # well above a burst's own time here
+    monkeypatch.setattr(rank_pipeline, "BUILD_BURST_S", 0.0)
     handle = in_memory.configure(build_interval_ms=60_000.0)  # the thread waits for a wake-up
     bursts = count_bursts(handle)
     completed = handle._pipeline.recorder.completed
@@ -58,8 +62,8 @@ def test_the_builder_thread_builds_in_bounded_bursts_with_pauses_and_loses_nothi
     assert wait_until(lambda: not completed, timeout_s=10.0)
 
     assert sum(taken for _, _, taken in bursts) == queued
-    assert max(taken for _, _, taken in bursts) == rank_pipeline.BUILD_BURST_RECORDS
-    assert len(bursts) >= queued // rank_pipeline.BUILD_BURST_RECORDS
+    assert max(taken for _, _, taken in bursts) == DEADLINE_CHECK_RECORDS
+    assert len(bursts) >= queued // DEADLINE_CHECK_RECORDS
     assert min(pauses(bursts)) >= rank_pipeline.BUILD_PAUSE_S
     spans = in_memory.spans()
     assert len([span for span in spans if span.name != "train.step"]) == 1 + 100 * len(STAGES)
@@ -68,6 +72,7 @@ def test_the_builder_thread_builds_in_bounded_bursts_with_pauses_and_loses_nothi
 
 def test_a_backlog_over_half_the_queue_is_built_without_pauses(in_memory, wait_until, monkeypatch):
     monkeypatch.setattr(rank_pipeline, "BUILD_PAUSE_S", 0.2)  # long enough to tell a pause from none
+    monkeypatch.setattr(rank_pipeline, "BUILD_BURST_S", 0.0)
     handle = in_memory.configure(build_interval_ms=60_000.0, queue_size=64)
     bursts = count_bursts(handle)
     completed = handle._pipeline.recorder.completed
@@ -76,17 +81,18 @@ def test_a_backlog_over_half_the_queue_is_built_without_pauses(in_memory, wait_u
             with ots.stage("forward-compute"):
                 pass
     handle._pipeline._wake.set()
-    assert wait_until(lambda: not completed and len(bursts) == 4, timeout_s=10.0)
+    assert wait_until(lambda: not completed and len(bursts) == 8, timeout_s=10.0)
 
-    # 64 -> 48 -> 32 records left: still half the queue or more, so no pause; 16 left: a pause
+    # 56, 48, 40, 32 records left: still half the queue or more, so no pause; 24 left: a pause
     gaps = pauses(bursts)
-    assert gaps[0] < rank_pipeline.BUILD_PAUSE_S and gaps[1] < rank_pipeline.BUILD_PAUSE_S
-    assert gaps[2] >= rank_pipeline.BUILD_PAUSE_S
+    assert all(gap < rank_pipeline.BUILD_PAUSE_S for gap in gaps[:4])
+    assert gaps[4] >= rank_pipeline.BUILD_PAUSE_S
     assert handle.status()["lost"]["queue_full"] == 0
 
 
 def test_a_build_running_past_half_its_interval_goes_on_without_pauses(in_memory, wait_until, monkeypatch):
     monkeypatch.setattr(rank_pipeline, "BUILD_PAUSE_S", 0.2)
+    monkeypatch.setattr(rank_pipeline, "BUILD_BURST_S", 0.0)
     handle = in_memory.configure(build_interval_ms=1_000.0)  # pauses only in a build's first 0.5 s
     bursts = count_bursts(handle)
     completed = handle._pipeline.recorder.completed
@@ -94,7 +100,7 @@ def test_a_build_running_past_half_its_interval_goes_on_without_pauses(in_memory
     handle._pipeline._wake.set()
     assert wait_until(lambda: not completed, timeout_s=10.0)
 
-    # 200 records, 13 bursts: with a pause after every burst they would take 2.4 s
+    # 200 records, 25 bursts: with a pause after every burst they would take 4.8 s
     long_pauses = [gap for gap in pauses(bursts) if gap >= rank_pipeline.BUILD_PAUSE_S]
     assert 1 <= len(long_pauses) <= 3
     assert sum(handle.status()["lost"].values()) == 0
@@ -123,4 +129,21 @@ def test_flush_builds_on_the_callers_thread_only_until_its_timeout(in_memory, wa
     assert wait_until(lambda: not completed, timeout_s=10.0)
     assert handle.flush(timeout_s=5.0)
     assert len([span for span in in_memory.spans() if span.name != "train.step"]) == 1 + 500 * len(STAGES)
+    assert sum(handle.status()["lost"].values()) == 0
+
+
+def test_a_build_with_a_deadline_stops_at_the_first_look_past_it_and_loses_nothing(in_memory):
+    handle = in_memory.configure(build_interval_ms=60_000.0)
+    count_bursts(handle)  # the builder made (one step built); nothing queued
+    builder = handle._pipeline.builder
+    completed = handle._pipeline.recorder.completed
+    record_steps(10)  # 40 records
+    queued = len(completed)
+
+    assert builder.build_pending(until=0.0) is True  # past already: one look's worth of records
+    assert len(completed) == queued - DEADLINE_CHECK_RECORDS
+    assert builder.build_pending(until=time.monotonic() + 60.0) is False  # far off: all of them
+    assert builder.build_pending(until=0.0) is False  # nothing left: nothing to stop
+    assert handle.flush(timeout_s=5.0)
+    assert len([span for span in in_memory.spans() if span.name != "train.step"]) == 1 + 10 * len(STAGES)
     assert sum(handle.status()["lost"].values()) == 0

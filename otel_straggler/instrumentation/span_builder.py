@@ -303,9 +303,8 @@ class SpanBuilder:
         ends the running step's span too (at shutdown, without `until`). Says whether records
         remain. Not thread-safe: one caller at a time."""
         completed = self.recorder.completed
-        # records to build before the next look at the clock; without a deadline it never reaches 0
-        next_look = DEADLINE_CHECK_RECORDS if until is not None else -1
         deadline = math.inf if until is None else until
+        next_look = DEADLINE_CHECK_RECORDS  # records to build before the next look at the clock
         # spans made but not yet emitted (emit()'s arguments), handed on together (_emit_batch);
         # None: one by one. The positions in it of train.step spans are in _batch_steps.
         batch: Optional[list] = [] if self._emit_many is not None else None

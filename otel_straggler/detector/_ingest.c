@@ -1,18 +1,19 @@
 /* The engine's optional intake fast path: engine.ingest_many's per-observation loop, for the rows
-   that need nothing but bookkeeping (a known rank, a known stage, an open window).
+   that need nothing but bookkeeping (a known rank, a known stage, a window not judged yet).
 
    append_rows(observations, start, ranks, seq_mask, window_steps, collective_offset, restart_span)
    walks observations[start:] (Observation tuples; append_records reads the fixed-width records of
    an observation.ObservationRecords instead, as the C scanner wrote them) and, per observation,
-   does what engine._ingest_rows does for it: de-duplicates its seq in its rank's ring, counts a host duration that is negative or not finite as
-   malformed, advances its cohort's latest interval end, appends its row to its open window's five
-   columns and tells the cohort when its rank reached a later window. It stops at the first
-   observation that needs anything else (a rank, cohort, incarnation, stage or window not seen yet,
-   a sequence restart, a value of another type than the decoders give, an integer beyond 64 bits)
-   and returns (that index, accepted, duplicate, malformed); the engine handles that observation in
-   Python and calls again after it. So the Python loop alone decides every unusual case, and where
-   this answers, its effect on the engine's state equals the Python loop's
-   (tests/detector/test_ingest_fast.py checks both on the same streams).
+   does what engine._ingest_rows does for it: de-duplicates its seq in its rank's ring, counts a
+   host duration that is negative or not finite as malformed, advances its cohort's latest interval
+   end, appends its row to its window's five columns (opening the window through its cohort's
+   open_window where it is new) and tells the cohort when its rank reached a later window. It stops
+   at the first observation that needs anything else (a rank, cohort, incarnation or stage not seen
+   yet, a window its cohort will not open, a sequence restart, a value of another type than the
+   decoders give, an integer beyond 64 bits) and returns (that index, accepted, duplicate, malformed); the
+   engine handles that observation in Python and calls again after it. So the Python loop alone
+   decides every unusual case, and where this answers, its effect on the engine's state equals the
+   Python loop's (tests/detector/test_ingest_fast.py checks both on the same streams).
 
    Rows of one window are gathered in C buffers and appended with one array.frombytes per column,
    in arrival order, when the window changes and before returning. Nothing here keeps state between
@@ -28,7 +29,7 @@ enum { C_KEYS, C_HOST, C_DEVICE, C_TOKENS, C_END, N_COLUMNS };
 static const char *column_names[N_COLUMNS] = {"keys", "host_ms", "device_ms", "tokens", "end_unix_nano"};
 static PyObject *column_attrs[N_COLUMNS];
 static PyObject *attr_cohort, *attr_cohort_name, *attr_restart, *attr_key_slot, *attr_latest_window,
-    *attr_recent_seqs, *attr_stage_offsets, *attr_open_windows, *attr_latest_end, *attr_rank_reached, *attr_frombytes;
+    *attr_recent_seqs, *attr_stage_offsets, *attr_open_windows, *attr_latest_end, *attr_rank_reached, *attr_open_window, *attr_frombytes;
 
 typedef struct {
     /* the current rank entry (borrowed from the ranks dict, which nothing here changes) */
@@ -212,9 +213,22 @@ static int take_row(State *s, const Row *row, const Params *p) {
         PyObject *window_key = PyLong_FromLongLong(window);
         if (window_key == NULL) return FAILED;
         PyObject *rows = PyDict_GetItemWithError(s->open_windows, window_key);
+        if (rows != NULL)
+            Py_INCREF(rows);
+        else if (!PyErr_Occurred())
+            /* a window the cohort has not opened: opened as the Python loop opens it (a cohort of a
+               few ranks opens one every few steps, and a stop costs a pass through the Python loop) */
+            rows = PyObject_CallMethodObjArgs(s->cohort, attr_open_window, window_key, NULL);
         Py_DECREF(window_key);
-        if (rows == NULL) return PyErr_Occurred() ? FAILED : STOP;
-        s->rows = Py_NewRef(rows);
+        if (rows == NULL) return FAILED;
+        if (rows == Py_None) {
+            /* judged already, or older than every open window when as many are open as a cohort
+               may hold: the row is late, which the Python loop counts (it asks again, and
+               open_window answers None without changing anything) */
+            Py_DECREF(rows);
+            return STOP;
+        }
+        s->rows = rows;
         s->window = window;
     }
     if (row->end > s->latest_end) { /* the job made progress (hangs) */
@@ -410,6 +424,7 @@ PyMODINIT_FUNC PyInit__ingest(void) {
     INTERN(attr_open_windows, "open_windows");
     INTERN(attr_latest_end, "latest_end_unix_nano");
     INTERN(attr_rank_reached, "rank_reached");
+    INTERN(attr_open_window, "open_window");
     INTERN(attr_frombytes, "frombytes");
 #undef INTERN
     return PyModule_Create(&module_def);

@@ -22,9 +22,9 @@ pytestmark = pytest.mark.skipif(engine_module._append_rows is None, reason="_ing
 STEP_NS = 100_000_000
 
 
-def python_only_engine(monkeypatch) -> Engine:
+def python_only_engine(monkeypatch, config: DetectorConfig | None = None) -> Engine:
     """An engine whose ingest_many runs the Python loop alone."""
-    engine = Engine(DetectorConfig())
+    engine = Engine(config or DetectorConfig())
     python_loop = engine._ingest_rows
 
     def ingest_many(observations):
@@ -45,7 +45,10 @@ def state(engine: Engine) -> list:
         entries = [(entry.rank, entry.latest_window, entry.recent_seqs.tolist())
                    for entry in cohort.slot_entries if entry is not None]
         cohorts.append((key, cohort.latest_end_unix_nano, windows, entries,
-                        cohort.latest_windows(len(cohort.slot_entries)).tolist()))
+                        cohort.latest_windows(len(cohort.slot_entries)).tolist(),
+                        # what opening and closing windows keep: the same calls, in the same order
+                        [rows.window for rows in cohort._closed_early], cohort._judged_below,
+                        sorted(cohort._judged_out_of_order), cohort._windows_version))
     return cohorts
 
 
@@ -115,6 +118,25 @@ def test_the_c_loop_leaves_the_engine_as_the_python_loop_does(monkeypatch, seed,
     assert fast[2] == python[2]
     assert fast[3] == python[3]
     assert sum(counts["accepted"] for counts in fast[0]) > 0
+
+
+@pytest.mark.parametrize("seed", [7, 8])
+def test_windows_opened_at_the_bound_leave_the_engine_as_the_python_loop_does(monkeypatch, seed):
+    """Steps out of order in a cohort that may hold two open windows: the C loop opens windows that
+    close the oldest early, and meets rows of windows its cohort will not open (late)."""
+    rng = random.Random(seed)
+    observations = SyntheticJob(ranks=8, stages=TEN_STAGES, seed=seed).observations(50)
+    for start in range(0, len(observations), 2000):  # out of order within every 25 steps' rows: 3 windows
+        chunk = observations[start:start + 2000]
+        rng.shuffle(chunk)
+        observations[start:start + 2000] = chunk
+    batches = [[observations[start:start + 37] for start in range(first, min(first + 240, len(observations)), 37)]
+               for first in range(0, len(observations), 240)]
+    config = DetectorConfig(max_open_windows=2)
+    fast = run(Engine(config), batches)
+    python = run(python_only_engine(monkeypatch, config), batches)
+    assert fast == python
+    assert fast[3]["evictions_windows"] > 0 and fast[3]["late"] > 0
 
 
 def test_tuples_and_iterables_take_the_same_loop_results():

@@ -128,6 +128,7 @@ def run_block(arm: str, spec: Model, model: nn.Module, optimizer: torch.optim.Op
         if arm == AUTOMATIC:
             checks = automatic.counts()
             automatic.uninstrument()
+            handle.flush(SHUTDOWN_TIMEOUT_S)  # status() counts the intervals taken to be built
             if checks["errors"] or checks["deferred_to_explicit"] or not handle.status()["intervals"]:
                 raise RuntimeError(f"the automatic stages did not time the block: {checks}")
         if handle is not None:

@@ -125,7 +125,8 @@ def start_rank_metrics(
     meter.create_observable_counter("straggler.instrumentation.lost", [lost], unit="{interval}",
                                     description="intervals or spans lost on the rank, by reason")
     meter.create_observable_counter("straggler.instrumentation.spans", [spans], unit="{span}",
-                                    description="intervals recorded, spans built, heartbeats built, spans exported")
+                                    description="intervals taken to be built or dropped, spans built, "
+                                                "heartbeats built, spans exported")
 
     def gpu_errors(options: CallbackOptions):
         return [Observation(count, {"kind": kind}) for kind, count in read_status()["gpu_health"]["errors"].items()]

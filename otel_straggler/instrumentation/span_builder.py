@@ -38,11 +38,13 @@ from otel_straggler.processors.device_events import give_back
 _MASK64 = (1 << 64) - 1
 MAX_OPEN_PARENTS = 1024  # enclosing intervals with built children, not yet ended themselves
 MAX_BATCH_SPANS = 256  # spans made before they are handed on together, in a long build
-DEADLINE_CHECK_RECORDS = 8  # records built between looks at the clock, in a build with a deadline
+DEADLINE_CHECK_RECORDS = 8  # records built between looks at the clock (build_pending's `until`)
 # build_errors: records of any kind that failed to build; intervals_failed: those of them that
-# were intervals (so status() can account for every interval)
+# were intervals; intervals_taken: interval records taken from the recorder's queue, counted as they
+# are taken (spans_built and intervals_failed count a burst's spans when it is handed on, and add
+# up to it once it is)
 COUNTER_NAMES = ("spans_built", "steps_built", "heartbeats_built", "pool_exhausted", "build_errors",
-                 "intervals_failed", "parent_ids_forgotten")
+                 "intervals_failed", "intervals_taken", "parent_ids_forgotten")
 
 
 def trace_id_for_step(job_id: str, step: int) -> int:
@@ -318,6 +320,7 @@ class SpanBuilder:
             try:
                 kind = record[0]
                 if kind == INTERVAL:
+                    self.counters["intervals_taken"] += 1
                     self._build_interval(record, batch)
                 elif kind == STEP_BEGIN:
                     self._close_step(record[2], batch)

@@ -147,3 +147,26 @@ def test_a_build_with_a_deadline_stops_at_the_first_look_past_it_and_loses_nothi
     assert handle.flush(timeout_s=5.0)
     assert len([span for span in in_memory.spans() if span.name != "train.step"]) == 1 + 10 * len(STAGES)
     assert sum(handle.status()["lost"].values()) == 0
+
+
+def test_the_intervals_counted_only_grow_through_a_build_and_reach_every_interval(in_memory):
+    """status()["intervals"] is exported as a counter (straggler.instrumentation.spans), so it must
+    never go back, read before a build, during it (here by a processor of the user's, as each span
+    is handed on) or after; and once the queue is built it counts every interval."""
+    from opentelemetry.sdk.trace import SpanProcessor
+
+    readings: list[int] = []
+
+    class StatusReader(SpanProcessor):
+        def on_end(self, span) -> None:
+            readings.append(handle.status()["intervals"])
+
+    handle = in_memory.configure(build_interval_ms=60_000.0)  # built by the flush below only
+    in_memory.provider.add_span_processor(StatusReader())
+    record_steps(5)
+    readings.append(handle.status()["intervals"])
+    assert handle.flush(timeout_s=5.0)
+    readings.append(handle.status()["intervals"])
+    assert len(readings) > 2 * len(STAGES)
+    assert readings == sorted(readings)
+    assert readings[-1] == 5 * len(STAGES) == len(in_memory.stage_spans())

@@ -7,8 +7,9 @@ A host loop (a step and four stages, 5 spans a step, fake device events, --step-
 with `ots.configure()` exporting to a live detector in another process: span building, device
 timing, batching, encoding and export, as a rank does. It measures the CPU of every thread but
 the loop's own, per span, from the process's clock, and each thread's by name (gRPC's own
-threads by their kernel names). Arms, each in a fresh process, in an order that alternates
-round by round (the machine is noisy):
+threads by their kernel names); and how late the loop's sleep returns each step, which is when a
+background thread holding the GIL delays the training thread. Arms, each in a fresh process, in an
+order that alternates round by round (the machine is noisy):
   C writer, gRPC       spans written by the optional extension _otlp_write (the default where
                        built), over OTLP/gRPC (the default protocol)
   Python writer, gRPC  the same encoder with the extension (its span writer and its join of a
@@ -68,12 +69,13 @@ def arm(writer: str, protocol: str, steps: int, step_s: float, endpoints: dict[s
     handle = ots.configure(job_id="rank-background", rank=0, world_size=1, endpoint=f"http://{endpoints[protocol]}",
                            protocol=protocol, device_timing="fake")
     for n in range(20):  # warm-up: threads started, the first batch exported
-        _step(ots, n, step_s)
+        _step(ots, n, step_s, [])
     handle.flush(30.0)
     threads_before = thread_cpu_ns()
     process_before, main_before = time.process_time_ns(), time.thread_time_ns()
+    woke_late_ns: list[int] = []
     for n in range(20, 20 + steps):
-        _step(ots, n, step_s)
+        _step(ots, n, step_s, woke_late_ns)
     handle.flush(60.0)  # everything the measured steps produced is built and exported
     background_ns = (time.process_time_ns() - process_before) - (time.thread_time_ns() - main_before)
     threads = thread_cpu_since(threads_before)
@@ -81,7 +83,11 @@ def arm(writer: str, protocol: str, steps: int, step_s: float, endpoints: dict[s
     status = handle.status()
     handle.shutdown(10.0)
     spans = steps * (1 + len(STAGES))
+    woke_late_ns.sort()
     return {"background_us_per_span": background_ns / spans / 1e3,
+            "woke_late_us": {"median": statistics.median(woke_late_ns) / 1e3,
+                             "p99": woke_late_ns[int(0.99 * (len(woke_late_ns) - 1))] / 1e3,
+                             "max": woke_late_ns[-1] / 1e3},
             "threads_us_per_span": {name: ns / spans / 1e3 for name, ns in threads.items()},
             "exported": status["exported"], "lost": sum(status["lost"].values())}
 
@@ -113,12 +119,17 @@ def _use_stock_export(protocol: str, endpoint: str) -> None:
     rank_pipeline.span_exporter = stock_exporter
 
 
-def _step(ots, n: int, step_s: float) -> None:
+def _step(ots, n: int, step_s: float, woke_late_ns: list[int]) -> None:
     ots.step(n, samples=256)
     for name in STAGES:
         with ots.stage(name):
             pass
+    # how much later than asked the sleep returns: the OS's timer slack, plus the wait for the GIL
+    # where a background thread holds it (a burst of the builder, an encode), as a training
+    # thread waking from a device wait would
+    asked = time.perf_counter_ns()
     time.sleep(step_s)
+    woke_late_ns.append(time.perf_counter_ns() - asked - int(step_s * 1e9))
 
 
 def main(argv=None) -> int:
@@ -178,6 +189,12 @@ def main(argv=None) -> int:
               f" {builder:8.1f} {median - builder:6.1f}  {shown}")
     print("\nbuilder: the span builder thread (building spans, and for our arms encoding them as they are"
           " queued); rest: every other background thread (batching, export, gRPC's own)")
+    print(f"\n{'arm':20} {'woke late µs: median':>21} {'p99':>7} {'max':>7}")
+    for label, runs in results.items():
+        late = {key: statistics.median(run["woke_late_us"][key] for run in runs) for key in ("median", "p99", "max")}
+        print(f"{label:20} {late['median']:21.0f} {late['p99']:7.0f} {late['max']:7.0f}")
+    print("woke late: how much later than asked the loop's sleep returned each step (the OS's timer slack,"
+          " plus any wait for the GIL held by a background thread), medians over the rounds")
     for writer in ("C writer", "Python writer"):
         protocols = [summary[f"{writer}, {name}"]["median_us_per_span"] for name in ("HTTP", "gRPC")]
         print(f"{writer}: over HTTP against over gRPC {protocols[0] / protocols[1]:.2f}x")

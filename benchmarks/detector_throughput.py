@@ -3,7 +3,8 @@ the protobuf parse-only rate of the same payloads, and the detector's peak memor
 
     python benchmarks/detector_throughput.py [--ranks 1024] [--steps 60] [--steps-per-request 5]
                                              [--rounds 5] [--small-cohorts 8] [--python-only]
-                                             [--memory-ranks 10000] [--memory-steps 30]
+                                             [--memory-ranks 10000] [--memory-steps 30] [--default-malloc]
+    python benchmarks/detector_throughput.py --allocator-pairs 8
 
 Payloads are what the rank side sends: each rank's stage spans encoded by the OTel SDK's own OTLP
 encoder (trace/span/parent ids, kind, status, scope, resource and every contract attribute), one
@@ -23,6 +24,11 @@ Arms, interleaved round by round because the machine is shared, timed in CPU sec
   end to end      decode, engine.ingest_placements and ingest_many (its C loop, _ingest, when built),
                   engine.advance after each round of every rank's request (the service advances
                   every 0.1 s), drain at the end: verdicts out
+The process's allocator is set as `otel-straggler detect` sets it (detector/allocator.py) unless
+--default-malloc is given; the memory child follows it. With --allocator-pairs N it compares that
+setting with glibc's defaults instead: per layout, two child processes, one with each, take turns
+at N end-to-end passes each (the order alternating), and the table gives the median of the
+per-pair ratios, which moves far less with this machine's speed than two runs' figures would.
 Memory: a fresh child process streams --memory-ranks ranks x 10 stages through decode and the engine
 (one step of requests in flight at a time) and reports its peak RSS over its RSS before the run.
 """
@@ -32,9 +38,12 @@ import argparse
 import gc
 import json
 import os
+import pickle
+import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 
@@ -42,6 +51,7 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from otel_straggler import contract
+from otel_straggler.detector.allocator import keep_freed_memory
 from otel_straggler.detector.config import DetectorConfig
 from otel_straggler.detector.decode import ProtobufDecoder
 from otel_straggler.detector.engine import Engine
@@ -195,6 +205,60 @@ def throughput(args, cohort_size: int) -> float:
     return versus_parse_only(end_to_end_seconds)
 
 
+def allocator_child(workload_path: str) -> None:
+    """--allocator-child: one layout's end-to-end passes over the workload pickled at
+    `workload_path`, one per line read from stdin, each answered with its CPU seconds and kernel
+    seconds; the allocator as main() set it. The workload is built in the parent: building it frees
+    large blocks, which raises glibc's adaptive thresholds as a detector's own history would not."""
+    with open(workload_path, "rb") as file:
+        rounds, spans = pickle.load(file)
+    end_to_end(rounds, spans)  # warm: ranks admitted, caches filled
+    print("ready", flush=True)
+    for _ in sys.stdin:
+        gc.collect()
+        kernel = resource.getrusage(resource.RUSAGE_SELF).ru_stime
+        start = time.process_time()
+        end_to_end(rounds, spans)
+        print(time.process_time() - start, resource.getrusage(resource.RUSAGE_SELF).ru_stime - kernel, flush=True)
+
+
+def allocator_pairs(args, cohort_size: int) -> None:
+    """detect's allocator setting against glibc's defaults, in paired passes (see the docstring)."""
+    arms = {"detect's setting (allocator.py)": [], "glibc's defaults": ["--default-malloc"]}
+    with tempfile.NamedTemporaryFile(suffix=".pickle") as workload_file:
+        pickle.dump(workload(args.ranks, args.steps, args.steps_per_request, cohort_size), workload_file)
+        workload_file.flush()
+        command = [sys.executable, os.path.abspath(__file__), "--allocator-child", workload_file.name]
+        children = {name: subprocess.Popen(command + flags, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                    for name, flags in arms.items()}
+        for child in children.values():  # loaded: the file may go
+            if child.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"an allocator child failed: exit {child.wait()}")
+    try:
+        passes: dict[str, list[tuple[float, float]]] = {name: [] for name in children}
+        for pair in range(args.allocator_pairs):
+            for name in list(children)[:: 1 if pair % 2 == 0 else -1]:
+                children[name].stdin.write("pass\n")
+                children[name].stdin.flush()
+                cpu, kernel = children[name].stdout.readline().split()
+                passes[name].append((float(cpu), float(kernel)))
+    finally:
+        for child in children.values():
+            child.stdin.close()
+            child.wait()
+    spans = args.ranks * len(TEN_STAGES) * args.steps
+    layout = f"1 cohort of {args.ranks:,} ranks" if cohort_size >= args.ranks else \
+        f"{-(-args.ranks // cohort_size)} cohorts of {cohort_size} ranks"
+    print(f"\nallocator, {layout}: {args.allocator_pairs} pairs of end-to-end passes, two processes taking turns")
+    print(f"{'arm':<36}{'spans/s/core':>14}{'kernel s/pass':>15}")
+    for name, measured in passes.items():
+        print(f"{name:<36}{spans / statistics.median(cpu for cpu, _ in measured):>14,.0f}"
+              f"{statistics.median(kernel for _, kernel in measured):>15.3f}")
+    ratios = [default[0] / kept[0] for kept, default in zip(*passes.values(), strict=True)]
+    print(f"glibc's defaults' CPU time over detect's setting's, per pair: median {statistics.median(ratios):.2f}x "
+          f"(range {min(ratios):.2f}-{max(ratios):.2f})")
+
+
 def scanner_built() -> bool:
     from otel_straggler.detector import decode
 
@@ -237,7 +301,8 @@ def memory_child(ranks: int, steps: int) -> None:
 
 def peak_memory(args) -> None:
     done = subprocess.run([sys.executable, os.path.abspath(__file__), "--memory-child",
-                           "--memory-ranks", str(args.memory_ranks), "--memory-steps", str(args.memory_steps)],
+                           "--memory-ranks", str(args.memory_ranks), "--memory-steps", str(args.memory_steps)]
+                          + (["--default-malloc"] if args.default_malloc else []),
                           capture_output=True, text=True, check=True)
     result = json.loads(done.stdout)
     print(f"\npeak memory: {args.memory_ranks:,} ranks x {len(TEN_STAGES)} stages x {args.memory_steps} steps "
@@ -262,17 +327,31 @@ def main() -> int:
                         help="also time the Python decoder alone (what runs without a C compiler)")
     parser.add_argument("--memory-ranks", type=int, default=10_000)
     parser.add_argument("--memory-steps", type=int, default=30)
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="leave the C library's allocator at its defaults instead of setting it as "
+                             "`otel-straggler detect` does")
+    parser.add_argument("--allocator-pairs", type=int, default=0, metavar="N",
+                        help="only compare `detect`'s allocator setting with glibc's defaults, N paired passes a layout")
     parser.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--allocator-child", metavar="WORKLOAD", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    allocator = "defaults (--default-malloc)" if args.default_malloc else keep_freed_memory()
     if args.memory_child:
         memory_child(args.memory_ranks, args.memory_steps)
         return 0
+    if args.allocator_child:
+        allocator_child(args.allocator_child)
+        return 0
     if args.steps % args.steps_per_request:
         parser.error("--steps must be a multiple of --steps-per-request")
-    print(f"detector throughput; decode: {'the C scanner (_otlp_scan), Python where it declines' if scanner_built() else 'Python only (_otlp_scan not built)'}")
+    print(f"detector throughput; decode: {'the C scanner (_otlp_scan), Python where it declines' if scanner_built() else 'Python only (_otlp_scan not built)'}"
+          f"; allocator: {allocator}")
     for cohort_size in (args.ranks, args.small_cohorts) if args.small_cohorts else (args.ranks,):
-        throughput(args, cohort_size)
-    if args.memory_ranks:
+        if args.allocator_pairs:
+            allocator_pairs(args, cohort_size)
+        else:
+            throughput(args, cohort_size)
+    if args.memory_ranks and not args.allocator_pairs:
         peak_memory(args)
     return 0
 

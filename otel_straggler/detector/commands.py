@@ -18,6 +18,7 @@ import threading
 from otel_straggler.cli import UsageError
 from otel_straggler.detector import config as detector_config
 from otel_straggler.detector import decode
+from otel_straggler.detector.allocator import keep_freed_memory
 from otel_straggler.detector.config import ConfigError, DetectorConfig
 
 SHUTDOWN_TIMEOUT_S = 30.0  # for the engine to judge open windows and the evidence to be flushed
@@ -51,6 +52,7 @@ def run_detect(args: argparse.Namespace) -> int:
 
     config = _load(args)
     _log_to_stderr("detect")
+    allocator = keep_freed_memory()  # this process is the detector's own (an embedding one keeps its allocator)
     stop_requested = threading.Event()
     for signal_number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signal_number, lambda *_: stop_requested.set())
@@ -68,7 +70,7 @@ def run_detect(args: argparse.Namespace) -> int:
     decoder = "C scanner" if decode.scanner_built() else "Python only (the C scanner is not built)"
     print(f"otel-straggler detect: OTLP/gRPC {config.listen_address}:{grpc_port}, OTLP/HTTP "
           f"{config.listen_address}:{http_port}{prometheus}, evidence in {os.path.abspath(config.evidence_dir)}, "
-          f"protobuf decoding: {decoder}", flush=True)
+          f"protobuf decoding: {decoder}, allocator: {allocator}", flush=True)
     if console is not None:
         console.start()
     while not stop_requested.wait(1.0):
@@ -109,6 +111,7 @@ def run_replay(args: argparse.Namespace) -> int:
     # replay exports metrics and events only when asked by flag or env, unlike the live service
     asked = args.export_metrics is not None or "OTEL_STRAGGLER_EXPORT_METRICS" in os.environ
     _log_to_stderr("replay")
+    keep_freed_memory()
     try:
         summary = replay(args.files, config, export_telemetry=asked and config.export_metrics)
     except ConfigError as error:

@@ -37,6 +37,7 @@ def start_detect(evidence: Path, *flags: str) -> tuple[subprocess.Popen, int]:
     line = process.stdout.readline()
     started = STARTED.search(line)
     assert started, (line, process.stderr.read() if process.poll() is not None else "")
+    assert "allocator: " in line, line  # what the detector did to the process's allocator (allocator.py)
     return process, int(started.group(1))
 
 

@@ -21,6 +21,9 @@ from otel_straggler.detector.observation import RECORD_FORMAT, ObservationRecord
 
 from otel_straggler.testing.otlp_spans import request_bytes, stage_spans
 from .test_fuzz import mutations
+# at import, not inside a test: importing it defines @given tests, which a running @given test
+# would take for nested ones (hypothesis's nested_given health check)
+from .test_ingest_fast import state
 
 try:
     from otel_straggler.detector import _otlp_scan  # noqa: F401
@@ -178,8 +181,6 @@ def test_scanned_records_ingest_as_their_observations_do(payload):
     leaves it as the Python loop over the same Observations does."""
     from otel_straggler.detector.config import DetectorConfig
     from otel_straggler.detector.engine import OUTCOMES, Engine
-
-    from .test_ingest_fast import state
 
     observations = ProtobufDecoder().decode(payload).observations
     if not isinstance(observations, ObservationRecords):

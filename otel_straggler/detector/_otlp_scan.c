@@ -134,10 +134,12 @@ static inline int is_ascii(const uint8_t *p, Py_ssize_t n) {
     return (high & 0x8080808080808080ULL) == 0;
 }
 
-/* Keys share long prefixes ("training."): their lengths and last 8 bytes tell most apart before a
-   memcmp of the whole key. */
-static Py_ssize_t key_lengths[N_KEYS];
+/* Wanted keys by length: a key is found by its length, its last 8 bytes (keys share long
+   prefixes, "training.") and one compare of the rest, word by word, without a call. Every wanted
+   key is ASCII (configure checks), so a key that is one of them needs no check of its own. */
+#define MAX_KEY_LENGTH 64
 static uint64_t key_tails[N_KEYS];
+static int8_t keys_of_length[MAX_KEY_LENGTH + 1][N_KEYS + 1]; /* each list ends with -1 */
 
 static inline uint64_t tail_of(const uint8_t *p, Py_ssize_t n) {
     uint64_t tail = 0;
@@ -146,10 +148,25 @@ static inline uint64_t tail_of(const uint8_t *p, Py_ssize_t n) {
     return tail;
 }
 
+/* Whether a and b, both n bytes long with equal last 8 bytes (tail_of), are equal: the words
+   before the tail compared (the last one overlapping it where n is not a multiple of 8). */
+static inline int same_before_tail(const uint8_t *a, const uint8_t *b, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n - 8; i += 8) {
+        uint64_t x, y;
+        memcpy(&x, a + i, 8);
+        memcpy(&y, b + i, 8);
+        if (x != y) return 0;
+    }
+    return 1;
+}
+
 static inline int key_index(const uint8_t *p, Py_ssize_t n, int first, int last) {
+    if (n > MAX_KEY_LENGTH) return -1;
     uint64_t tail = tail_of(p, n);
-    for (int k = first; k < last; k++)
-        if (key_lengths[k] == n && key_tails[k] == tail && memcmp(PyBytes_AS_STRING(key_names[k]), p, n) == 0) return k;
+    for (const int8_t *k = keys_of_length[n]; *k >= 0; k++)
+        if (*k >= first && *k < last && key_tails[*k] == tail
+            && same_before_tail((const uint8_t *)PyBytes_AS_STRING(key_names[*k]), p, n))
+            return *k;
     return -1;
 }
 
@@ -166,9 +183,9 @@ static int read_attribute(Reader *r, Slice *slices, int first, int last) {
         else if (field == 2 && !has_value) { if (read_len(&entry, &value)) return -1; has_value = 1; }
         else return -1;
     }
-    if (!has_key || !is_ascii(key.p, key.end - key.p)) return -1;
+    if (!has_key) return -1;
     int k = key_index(key.p, key.end - key.p, first, last);
-    if (k < 0) return 0;
+    if (k < 0) return is_ascii(key.p, key.end - key.p) ? 0 : -1; /* a wanted key is ASCII already */
     Slice *slot = &slices[k - first];
     if (slot->found || !has_value) return -1;
     slot->p = value.p;
@@ -532,15 +549,25 @@ static PyObject *configure(PyObject *Py_UNUSED(module), PyObject *args) {
         return NULL;
     }
     for (int k = 0; k < N_KEYS; k++) {
-        if (!PyBytes_Check(PyTuple_GET_ITEM(keys, k))) {
+        PyObject *key = PyTuple_GET_ITEM(keys, k);
+        if (!PyBytes_Check(key)) {
             PyErr_SetString(PyExc_TypeError, "attribute names must be bytes");
             return NULL;
         }
+        Py_ssize_t n = PyBytes_GET_SIZE(key);
+        if (n == 0 || n > MAX_KEY_LENGTH || !is_ascii((const uint8_t *)PyBytes_AS_STRING(key), n)) {
+            PyErr_SetString(PyExc_ValueError, "attribute names must be ASCII, 1 to 64 bytes long");
+            return NULL;
+        }
     }
+    memset(keys_of_length, -1, sizeof keys_of_length);
     for (int k = 0; k < N_KEYS; k++) {
         Py_XSETREF(key_names[k], Py_NewRef(PyTuple_GET_ITEM(keys, k)));
-        key_lengths[k] = PyBytes_GET_SIZE(key_names[k]);
-        key_tails[k] = tail_of((const uint8_t *)PyBytes_AS_STRING(key_names[k]), key_lengths[k]);
+        Py_ssize_t n = PyBytes_GET_SIZE(key_names[k]);
+        key_tails[k] = tail_of((const uint8_t *)PyBytes_AS_STRING(key_names[k]), n);
+        int8_t *same_length = keys_of_length[n];
+        while (*same_length >= 0) same_length++; /* room for every key: N_KEYS + 1 entries */
+        *same_length = (int8_t)k;
     }
     Py_XSETREF(default_cohort, Py_NewRef(cohort));
     Py_XSETREF(device_timing, Py_NewRef(device));

@@ -234,6 +234,32 @@ def test_odd_values_are_declined_or_agree(key, raw):
     assert_agrees(_request_with_raw_attribute(key, raw))
 
 
+@pytest.mark.parametrize("key", [
+    "x" + contract.SEQ[1:],                            # a wanted key's length and last 8 bytes
+    contract.SEQ[:-1] + "x",                           # its length and all but its last byte
+    contract.STAGE[:4] + "X" + contract.STAGE[5:],     # one byte of its head
+    contract.SEQ + "x",                                # one byte longer
+    contract.STEP[-8:],                                # its last 8 bytes alone
+])
+def test_keys_near_a_wanted_one_are_other_keys(key):
+    """The scanner finds a key by its length and last 8 bytes first: a key that shares them is
+    still another key, ignored as the reference decoder ignores it."""
+    from .test_decode import _request_with_raw_attribute
+
+    payload = _request_with_raw_attribute(key, AnyValue(int_value=2**40).SerializeToString())
+    assert assert_agrees(payload)
+    assert [(o.step, o.seq) for o in ProtobufDecoder().decode(payload).observations] == \
+        [(o.step, o.seq) for o in reference(payload).observations]
+
+
+def test_a_key_that_is_not_ascii_is_declined():
+    """Only wanted keys (all ASCII) skip the check: any other key must be ASCII to be answered."""
+    from .test_decode import _request_with_raw_attribute
+
+    payload = _request_with_raw_attribute("training.st\u00e9p", AnyValue(int_value=7).SerializeToString())
+    assert reference(payload) is not None and SCAN(payload) is None
+
+
 def test_two_bad_strings_in_one_span_decline_cleanly():
     """The second string is not decoded while the first one's error is pending (a debug
     interpreter aborts on that)."""

@@ -275,6 +275,7 @@ typedef struct {
     int has_identity;
     Value identity_values[N_IDENTITY];
     int32_t identity;
+    int32_t resource_identity; /* the current ResourceSpans' identity index (span_identity); -1: not read yet */
     /* stage names seen in this request and their index in strings (the first STAGE_TABLE) */
     struct { const uint8_t *p; Py_ssize_t n; uint64_t tail; int32_t index; } stages[STAGE_TABLE];
     int n_stages;
@@ -369,6 +370,25 @@ static int keep_heartbeat(Scan *scan, const uint8_t *span_p, Py_ssize_t span_n) 
     return appended;
 }
 
+/* The index of a span's identity. Where each identity key the span names is named by its resource
+too (whose values win), the identity is the resource's alone: read once per ResourceSpans, not
+once per span (the usual span names none; its rank's resource names them all). -1: decline. */
+static int span_identity(Scan *scan, const Slice *slices, const Slice *resource_identity, int32_t *out) {
+    int resource_alone = 1;
+    for (int i = 0; i < N_IDENTITY; i++)
+        if (slices[K_JOB + i].found && !resource_identity[i].found) resource_alone = 0;
+    if (resource_alone && scan->resource_identity >= 0) {
+        *out = scan->resource_identity;
+        return 0;
+    }
+    Value given[N_IDENTITY];
+    for (int i = 0; i < N_IDENTITY; i++)
+        if (read_value(resource_identity[i].found ? &resource_identity[i] : &slices[K_JOB + i], &given[i])) return -1;
+    if (read_identity(scan, given, out)) return -1;
+    if (resource_alone) scan->resource_identity = *out;
+    return 0;
+}
+
 /* One span: appends its Observation, keeps it as a heartbeat, counts it ignored, or declines (-1). */
 static int read_span(Reader *span, const Slice *resource_identity, Scan *scan) {
     Slice slices[N_KEYS] = {{0}};
@@ -400,11 +420,9 @@ static int read_span(Reader *span, const Slice *resource_identity, Scan *scan) {
         return 0;
     }
 
-    Value v[N_KEYS];
-    for (int k = 0; k < N_KEYS; k++) {
-        const Slice *from = (k >= K_JOB && resource_identity[k - K_JOB].found) ? &resource_identity[k - K_JOB] : &slices[k];
-        if (read_value(from, &v[k])) return -1;
-    }
+    Value v[K_JOB]; /* the span's own keys; its identity is span_identity's */
+    for (int k = 0; k < K_JOB; k++)
+        if (read_value(&slices[k], &v[k])) return -1;
     if (v[K_STAGE].kind != V_STR || v[K_STAGE].n == 0 || v[K_STEP].kind != V_INT || v[K_STEP].i < 0
         || v[K_SEQ].kind != V_INT || v[K_SEQ].i < 0 || start == 0 || end < start)
         return -1;
@@ -424,7 +442,7 @@ static int read_span(Reader *span, const Slice *resource_identity, Scan *scan) {
 
     int32_t identity, stage;
     int64_t tokens, samples;
-    if (read_identity(scan, &v[K_JOB], &identity) || stage_index(scan, &v[K_STAGE], &stage)
+    if (span_identity(scan, slices, resource_identity, &identity) || stage_index(scan, &v[K_STAGE], &stage)
         || positive_count(&v[K_TOKENS], &tokens) || positive_count(&v[K_SAMPLES], &samples))
         return -1;
     Record *record = new_record(scan);
@@ -454,6 +472,7 @@ static int read_resource_spans(Reader body, Scan *scan, PyObject *resources) {
     int has_resource = 0;
     scan->resource.found = 0;
     scan->observed = 0;
+    scan->resource_identity = -1;
     /* first the resource, wherever it is, then the spans */
     for (Reader r = body; r.p < r.end;) {
         uint32_t field, wire_type;

@@ -260,6 +260,20 @@ def test_a_key_that_is_not_ascii_is_declined():
     assert reference(payload) is not None and SCAN(payload) is None
 
 
+def test_a_span_naming_an_identity_key_its_resource_does_not_has_its_own_identity():
+    """The scanner reads a resource's identity once for the spans that name none of its keys; a
+    span of the same resource that names one the resource does not (an epoch, a restart count)
+    has another identity, before and after the others."""
+    request = ExportTraceServiceRequest.FromString(request_bytes(stage_spans(0, 5)))
+    spans = request.resource_spans[0].scope_spans[0].spans
+    spans[1].attributes.append(KeyValue(key=contract.TOPOLOGY_EPOCH, value=AnyValue(int_value=3)))
+    spans[3].attributes.append(KeyValue(key=contract.RESTART_COUNT, value=AnyValue(int_value=2)))
+    payload = request.SerializeToString()
+    assert assert_agrees(payload)
+    observations = ProtobufDecoder().decode(payload).observations
+    assert [(o.epoch, o.restart) for o in observations] == [(0, 0), (3, 0), (0, 0), (0, 2), (0, 0)]
+
+
 def test_two_bad_strings_in_one_span_decline_cleanly():
     """The second string is not decoded while the first one's error is pending (a debug
     interpreter aborts on that)."""

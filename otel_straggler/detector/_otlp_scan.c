@@ -324,7 +324,7 @@ static int read_identity(Scan *scan, const Value *given, int32_t *out) {
 static int stage_index(Scan *scan, const Value *v, int32_t *out) {
     uint64_t tail = tail_of(v->s, v->n);
     for (int i = 0; i < scan->n_stages; i++)
-        if (scan->stages[i].n == v->n && scan->stages[i].tail == tail && memcmp(scan->stages[i].p, v->s, v->n) == 0) {
+        if (scan->stages[i].n == v->n && scan->stages[i].tail == tail && same_before_tail(scan->stages[i].p, v->s, v->n)) {
             *out = scan->stages[i].index;
             return 0;
         }

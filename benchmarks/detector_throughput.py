@@ -205,15 +205,16 @@ def throughput(args, cohort_size: int) -> float:
     return versus_parse_only(end_to_end_seconds)
 
 
-def allocator_child(workload_path: str) -> None:
+def allocator_child(workload_path: str, allocator: str) -> None:
     """--allocator-child: one layout's end-to-end passes over the workload pickled at
     `workload_path`, one per line read from stdin, each answered with its CPU seconds and kernel
-    seconds; the allocator as main() set it. The workload is built in the parent: building it frees
-    large blocks, which raises glibc's adaptive thresholds as a detector's own history would not."""
+    seconds; the allocator as main() set it (`allocator` says how, in the "ready" line). The
+    workload is built in the parent: building it frees large blocks, which raises glibc's adaptive
+    thresholds as a detector's own history would not."""
     with open(workload_path, "rb") as file:
         rounds, spans = pickle.load(file)
-    end_to_end(rounds, spans)  # warm: ranks admitted, caches filled
-    print("ready", flush=True)
+    end_to_end(rounds, spans)  # warm: imports, the scanner's string cache, the heap grown once
+    print(f"ready {allocator}", flush=True)
     for _ in sys.stdin:
         gc.collect()
         kernel = resource.getrusage(resource.RUSAGE_SELF).ru_stime
@@ -222,34 +223,45 @@ def allocator_child(workload_path: str) -> None:
         print(time.process_time() - start, resource.getrusage(resource.RUSAGE_SELF).ru_stime - kernel, flush=True)
 
 
+def _answer(child: subprocess.Popen, name: str) -> str:
+    line = child.stdout.readline()
+    if not line:
+        raise RuntimeError(f"the allocator child '{name}' ended (exit {child.poll()})")
+    return line.strip()
+
+
 def allocator_pairs(args, cohort_size: int) -> None:
     """detect's allocator setting against glibc's defaults, in paired passes (see the docstring)."""
     arms = {"detect's setting (allocator.py)": [], "glibc's defaults": ["--default-malloc"]}
-    with tempfile.NamedTemporaryFile(suffix=".pickle") as workload_file:
-        pickle.dump(workload(args.ranks, args.steps, args.steps_per_request, cohort_size), workload_file)
-        workload_file.flush()
-        command = [sys.executable, os.path.abspath(__file__), "--allocator-child", workload_file.name]
-        children = {name: subprocess.Popen(command + flags, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-                    for name, flags in arms.items()}
-        for child in children.values():  # loaded: the file may go
-            if child.stdout.readline().strip() != "ready":
-                raise RuntimeError(f"an allocator child failed: exit {child.wait()}")
+    children: dict[str, subprocess.Popen] = {}
+    said: dict[str, str] = {}
+    passes: dict[str, list[tuple[float, float]]] = {name: [] for name in arms}
     try:
-        passes: dict[str, list[tuple[float, float]]] = {name: [] for name in children}
+        with tempfile.NamedTemporaryFile(suffix=".pickle") as workload_file:
+            pickle.dump(workload(args.ranks, args.steps, args.steps_per_request, cohort_size), workload_file)
+            workload_file.flush()
+            command = [sys.executable, os.path.abspath(__file__), "--allocator-child", workload_file.name]
+            for name, flags in arms.items():
+                children[name] = subprocess.Popen(command + flags, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                                  text=True)
+            for name, child in children.items():  # loaded: the file may go
+                said[name] = _answer(child, name).removeprefix("ready ")
         for pair in range(args.allocator_pairs):
             for name in list(children)[:: 1 if pair % 2 == 0 else -1]:
                 children[name].stdin.write("pass\n")
                 children[name].stdin.flush()
-                cpu, kernel = children[name].stdout.readline().split()
+                cpu, kernel = _answer(children[name], name).split()
                 passes[name].append((float(cpu), float(kernel)))
     finally:
         for child in children.values():
-            child.stdin.close()
+            child.kill()  # idle between passes, or failed: nothing of theirs is left to wait for
             child.wait()
     spans = args.ranks * len(TEN_STAGES) * args.steps
     layout = f"1 cohort of {args.ranks:,} ranks" if cohort_size >= args.ranks else \
         f"{-(-args.ranks // cohort_size)} cohorts of {cohort_size} ranks"
     print(f"\nallocator, {layout}: {args.allocator_pairs} pairs of end-to-end passes, two processes taking turns")
+    for name in arms:
+        print(f"  {name}: {said[name]}")
     print(f"{'arm':<36}{'spans/s/core':>14}{'kernel s/pass':>15}")
     for name, measured in passes.items():
         print(f"{name:<36}{spans / statistics.median(cpu for cpu, _ in measured):>14,.0f}"
@@ -340,7 +352,7 @@ def main() -> int:
         memory_child(args.memory_ranks, args.memory_steps)
         return 0
     if args.allocator_child:
-        allocator_child(args.allocator_child)
+        allocator_child(args.allocator_child, allocator)
         return 0
     if args.steps % args.steps_per_request:
         parser.error("--steps must be a multiple of --steps-per-request")

@@ -252,6 +252,37 @@ def test_keys_near_a_wanted_one_are_other_keys(key):
         [(o.step, o.seq) for o in reference(payload).observations]
 
 
+def test_every_byte_of_every_wanted_key_counts():
+    """A key one byte off a wanted key, at any position (before, inside or after its last 8
+    bytes), is another key: ignored as the reference decoder ignores it."""
+    from .test_decode import _request_with_raw_attribute
+
+    wanted = {*decode._IDENTITY_KEYS, contract.STAGE, contract.STEP, contract.SEQ, contract.TIMING, contract.COLLECTIVE,
+              contract.WORKLOAD_TOKENS, contract.WORKLOAD_SAMPLES, contract.DEVICE_DURATION_MS}
+    tried = 0
+    for key in sorted(wanted):
+        for position in range(len(key)):
+            near = key[:position] + ("X" if key[position] != "X" else "Y") + key[position + 1:]
+            payload = _request_with_raw_attribute(near, AnyValue(int_value=2**40).SerializeToString())
+            assert assert_agrees(payload), near
+            tried += 1
+    assert tried > 13 * 8
+
+
+def test_stage_names_alike_in_their_last_bytes_stay_apart():
+    """Stage names of one request are told apart by length and last 8 bytes first, then the rest."""
+    request = ExportTraceServiceRequest.FromString(request_bytes(stage_spans(0, 3)))
+    spans = request.resource_spans[0].scope_spans[0].spans
+    for span, name in zip(spans, ["forward-compute", "Xorward-compute", "forwarX-compute"], strict=True):
+        for attribute in span.attributes:
+            if attribute.key == contract.STAGE:
+                attribute.value.string_value = name
+    payload = request.SerializeToString()
+    assert assert_agrees(payload)
+    assert [o.stage for o in ProtobufDecoder().decode(payload).observations] == \
+        ["forward-compute", "Xorward-compute", "forwarX-compute"]
+
+
 def test_a_key_that_is_not_ascii_is_declined():
     """Only wanted keys (all ASCII) skip the check: any other key must be ASCII to be answered."""
     from .test_decode import _request_with_raw_attribute

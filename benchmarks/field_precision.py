@@ -241,6 +241,12 @@ def summarize(verdicts: list[dict], status: dict, kind: str, steps: int, from_st
     return result
 
 
+def described(verdicts: list[dict]) -> list[str]:
+    """Each verdict in one line: what a failed healthy run prints (a dict's repr is cut short)."""
+    return [f"{v.get('verdict')}/{v.get('reason')} rank {v.get('rank')} {v.get('stage')} window {v.get('window')} "
+            f"slowdown {v.get('slowdown')} gap {v.get('gap_ms')} ms ({v.get('timing')})" for v in verdicts]
+
+
 def exact(kind: str, result: RunResult) -> bool:
     """The slow rank alone flagged; in a healthy run, no verdict of any kind."""
     return not result.verdicts if kind == "none" else result.flagged == {SLOW_RANK}
@@ -291,9 +297,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         recovered = sum(r.recovered_while_slow for r in results)
         print(f"{scenario:<28} {exact_runs:>3}/{len(results):<3} {false_rate:>19.1f} {window_text:>17} "
               f"{seconds_text:>11} {100 * late:>10.2f}% {leading_text:>21} {recovered:>21}", flush=True)
-        flagged = [sorted(r.flagged) for r in results if not exact(kind, r)]
-        if flagged:
-            print(f"{'':<28} not exact: flagged ranks {flagged}")
+        for r in results:
+            if not exact(kind, r):
+                print(f"{'':<28} not exact: flagged ranks {sorted(r.flagged)}; "
+                      + "; ".join(described(r.verdicts if kind == "none" else
+                                            [v for v in r.verdicts if v.get("rank") != SLOW_RANK])))
         led_otherwise = sorted({r.leading_stage for r in alerted if r.leading_stage != cause})
         if kind != "none" and led_otherwise:
             print(f"{'':<28} led with {led_otherwise}")

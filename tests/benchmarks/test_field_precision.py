@@ -44,7 +44,7 @@ def test_field_runs_meet_the_targets():
               f"{[r.windows_to_alert for r in results]}, late {sum(r.late for r in results)}")
     healthy = [r for s, results in runs.items() if s.startswith("healthy") for r in results]
     slow = [r for s, results in runs.items() if not s.startswith("healthy") for r in results]
-    assert all(not r.flagged for r in healthy), [onsets(r) for r in healthy]
+    assert all(not r.flagged for r in healthy), [field_precision.described(r.verdicts) for r in healthy]
     wrong = [onsets(r) for r in slow if r.flagged - {SLOW}]
     assert len(wrong) <= 1, wrong
     exact = [r for r in slow if r.flagged == {SLOW}]
@@ -66,7 +66,7 @@ def test_loop_shapes_of_real_scripts_meet_the_targets():
     for scenario, results in slow.items():
         print(f"{scenario}: flagged {[sorted(r.flagged) for r in results]}, led by "
               f"{[r.leading_stage for r in results]}, windows to alert {[r.windows_to_alert for r in results]}")
-    assert all(not r.verdicts for r in healthy), [r.verdicts for r in healthy]
+    assert all(not r.verdicts for r in healthy), [field_precision.described(r.verdicts) for r in healthy]
     for scenario, results in slow.items():
         shape, kind = field_precision._shape(scenario), field_precision._kind(scenario)
         assert all(r.flagged == {SLOW} for r in results), (scenario, [onsets(r) for r in results])

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 
 import field_zero_code
+from field_precision import described
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
@@ -39,7 +40,7 @@ def check(scenario: str) -> field_zero_code.ZeroCodeRun:
           f"{run.wall_s:.0f} s")
     assert result.received > 0, f"{scenario}: no spans reached the detector ({run.rejections or 'none rejected'})"
     if kind == "none":
-        assert not result.verdicts, (scenario, result.verdicts)
+        assert not result.verdicts, (scenario, described(result.verdicts))
     else:
         assert result.flagged == {SLOW}, (scenario, onsets(run))
         # the stage the work was added to is named; the first alert can be the whole step's (`*`),

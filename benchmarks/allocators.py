@@ -12,9 +12,12 @@ from __future__ import annotations
 
 from typing import Mapping
 
-# 32 MiB is the largest mmap threshold glibc accepts on 64 bits (a larger one is ignored), so a
-# single allocation of 32 MiB or more is still mapped afresh each time; the demo's are far smaller.
-KEPT_MMAP_THRESHOLD, KEPT_TRIM_THRESHOLD, KEPT_TOP_PAD = 32 << 20, 1 << 30, 64 << 20
+from otel_straggler.detector.allocator import MMAP_THRESHOLD_BYTES
+
+# the largest mmap threshold glibc accepts on 64 bits, as the detector sets it (32 MiB: a larger
+# one is ignored), so a single allocation of 32 MiB or more is still mapped afresh each time; the
+# demo's are far smaller
+KEPT_MMAP_THRESHOLD, KEPT_TRIM_THRESHOLD, KEPT_TOP_PAD = MMAP_THRESHOLD_BYTES, 1 << 30, 64 << 20
 ALLOCATORS: dict[str, dict[str, str]] = {
     "kept-memory": {"MALLOC_MMAP_THRESHOLD_": str(KEPT_MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(KEPT_TRIM_THRESHOLD),
                     "MALLOC_TOP_PAD_": str(KEPT_TOP_PAD)},

@@ -52,7 +52,8 @@ def keep_freed_memory() -> str:
     if not mmap_set:
         return "left as it is (mallopt refused)"
     if not trim_set:  # the mmap threshold is set (and glibc's adaptive thresholds off): say so
-        return f"mmap threshold {MMAP_THRESHOLD_BYTES >> 20} MiB, trim threshold refused"
+        return (f"glibc malloc keeps freed memory in part (mmap threshold {MMAP_THRESHOLD_BYTES >> 20} MiB; "
+                "trim threshold refused)")
     return f"glibc malloc keeps freed memory (mmap threshold {MMAP_THRESHOLD_BYTES >> 20} MiB, " \
            f"trim threshold {TRIM_THRESHOLD_BYTES >> 20} MiB)"
 

@@ -1,15 +1,17 @@
 """The CI-sized field run (benchmarks/field_precision.py): real 4-rank gloo DDP jobs instrumented the
 README way plus `ots.instrument_ddp`, the SDK's default export schedule, `otel-straggler detect` in
-its own process at its defaults; one run per scenario: healthy, and rank 1 +30 ms in its forward,
-in its backward inside DDP's `loss.backward()` or in its data loading, each with and without a CPU
-hog.
+its own process at its defaults; one run per scenario of CI_SCENARIOS: healthy with and without a
+CPU hog, and rank 1 +30 ms in its forward, in its backward inside DDP's `loss.backward()` (also
+beside the hog: a slowdown inside the collective's stage on a busy host, the slowest to alert in
+the benchmark's table) or in its data loading. Forward and data loading beside the hog are the
+benchmark's (`python benchmarks/field_precision.py`, 10 runs of each of the 8), not the suite's.
 
-What is asserted at this size (the full table is `python benchmarks/field_precision.py`, 10 runs
-each): no verdict at all in a healthy run, hog or not; another rank flagged in at most one of the 6
-slow runs; rank 1 alone flagged in at least 5 of them, so that one kind of slowdown missed both with
-and without the hog fails; late spans under 1%. The windows to the alert are printed, not asserted.
-One run per scenario keeps the suite's time in bounds (a run is about 30 s of 4 ranks on 2 cores);
-the rates come from the benchmark's 10 runs.
+What is asserted at this size: no verdict at all in a healthy run, hog or not; another rank flagged
+in at most one of the 4 slow runs; rank 1 alone flagged in at least 3 of them; late spans under 1%.
+The windows to the alert are printed, not asserted. 100 steps, the slowdown from step 40 (window 4):
+2 judged windows before it, 6 after it for an alert due within 4. One run per scenario, each about
+40-55 s of 4 ranks on 2 cores, keeps the suite's time in bounds; the rates come from the
+benchmark's 10 runs of 130 steps.
 
 `--record` is checked on one run: the collector in the path loses nothing, and its file replays
 with every span and none late."""
@@ -28,7 +30,8 @@ pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
 
 RUNS = 1  # per scenario (see above)
-STEPS, FROM_STEP = 130, 60
+STEPS, FROM_STEP = 100, 40  # (see above)
+CI_SCENARIOS = ("healthy", "healthy+hog", "forward", "backward", "backward+hog", "data")
 SLOW = field_precision.SLOW_RANK
 
 
@@ -38,7 +41,7 @@ def onsets(result) -> list[tuple]:
 
 def test_field_runs_meet_the_targets():
     runs = {scenario: [field_precision.run_once(scenario, run, STEPS, FROM_STEP, 30.0, None) for run in range(RUNS)]
-            for scenario in field_precision.SCENARIOS if ":" not in scenario}
+            for scenario in CI_SCENARIOS}
     for scenario, results in runs.items():
         print(f"{scenario}: flagged {[sorted(r.flagged) for r in results]}, windows to alert "
               f"{[r.windows_to_alert for r in results]}, late {sum(r.late for r in results)}")

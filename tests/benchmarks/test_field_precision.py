@@ -9,9 +9,9 @@ benchmark's (`python benchmarks/field_precision.py`, 10 runs of each of the 8), 
 What is asserted at this size: no verdict at all in a healthy run, hog or not; another rank flagged
 in at most one of the 4 slow runs; rank 1 alone flagged in at least 3 of them; late spans under 1%.
 The windows to the alert are printed, not asserted. 100 steps, the slowdown from step 40 (window 4):
-2 judged windows before it, 6 after it for an alert due within 4. One run per scenario, each about
-40-55 s of 4 ranks on 2 cores, keeps the suite's time in bounds; the rates come from the
-benchmark's 10 runs of 130 steps.
+2 judged windows before it, 6 after it for an alert due within 4. One run per scenario, each 30-45 s
+of 4 ranks on 2 cores (the 11 runs of this file took 7 min, 2026-12-07), keeps the suite's time in
+bounds; the rates come from the benchmark's 10 runs of 130 steps.
 
 `--record` is checked on one run: the collector in the path loses nothing, and its file replays
 with every span and none late."""

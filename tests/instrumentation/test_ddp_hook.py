@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import otel_straggler as ots  # noqa: E402
 from otel_straggler import contract  # noqa: E402
-from ddp_ranks import SLOW_BACKWARD_S, STEPS, build_model, run_ranks  # noqa: E402
+from ddp_ranks import SLOW_BACKWARD_S, STEPS, WARMUP_STEPS, build_model, run_ranks  # noqa: E402
 from megatron_on_cpu import one_rank_group  # noqa: E402
 from otel_straggler.instrumentation import hot_path, hot_path_reference, rank_state  # noqa: E402
 from otel_straggler.integrations import ddp  # noqa: E402
@@ -45,6 +45,12 @@ def per_step_ms(result: dict, name: str, arm: str) -> dict[int, float]:
     for span in ddp_spans(result, name, arm):
         totals[span["attributes"]["training.step"]] += duration_ms(span)
     return totals
+
+
+def steady_median_ms(result: dict, name: str, arm: str) -> float:
+    """The median over the arm's steps after its first WARMUP_STEPS of a stage's time per step."""
+    totals = per_step_ms(result, name, arm)
+    return statistics.median(totals[step] for step in sorted(totals)[WARMUP_STEPS:])
 
 
 def duration_ms(span: dict) -> float:
@@ -78,8 +84,8 @@ def test_each_step_has_one_compute_and_one_sync_span_per_rank(slow_backward_rank
 @pytest.mark.child_processes
 def test_the_rank_slow_in_backward_computes_longer_and_waits_less(slow_backward_ranks):
     fast, slow = slow_backward_ranks
-    compute = [statistics.median(map(duration_ms, ddp_spans(rank, ddp.GRADS_READY))) for rank in (fast, slow)]
-    wait = [statistics.median(map(duration_ms, ddp_spans(rank, ddp.GRADS_SYNC))) for rank in (fast, slow)]
+    compute = [steady_median_ms(rank, ddp.GRADS_READY, "slow-backward") for rank in (fast, slow)]
+    wait = [steady_median_ms(rank, ddp.GRADS_SYNC, "slow-backward") for rank in (fast, slow)]
     slow_ms = SLOW_BACKWARD_S * 1000
     assert compute[1] - compute[0] > 0.75 * slow_ms, f"compute ms per rank: {compute}"
     assert wait[0] - wait[1] > 0.75 * slow_ms, f"wait ms per rank: {wait}"
@@ -95,8 +101,8 @@ def test_every_micro_step_backward_is_timed_and_a_slow_one_under_no_sync_shows(s
         assert sorted(collections.Counter(steps).values()) == [2] * STEPS, "one interval per micro-step backward"
         assert len(sync) == STEPS, "one wait per synchronizing backward"
         assert result["accumulate-slow"]["hook_errors"] == 0
-    compute = [statistics.median(per_step_ms(rank, ddp.GRADS_READY, "accumulate-slow").values()) for rank in (fast, slow)]
-    wait = [statistics.median(per_step_ms(rank, ddp.GRADS_SYNC, "accumulate-slow").values()) for rank in (fast, slow)]
+    compute = [steady_median_ms(rank, ddp.GRADS_READY, "accumulate-slow") for rank in (fast, slow)]
+    wait = [steady_median_ms(rank, ddp.GRADS_SYNC, "accumulate-slow") for rank in (fast, slow)]
     slow_ms = SLOW_BACKWARD_S * 1000
     assert compute[1] - compute[0] > 0.75 * slow_ms, f"compute ms per step and rank: {compute}"
     assert wait[0] - wait[1] > 0.75 * slow_ms, f"wait ms per step and rank: {wait}"
@@ -105,8 +111,8 @@ def test_every_micro_step_backward_is_timed_and_a_slow_one_under_no_sync_shows(s
 @pytest.mark.child_processes
 def test_time_between_forward_and_backward_is_not_backward_compute(slow_backward_ranks):
     fast, slow = slow_backward_ranks
-    compute = [statistics.median(per_step_ms(rank, ddp.GRADS_READY, "fetch-between").values()) for rank in (fast, slow)]
-    wait = [statistics.median(per_step_ms(rank, ddp.GRADS_SYNC, "fetch-between").values()) for rank in (fast, slow)]
+    compute = [steady_median_ms(rank, ddp.GRADS_READY, "fetch-between") for rank in (fast, slow)]
+    wait = [steady_median_ms(rank, ddp.GRADS_SYNC, "fetch-between") for rank in (fast, slow)]
     slow_ms = SLOW_BACKWARD_S * 1000
     assert abs(compute[1] - compute[0]) < 0.25 * slow_ms, f"compute ms per step and rank: {compute}"
     assert wait[0] - wait[1] > 0.75 * slow_ms, f"the slow rank still arrives last: wait ms {wait}"

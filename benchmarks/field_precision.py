@@ -50,6 +50,9 @@ JOB = Path(__file__).resolve().parent / "field_job.py"
 WORLD_SIZE = 4
 SLOW_RANK = 1
 WINDOW_STEPS = 10  # the detector's default
+# the shortest runs the field tests use: onset in window 4, after 2 judged windows (windows 0-1 are
+# not judged), and 6 windows after it for an alert due within 4
+SHORT_STEPS, SHORT_FROM_STEP = 100, 40
 SLOW_KINDS = ("none", "forward", "backward", "data")
 # loop shapes beside the README's (field_job.py --shape): each with its slowdown and healthy, with and
 # without a CPU hog

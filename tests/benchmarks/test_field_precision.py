@@ -30,7 +30,7 @@ pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
 
 RUNS = 1  # per scenario (see above)
-STEPS, FROM_STEP = 100, 40  # (see above)
+STEPS, FROM_STEP = field_precision.SHORT_STEPS, field_precision.SHORT_FROM_STEP
 CI_SCENARIOS = ("healthy", "healthy+hog", "forward", "backward", "backward+hog", "data")
 SLOW = field_precision.SLOW_RANK
 

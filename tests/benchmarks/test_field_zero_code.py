@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 
+import field_precision
 import field_zero_code
 from field_precision import described
 
@@ -23,7 +24,7 @@ pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
 
 SLOW = field_zero_code.SLOW_RANK
-STEPS, FROM_STEP = 100, 40  # (see above)
+STEPS, FROM_STEP = field_precision.SHORT_STEPS, field_precision.SHORT_FROM_STEP
 LOOP_STAGES = {"batch-generator", "forward-compute", "backward-compute", "optimizer", "ddp-grads-ready",
                "ddp-grads-sync"}
 

@@ -28,7 +28,8 @@ from pathlib import Path
 STEPS = 8
 STEP_BASE = 1000
 # timing checks leave out each arm's first WARMUP_STEPS steps: DDP builds its buckets and gloo its
-# pairs there, and the ranks come out of them up to ~80 ms apart, so they are not yet in step
+# pairs there, and the ranks come out of them apart (the fast rank's first waits were 0.7-17 ms
+# where its later ones were 34-129 ms, in 4 of 6 runs of the slow-backward arm), not yet in step
 WARMUP_STEPS = 2
 SLOW_BACKWARD_S = 0.04
 RANK_TIMEOUT_S = 60.0

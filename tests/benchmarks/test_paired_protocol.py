@@ -1,4 +1,5 @@
-"""The overhead benchmark's protocol and estimator (benchmarks/paired_protocol.py): pure logic."""
+"""The overhead benchmark's protocol and estimator (benchmarks/paired_protocol.py), and the launch-bound
+proxy's target (benchmarks/launch_bound.py): pure logic."""
 from __future__ import annotations
 
 import numpy as np
@@ -53,3 +54,14 @@ def test_noise_alone_biases_the_mean_of_ratios_up_and_the_secondary_figures_show
     assert result["secondary"]["noise_bias_pct"] == pytest.approx(0.125, rel=0.02)
     low, high = result["secondary"]["geometric_ci95_pct"]
     assert low < 0.0 < high
+
+
+def test_the_launch_bound_target_is_decided_only_by_a_whole_interval():
+    from launch_bound import target_verdict
+
+    assert target_verdict(-0.3, 0.45) == "met"
+    assert target_verdict(0.55, 3.0) == "missed"
+    # a point estimate under 0.5% on a noisy run decides nothing, and neither does one over it
+    assert target_verdict(-1.471, 10.138) == "unresolved"
+    assert target_verdict(-0.188, 14.324) == "unresolved"
+    assert target_verdict(0.2, 0.5) == "unresolved"  # the interval reaches the target

@@ -115,7 +115,10 @@ def test_time_between_forward_and_backward_is_not_backward_compute(slow_backward
     wait = [steady_median_ms(rank, ddp.GRADS_SYNC, "fetch-between") for rank in (fast, slow)]
     slow_ms = SLOW_BACKWARD_S * 1000
     assert abs(compute[1] - compute[0]) < 0.25 * slow_ms, f"compute ms per step and rank: {compute}"
-    assert wait[0] - wait[1] > 0.75 * slow_ms, f"the slow rank still arrives last: wait ms {wait}"
+    # the fast rank waits out the pause less its own timing noise (steady medians 33-41 ms here, a
+    # CI run 29): half the pause still says the slow rank arrives last, which a pause counted as
+    # compute or wait on the wrong rank would not
+    assert wait[0] - wait[1] > 0.5 * slow_ms, f"the slow rank still arrives last: wait ms {wait}"
 
 
 # -- on a one-rank group in this process ---------------------------------------------------------------

@@ -75,7 +75,6 @@ def arm(on: bool, warmup: int, steps: int, step_ops: int, endpoint: str, protoco
             "lost": status and sum(status["lost"].values())}
 
 
-
 def target_verdict(low: float, high: float, target_pct: float = 0.5) -> str:
     """Met when the whole 95% interval is under the target, missed when all of it is over it;
     otherwise `unresolved`, as paired_protocol.verdict says of the GPU runs: a point estimate
@@ -85,6 +84,7 @@ def target_verdict(low: float, high: float, target_pct: float = 0.5) -> str:
     if low > target_pct:
         return "missed"
     return "unresolved"
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -123,11 +123,12 @@ def main(argv=None) -> int:
     on_runs = [run for which, run in zip(schedule, results) if which == ON]
     print(f"\nlaunch-bound proxy on the CPU: {protocol.describe()}; {args.step_ops} tiny ops a step, 5 spans a step,"
           f" OTLP ({args.protocol}) to a live detector every 500 ms; {describe(measured_on())}")
-    print(f"\n{'OFF ms/step':>12} {'ON ms/step':>11} {'overhead % [95% CI]':>28} {'per-pair spread':>16} {'target < 0.5%':>12}")
+    print(f"\n{'OFF ms/step':>12} {'ON ms/step':>11} {'overhead % [95% CI]':>28} {'per-pair spread':>16}"
+          f" {'target < 0.5%':>14}")
     on_means = [m for which, m in zip(schedule, means) if which == ON]
     print(f"{statistics.median(off) * 1e3:12.3f} {statistics.median(on_means) * 1e3:11.3f}"
           f" {f'{mean:+.3f} [{low:+.3f}, {high:+.3f}]':>28} {statistics.stdev(estimates):15.2f}%"
-          f" {target_verdict(low, high):>12}")
+          f" {target_verdict(low, high):>14}")
     print(f"\nspans exported in ON arms: {sum(run['exported'] for run in on_runs)}, lost:"
           f" {sum(run['lost'] for run in on_runs)}")
     if args.json:
